@@ -1,0 +1,25 @@
+# Two entry points for a fresh machine: `make serve` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TP ?= 1
+PORT ?= 8000
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+.PHONY: install serve test lint bench
+install: $(VENV)/.installed
+
+serve: install
+	$(VENV)/bin/torchrun --standalone --nproc-per-node $(TP) -m launch.serve --port $(PORT)
+
+test: install
+	$(PY) -m pytest -n auto -q
+
+lint: install
+	$(VENV)/bin/ruff check .

@@ -1,0 +1,36 @@
+"""Fixed widths shared by every reduction backend, the exchanges and the decoder."""
+
+from __future__ import annotations
+
+EXPORT_K = 20
+"""Natural alternatives a core exports (K)."""
+
+MAX_TOKEN_IDS = 128
+"""Caller-selected token IDs per request (logprob_token_ids)."""
+
+PAYLOAD_WORDS = 2 + 2 * MAX_TOKEN_IDS
+"""int32 words per packed position: chosen id, chosen FP32 bits, 128 (id, FP32 bits) pairs."""
+
+TILE_CANDIDATES = 32
+"""Best sort keys each vocabulary tile (and each shard) keeps."""
+
+EXCHANGE1_WORDS = 2
+"""Exchange 1, per position per rank: [shard max FP32 bits, shard exp mass FP32 bits]."""
+
+EXCHANGE2_WORDS = 1 + MAX_TOKEN_IDS
+"""Exchange 2, per position per rank: word 0 = the chosen token's raw logit FP32 bits (only
+the owning rank's word is read); words 1.. = either the shard's best 32 sort keys as (high,
+low) int32 halves (natural mode, 64 words, the rest zero) or, for a slot with selected IDs,
+one raw-logit FP32 bit word per selected ID in caller order (only the owner's word is read)."""
+
+PROMPT_ROW_WORDS = 43
+"""prompt_logprobs row: actual id, raw FP32 bits, actual rank, 20 (id, FP32 bits) pairs."""
+
+PROMPT_EXCHANGE_WORDS = 64
+"""Prompt scoring exchanges carry 64 int32 words per row per rank."""
+
+CHOSEN_ID = 0
+CHOSEN_BITS = 1
+FIRST_PAIR = 2
+
+assert EXCHANGE1_WORDS <= 256 and EXCHANGE2_WORDS <= 256

@@ -1,0 +1,130 @@
+"""What the HTTP server needs from the engine: parameters in, tokens with logprobs out."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kernels.layout import EXPORT_K, MAX_TOKEN_IDS
+
+
+class RequestError(ValueError):
+    """Bad request input, detected before admission (the server answers HTTP 400)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+        self.message = message
+
+
+class EngineError(RuntimeError):
+    """A request failed after admission (non-finite logprob, lost peer, ...)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 or -1 disables top-k."""
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    """None: no logprobs. 0..K: the chosen token's logprob plus that many natural alternatives."""
+    logprob_token_ids: tuple[int, ...] | None = None
+    """Up to 128 distinct ids reported at every position in this order (no natural ones)."""
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 0:
+            raise RequestError("max_tokens", f"must be >= 0, got {self.max_tokens}")
+        if not self.temperature >= 0.0:
+            raise RequestError("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise RequestError("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise RequestError("top_k", f"must be -1, 0 or positive, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise RequestError("min_p", f"must be in [0, 1], got {self.min_p}")
+        if not self.repetition_penalty > 0.0:
+            raise RequestError(
+                "repetition_penalty", f"must be > 0, got {self.repetition_penalty}"
+            )
+        if self.logprobs is not None and not 0 <= self.logprobs <= EXPORT_K:
+            raise RequestError("logprobs", f"must be in [0, {EXPORT_K}], got {self.logprobs}")
+        ids = self.logprob_token_ids
+        if ids is not None:
+            if not 1 <= len(ids) <= MAX_TOKEN_IDS:
+                raise RequestError(
+                    "logprob_token_ids", f"must hold 1..{MAX_TOKEN_IDS} ids, got {len(ids)}"
+                )
+            if len(set(ids)) != len(ids):
+                raise RequestError("logprob_token_ids", "ids must be distinct")
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None or self.logprob_token_ids is not None
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    """Exact FP32 value as a Python float; may be -inf, never NaN."""
+
+
+@dataclass(frozen=True)
+class GeneratedToken:
+    index: int
+    """Position in the generated sequence (0 = first generated token)."""
+    token_id: int
+    logprob: float | None
+    """None when the request asked for no logprobs or the token was forced."""
+    alternatives: tuple[TokenLogprob, ...] = ()
+    """Natural top-N by (logprob desc, id asc), N = params.logprobs; or the selected ids in
+    caller order when params.logprob_token_ids is set."""
+
+
+@dataclass(frozen=True)
+class Finished:
+    reason: str
+    """"stop" (EOS or a stop token id) or "length"."""
+    stop_token_id: int | None = None
+    """The terminating EOS / stop token: never yielded as a GeneratedToken, so it has no entry."""
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    model_name: str
+    vocab_size: int
+    max_model_len: int
+    max_logprobs: int
+    """K: 0 when the core declares no logprob buffers."""
+    supports_token_ids: bool
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    @property
+    def allow_logprobs(self) -> bool:
+        return self.max_logprobs > 0
+
+
+class Engine(Protocol):
+    info: EngineInfo
+
+    def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise RequestError naming the parameter for anything refused before admission."""
+
+    def generate(
+        self, prompt_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[GeneratedToken | Finished]:
+        """Yields tokens in generated order, then exactly one Finished; raises EngineError."""
+
+    def healthy(self) -> bool: ...
