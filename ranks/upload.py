@@ -1,0 +1,154 @@
+"""The per-submission upload of logprob flags, selected-ID counts and ID prefixes."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kernels.layout import EXPORT_K, MAX_TOKEN_IDS
+from ranks.completion import CompletionOutputs
+
+LOGPROBS_PARAM = "logprobs"
+TOKEN_IDS_PARAM = "logprob_token_ids"
+
+
+class UploadError(ValueError):
+    """A logprob request the core cannot serve; the server answers HTTP 400 naming `param`."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+        self.message = message
+
+
+@dataclass(frozen=True)
+class LaneRequest:
+    """What one lane of a submission asks for: N natural alternatives or selected IDs."""
+
+    logprobs: int | None = None
+    token_ids: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.token_ids is not None and not isinstance(self.token_ids, tuple):
+            if isinstance(self.token_ids, (str, bytes)) or not isinstance(self.token_ids, Sequence):
+                raise TypeError(f"token_ids: expected a sequence of ints, got {self.token_ids!r}")
+            object.__setattr__(self, "token_ids", tuple(self.token_ids))
+
+    @property
+    def requesting(self) -> bool:
+        return self.logprobs is not None or self.token_ids is not None
+
+    @property
+    def selected_count(self) -> int:
+        return len(self.token_ids) if self.token_ids is not None else 0
+
+
+def check_request(
+    logprobs: int | None,
+    token_ids: Sequence[int] | None,
+    vocab_size: int,
+    k: int,
+    supports_token_ids: bool,
+) -> None:
+    """Refuse what the core cannot serve, before admission (UploadError -> HTTP 400)."""
+    if k == 0:
+        for param, value in ((LOGPROBS_PARAM, logprobs), (TOKEN_IDS_PARAM, token_ids)):
+            if value is not None:
+                raise UploadError(
+                    param, "this model's core declares no logprob outputs (allow_logprobs: false)"
+                )
+        return
+    if logprobs is not None:
+        if isinstance(logprobs, bool) or not isinstance(logprobs, int):
+            raise UploadError(LOGPROBS_PARAM, f"must be an integer in [0, {k}], got {logprobs!r}")
+        if not 0 <= logprobs <= k:
+            raise UploadError(LOGPROBS_PARAM, f"must be in [0, {k}], got {logprobs}")
+    if token_ids is None:
+        return
+    if not supports_token_ids:
+        raise UploadError(
+            TOKEN_IDS_PARAM,
+            "not supported: this model's core declares no token-id inputs "
+            "(it serves natural alternatives only)",
+        )
+    if not 1 <= len(token_ids) <= MAX_TOKEN_IDS:
+        raise UploadError(
+            TOKEN_IDS_PARAM, f"must hold 1..{MAX_TOKEN_IDS} ids, got {len(token_ids)}"
+        )
+    not_ints = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, int)]
+    if not_ints:
+        raise UploadError(TOKEN_IDS_PARAM, f"ids must be integers, got {not_ints[:8]}")
+    repeated = sorted({t for t in token_ids if token_ids.count(t) > 1})
+    if repeated:
+        raise UploadError(TOKEN_IDS_PARAM, f"ids must be distinct, repeated: {repeated[:8]}")
+    outside = [t for t in token_ids if not 0 <= t < vocab_size]
+    if outside:
+        raise UploadError(
+            TOKEN_IDS_PARAM, f"ids {outside[:8]} outside the vocabulary [0, {vocab_size})"
+        )
+
+
+@dataclass(frozen=True)
+class UploadResult:
+    requesting_slots: tuple[int, ...]
+    """Physical slots whose flag is set in this submission (the frame's request mask)."""
+    copy_width: int
+    """W = max(K, largest selected count); 0 when no lane requests (no payload copy)."""
+
+    def __post_init__(self) -> None:
+        if self.copy_width < 0 or (self.copy_width == 0) != (not self.requesting_slots):
+            raise ValueError(
+                f"copy_width {self.copy_width} inconsistent with slots {self.requesting_slots}"
+            )
+
+    @property
+    def payload_words(self) -> int:
+        """Words per position the executor copies: the chosen pair and W pairs."""
+        return 2 + 2 * self.copy_width if self.requesting_slots else 0
+
+
+class LogprobUploader:
+    """Writes one submission's flag vector, count vector and selected-ID prefixes."""
+
+    def __init__(
+        self, outputs: CompletionOutputs, vocab_size: int, k: int, supports_token_ids: bool
+    ) -> None:
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size: expected >= 1, got {vocab_size}")
+        if not 0 <= k <= EXPORT_K:
+            raise ValueError(f"k: expected 0..{EXPORT_K}, got {k}")
+        if supports_token_ids and k != EXPORT_K:
+            raise ValueError(f"supports_token_ids requires k={EXPORT_K}, got k={k}")
+        self.outputs = outputs
+        self.vocab_size = vocab_size
+        self.k = k
+        self.supports_token_ids = supports_token_ids
+
+    def check(self, lane: LaneRequest) -> None:
+        check_request(
+            lane.logprobs, lane.token_ids, self.vocab_size, self.k, self.supports_token_ids
+        )
+
+    def upload(self, submission_lanes: Mapping[int, LaneRequest]) -> UploadResult:
+        """Validate every lane, then write the full vectors; nothing is written on refusal."""
+        capacity = self.outputs.capacity
+        for slot, lane in submission_lanes.items():
+            if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < capacity:
+                raise ValueError(f"slot: expected 0..{capacity - 1}, got {slot!r}")
+            self.check(lane)
+        flags = [0] * capacity
+        counts = [0] * capacity
+        for slot, lane in submission_lanes.items():
+            flags[slot] = int(lane.requesting)
+            counts[slot] = lane.selected_count
+        self.outputs.logprob_requested.copy_(torch.tensor(flags, dtype=torch.int32))
+        self.outputs.logprob_token_id_counts.copy_(torch.tensor(counts, dtype=torch.int32))
+        for slot, lane in sorted(submission_lanes.items()):
+            if lane.token_ids:
+                prefix = torch.tensor(lane.token_ids, dtype=torch.int32)
+                self.outputs.logprob_token_ids[slot, : len(prefix)].copy_(prefix)
+        requesting = tuple(slot for slot in range(capacity) if flags[slot])
+        width = max([self.k, *counts]) if requesting else 0
+        return UploadResult(requesting_slots=requesting, copy_width=width)
