@@ -1,0 +1,85 @@
+"""Step plans: what the coordinator sends every rank before each submission."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kernels.layout import MAX_TOKEN_IDS
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """Sent once, with a request's first chunk; ranks keep it for the slot's epoch."""
+
+    ordinal: int
+    seed: int
+    max_tokens: int
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    """Token ids that end the request without an entry (EOS unless ignore_eos, stop ids)."""
+    logprobs: bool = False
+    logprob_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1 when sampling, got {self.max_tokens}")
+        if len(self.logprob_token_ids) > MAX_TOKEN_IDS:
+            raise ValueError(f"logprob_token_ids: at most {MAX_TOKEN_IDS} ids")
+        if self.logprob_token_ids and not self.logprobs:
+            raise ValueError("logprob_token_ids requires the logprob flag")
+
+
+@dataclass(frozen=True)
+class SlotWork:
+    """One slot's part of a submission: a prefill chunk or one decode token."""
+
+    slot: int
+    epoch: int
+    tokens: tuple[int, ...]
+    start: int
+    """Position of tokens[0] in the slot's sequence."""
+    samples: bool
+    """The last token's logits are sampled (final prefill chunk, or decode)."""
+    request: RequestSpec | None = None
+    """Present on a request's first chunk: the slot gets a new epoch and history."""
+
+    def __post_init__(self) -> None:
+        if not self.tokens:
+            raise ValueError(f"slot {self.slot}: a work item needs at least one token")
+        if self.start < 0:
+            raise ValueError(f"slot {self.slot}: negative start position {self.start}")
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    submission: int
+    work: tuple[SlotWork, ...]
+
+    def __post_init__(self) -> None:
+        slots = [w.slot for w in self.work]
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"submission {self.submission}: a slot appears twice")
+
+    @property
+    def frame(self) -> int:
+        return self.submission % 2
+
+
+@dataclass(frozen=True)
+class ReleaseSlots:
+    """Coordinator -> ranks: forget these slots' histories (request finished or failed)."""
+
+    slots: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class StopWorkers:
+    reason: str = "shutdown"

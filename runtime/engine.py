@@ -1,0 +1,296 @@
+"""The coordinator's engine: a step thread that plans, runs, copies and decodes frames.
+
+``generate`` is the asyncio API the HTTP server uses; ``generate_sync`` is the same for
+scripts and tests. Every rank runs the same plan: the coordinator sends it to its peers
+(``broadcast``) and then runs it on its own shard.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import secrets
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from ranks.plan import RequestSpec, StepPlan
+from ranks.step import RankStep
+from runtime.engine_api import (
+    EngineError,
+    EngineInfo,
+    Finished,
+    GeneratedToken,
+    RequestError,
+    SamplingParams,
+)
+from runtime.executor import FrameExecutor
+from runtime.frame_reader import read_frame
+from runtime.scheduler import Request, Scheduler, SchedulerConfig
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    capacity: int = 16
+    max_seq_len: int = 1024
+    chunk_size: int = 256
+    max_batched_tokens: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {self.capacity}")
+
+
+class _Sink:
+    """Delivers one request's events from the step thread to its consumer."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue | None = asyncio.Queue() if loop else None
+        self.events: list = []
+        self.done = threading.Event()
+
+    def put(self, event) -> None:
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        else:
+            self.events.append(event)
+        if isinstance(event, (Finished, EngineError)):
+            self.done.set()
+
+
+class Engine:
+    def __init__(
+        self,
+        step: RankStep,
+        info: EngineInfo,
+        config: EngineConfig,
+        broadcast: Callable[[StepPlan], None] | None = None,
+    ) -> None:
+        self.step = step
+        self.info = info
+        self.config = config
+        self.broadcast = broadcast or (lambda plan: None)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.capacity, config.max_seq_len, config.chunk_size,
+                            config.max_batched_tokens)
+        )
+        self.executor = FrameExecutor(step.outputs)
+        self._lock = threading.Condition()
+        self._incoming: list[Request] = []
+        self._aborted: set[int] = set()
+        self._ordinal = 0
+        self._stopped = False
+        self._failure: str | None = None
+        self._thread = threading.Thread(target=self._loop, name="engine-step", daemon=True)
+
+    # ----------------------------------------------------------------- public API
+    def start(self) -> Engine:
+        self._thread.start()
+        return self
+
+    def healthy(self) -> bool:
+        return self._failure is None and not self._stopped
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._stopped = True
+            self._lock.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
+
+    def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        info = self.info
+        if not prompt_ids:
+            raise RequestError("prompt", "the prompt must contain at least one token")
+        bad = [t for t in prompt_ids if not 0 <= t < info.vocab_size]
+        if bad:
+            raise RequestError("prompt", f"token ids {bad[:5]} outside [0, {info.vocab_size})")
+        if len(prompt_ids) >= info.max_model_len:
+            raise RequestError(
+                "prompt",
+                f"{len(prompt_ids)} prompt tokens leave no room in the maximum context length "
+                f"of {info.max_model_len} tokens",
+            )
+        if params.wants_logprobs and not info.allow_logprobs:
+            raise RequestError("logprobs", "this model was loaded without logprob outputs")
+        if params.logprobs is not None and params.logprobs > info.max_logprobs:
+            raise RequestError(
+                "logprobs", f"must be at most {info.max_logprobs}, got {params.logprobs}"
+            )
+        if params.logprob_token_ids is not None:
+            if not info.supports_token_ids:
+                raise RequestError(
+                    "logprob_token_ids", "this model's core does not declare the token-ID inputs"
+                )
+            bad = [t for t in params.logprob_token_ids if not 0 <= t < info.vocab_size]
+            if bad:
+                raise RequestError(
+                    "logprob_token_ids", f"ids {bad[:5]} outside [0, {info.vocab_size})"
+                )
+        for name, ids in (("stop_token_ids", params.stop_token_ids),
+                          ("allowed_token_ids", params.allowed_token_ids or ()),
+                          ("logit_bias", [t for t, _ in params.logit_bias])):
+            bad = [t for t in ids if not 0 <= t < info.vocab_size]
+            if bad:
+                raise RequestError(name, f"token ids {bad[:5]} outside [0, {info.vocab_size})")
+        if params.allowed_token_ids is not None and not params.allowed_token_ids:
+            raise RequestError("allowed_token_ids", "must not be empty")
+        for t, bias in params.logit_bias:
+            if not math.isfinite(bias):
+                raise RequestError("logit_bias", f"bias for token {t} must be finite")
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[GeneratedToken | Finished]:
+        self.check(prompt_ids, params)
+        sink = _Sink(asyncio.get_running_loop())
+        request = self._submit(prompt_ids, params, sink)
+        try:
+            while True:
+                event = await sink.queue.get()
+                if isinstance(event, EngineError):
+                    raise event
+                yield event
+                if isinstance(event, Finished):
+                    return
+        finally:
+            if not sink.done.is_set():
+                self.abort(request)
+
+    def generate_sync(
+        self, prompt_ids: list[int], params: SamplingParams, timeout: float = 300.0
+    ) -> tuple[list[GeneratedToken], Finished]:
+        self.check(prompt_ids, params)
+        sink = _Sink(None)
+        request = self._submit(prompt_ids, params, sink)
+        if not sink.done.wait(timeout):
+            self.abort(request)
+            raise EngineError(f"request timed out after {timeout} s")
+        tokens = [e for e in sink.events if isinstance(e, GeneratedToken)]
+        last = sink.events[-1]
+        if isinstance(last, EngineError):
+            raise last
+        return tokens, last
+
+    def abort(self, request: Request) -> None:
+        with self._lock:
+            self._aborted.add(request.ordinal)
+            self._lock.notify_all()
+
+    # ----------------------------------------------------------------- step thread
+    def _submit(self, prompt_ids: list[int], params: SamplingParams, sink: _Sink) -> Request:
+        with self._lock:
+            if self._failure is not None:
+                raise EngineError(f"engine is unhealthy: {self._failure}")
+            self._ordinal += 1
+            request = Request(self._ordinal, list(prompt_ids), params,
+                              self._spec(self._ordinal, prompt_ids, params), sink)
+            if params.max_tokens == 0:
+                sink.put(Finished("length"))
+                return request
+            self._incoming.append(request)
+            self._lock.notify_all()
+        return request
+
+    def _spec(self, ordinal: int, prompt_ids: list[int], params: SamplingParams) -> RequestSpec:
+        stops = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stops.update(self.info.eos_token_ids)
+        room = self.info.max_model_len - len(prompt_ids)
+        return RequestSpec(
+            ordinal=ordinal,
+            seed=params.seed if params.seed is not None else secrets.randbits(63),
+            max_tokens=max(1, min(params.max_tokens, room)),
+            temperature=params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p,
+            min_p=params.min_p,
+            presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty,
+            repetition_penalty=params.repetition_penalty,
+            logit_bias=params.logit_bias,
+            allowed_token_ids=params.allowed_token_ids,
+            stop_token_ids=tuple(sorted(stops)),
+            logprobs=params.wants_logprobs,
+            logprob_token_ids=tuple(params.logprob_token_ids or ()),
+        )
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    while not self._stopped and not self._incoming and not self._aborted \
+                            and not self.scheduler.has_work():
+                        self._lock.wait(0.5)
+                    if self._stopped:
+                        break
+                    incoming, self._incoming = self._incoming, []
+                    aborted, self._aborted = self._aborted, set()
+                for request in incoming:
+                    self.scheduler.add(request)
+                self._drop_aborted(aborted)
+                nxt = self.scheduler.next_plan()
+                if nxt is not None:
+                    self._run(*nxt)
+        except BaseException as exc:  # noqa: BLE001 - any failure ends every request
+            self._fail_all(f"{type(exc).__name__}: {exc}")
+            raise
+
+    def _drop_aborted(self, ordinals: set[int]) -> None:
+        if not ordinals:
+            return
+        for request in list(self.scheduler.running.values()) + list(self.scheduler.waiting):
+            if request.ordinal in ordinals:
+                self.scheduler.finish(request)
+
+    def _run(self, plan: StepPlan, carried: list[Request]) -> None:
+        self.broadcast(plan)
+        self.step.run(plan)
+        sampled = {w.slot for w in plan.work if w.samples}
+        sampling = [r for r in carried if r.slot in sampled]
+        requesting = [r for r in sampling if r.wants_logprobs]
+        host = self.executor.copy(
+            plan.frame,
+            [r.slot for r in requesting],
+            [len(r.spec.logprob_token_ids) for r in requesting],
+        )
+        outcomes = read_frame(host, sampling, self.info.vocab_size)
+        for request in sampling:
+            outcome = outcomes[request.ordinal]
+            for token in outcome.tokens:
+                request.generated.append(token.token_id)
+                request.sink.put(token)
+            if outcome.error is not None:
+                self.scheduler.finish(request)
+                request.sink.put(EngineError(outcome.error))
+            elif outcome.finish is not None:
+                self.scheduler.finish(request)
+                request.sink.put(outcome.finish)
+
+    def _fail_all(self, reason: str) -> None:
+        with self._lock:
+            self._failure = reason
+            pending = list(self._incoming)
+            self._incoming = []
+        pending += list(self.scheduler.running.values()) + list(self.scheduler.waiting)
+        for request in pending:
+            if not request.done:
+                request.done = True
+                request.sink.put(EngineError(f"request failed: {reason}"))
+
+    def fail(self, reason: str) -> None:
+        """Called from outside the step thread (e.g. a dead peer noticed by the heartbeat)."""
+        self._fail_all(reason)
+        with self._lock:
+            self._stopped = True
+            self._lock.notify_all()
+
+
+def wait_idle(engine: Engine, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while engine.scheduler.has_work() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+

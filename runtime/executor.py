@@ -1,0 +1,85 @@
+"""Frame copies into preallocated host memory: records always, payload only for requesters.
+
+A frame's packed payload is copied only for the physical slots that requested logprobs in
+that submission, and only each position's chosen pair plus the first W pairs, W = the larger
+of K and the frame's largest selected-ID count. Frames without a requesting lane copy no
+payload. On CUDA the host frames are pinned and the copy runs on its own stream after the
+producing event; the decoder reads them only after the transfer event.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.layout import EXPORT_K, FIRST_PAIR, MAX_TOKEN_IDS
+from ranks.completion import CompletionOutputs
+
+
+@dataclass(frozen=True)
+class HostFrame:
+    frame: int
+    records: torch.Tensor
+    """int64 [capacity, 16+T], a host copy."""
+    payload: torch.Tensor
+    """int32 [capacity, T, 2+2W]; only rows of requesting slots are meaningful."""
+    requesting: tuple[int, ...]
+    """Physical slots whose payload was copied (the request mask)."""
+    width: int
+    """W: pairs copied per position."""
+
+
+@dataclass
+class ExecutorCounters:
+    frames: int = 0
+    payload_copies: int = 0
+    payload_bytes: int = 0
+    record_bytes: int = 0
+
+
+class FrameExecutor:
+    def __init__(self, outputs: CompletionOutputs, k: int = EXPORT_K) -> None:
+        self.outputs = outputs
+        self.k = k
+        records = outputs.completion_records
+        payload = outputs.completion_logprobs
+        pin = records.is_cuda
+        self.host_records = torch.empty(records.shape, dtype=records.dtype, pin_memory=pin)
+        self.host_payload = torch.empty(payload.shape, dtype=payload.dtype, pin_memory=pin)
+        self.stream = torch.cuda.Stream() if pin else None
+        self.counters = ExecutorCounters()
+
+    def copy_width(self, selected_counts: list[int]) -> int:
+        width = max([self.k, *selected_counts]) if selected_counts else self.k
+        return min(width, MAX_TOKEN_IDS)
+
+    def copy(self, frame: int, requesting: list[int], selected_counts: list[int]) -> HostFrame:
+        width = self.copy_width(selected_counts)
+        words = FIRST_PAIR + 2 * width
+        records = self.host_records[frame]
+        payload = self.host_payload[frame, :, :, :words]
+        self.counters.frames += 1
+        if self.stream is not None:
+            produced = torch.cuda.Event()
+            produced.record()
+            self.stream.wait_event(produced)
+            with torch.cuda.stream(self.stream):
+                self._copy(frame, requesting, records, payload, words)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+            done.synchronize()
+        else:
+            self._copy(frame, requesting, records, payload, words)
+        return HostFrame(frame, records, payload, tuple(requesting), width)
+
+    def _copy(self, frame, requesting, records, payload, words) -> None:
+        records.copy_(self.outputs.completion_records[frame], non_blocking=True)
+        self.counters.record_bytes += records.numel() * records.element_size()
+        if not requesting:
+            return
+        source = self.outputs.completion_logprobs[frame]
+        for slot in requesting:
+            payload[slot].copy_(source[slot, :, :words], non_blocking=True)
+            self.counters.payload_bytes += payload[slot].numel() * 4
+        self.counters.payload_copies += 1

@@ -1,0 +1,79 @@
+"""Turns one host frame into per-request outcomes in generated-token order."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ranks import abi6
+from runtime.decode import LaneExpectation, decode_frame
+from runtime.engine_api import Finished, GeneratedToken, TokenLogprob
+from runtime.executor import HostFrame
+from runtime.scheduler import Request
+
+FINISH_NAMES = {
+    abi6.FinishReason.LENGTH: "length",
+    abi6.FinishReason.EOS: "stop",
+    abi6.FinishReason.STOP_TOKEN: "stop",
+}
+
+
+@dataclass
+class Outcome:
+    tokens: list[GeneratedToken] = field(default_factory=list)
+    finish: Finished | None = None
+    error: str | None = None
+
+
+def expectation(request: Request) -> LaneExpectation:
+    ids = request.spec.logprob_token_ids
+    return LaneExpectation(
+        epoch=request.epoch,
+        ordinal=request.ordinal,
+        logprobs=None if ids else (request.params.logprobs or 0),
+        token_ids=ids or None,
+    )
+
+
+def read_frame(host: HostFrame, requests: list[Request], vocab_size: int) -> dict[int, Outcome]:
+    """Outcomes keyed by request ordinal for the requests that sampled in this frame."""
+    requesting = {r.slot: expectation(r) for r in requests if r.wants_logprobs}
+    decoded = decode_frame(host.records, host.payload, requesting, vocab_size) if requesting else {}
+    outcomes: dict[int, Outcome] = {}
+    for request in requests:
+        record = host.records[request.slot]
+        outcome = outcomes.setdefault(request.ordinal, Outcome())
+        if int(record[abi6.EPOCH]) != request.epoch or int(record[abi6.SLOT]) != request.slot:
+            outcome.error = f"slot {request.slot}: record does not belong to this request"
+            continue
+        emitted = abi6.emitted_tokens(record)
+        base = len(request.generated)
+        entries = {}
+        if request.wants_logprobs:
+            result = decoded[request.slot]
+            entries = {e.position: e for e in result.entries}
+            if not result.ok:
+                outcome.error = str(result.error)
+        for position, token in enumerate(emitted):
+            entry = entries.get(position)
+            if request.wants_logprobs and entry is None and not abi6.is_forced(record, position):
+                outcome.error = outcome.error or f"missing logprob entry at position {position}"
+                break
+            outcome.tokens.append(
+                GeneratedToken(
+                    index=base + position,
+                    token_id=token,
+                    logprob=None if entry is None else entry.logprob,
+                    alternatives=()
+                    if entry is None
+                    else tuple(TokenLogprob(t, v) for t, v in entry.alternatives),
+                )
+            )
+        if outcome.error is not None:
+            continue
+        reason = abi6.FinishReason(int(record[abi6.FINISH_REASON]))
+        if reason != abi6.FinishReason.NONE:
+            stop_token = None
+            if reason in (abi6.FinishReason.EOS, abi6.FinishReason.STOP_TOKEN):
+                stop_token = int(record[abi6.HEADER + len(emitted)])
+            outcome.finish = Finished(FINISH_NAMES.get(reason, "stop"), stop_token)
+    return outcomes
