@@ -53,8 +53,11 @@ class WordExchange:
             (self.world * n, self.words)
         )
         send = self.send[:n]
-        if hasattr(dist, "all_gather_into_tensor"):
-            dist.all_gather_into_tensor(recv, send, group=self.group)
-        else:  # pragma: no cover - very old torch
-            dist.all_gather(list(recv.chunk(self.world)), send, group=self.group)
+        all_gather_flat(recv, send, self.group)
         return recv.view(self.world, n, self.words)
+
+
+def all_gather_flat(recv: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """All-gather into one flat tensor under whichever name this torch release prefers."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(recv, send, group=group)

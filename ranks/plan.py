@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from collectives.codec import message
 from kernels.layout import MAX_TOKEN_IDS
 
 
+@message("ranks.request_spec")
 @dataclass(frozen=True)
 class RequestSpec:
     """Sent once, with a request's first chunk; ranks keep it for the slot's epoch."""
@@ -37,6 +39,7 @@ class RequestSpec:
             raise ValueError("logprob_token_ids requires the logprob flag")
 
 
+@message("ranks.slot_work")
 @dataclass(frozen=True)
 class SlotWork:
     """One slot's part of a submission: a prefill chunk or one decode token."""
@@ -58,6 +61,7 @@ class SlotWork:
             raise ValueError(f"slot {self.slot}: negative start position {self.start}")
 
 
+@message("ranks.step_plan")
 @dataclass(frozen=True)
 class StepPlan:
     submission: int
@@ -71,15 +75,3 @@ class StepPlan:
     @property
     def frame(self) -> int:
         return self.submission % 2
-
-
-@dataclass(frozen=True)
-class ReleaseSlots:
-    """Coordinator -> ranks: forget these slots' histories (request finished or failed)."""
-
-    slots: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class StopWorkers:
-    reason: str = "shutdown"

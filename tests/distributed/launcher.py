@@ -1,0 +1,55 @@
+"""Start N ranks of a module directly (the environment torchrun would give them)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_ranks(module: str, args: list[str], world: int, **popen) -> list[subprocess.Popen]:
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = {
+            **os.environ,
+            "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port), "TORCHELASTIC_RUN_ID": f"test-{port}",
+            "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+        }
+        if world == 1:
+            for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+                env.pop(key)
+        procs.append(subprocess.Popen([sys.executable, "-m", module, *args], env=env,
+                                      cwd=ROOT, **popen))
+    return procs
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    for p in procs:
+        p.wait(timeout=30)
+
+
+def run_ranks(module: str, args: list[str], world: int, timeout: float = 240) -> None:
+    procs = start_ranks(module, args, world, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        outputs = [p.communicate(timeout=timeout)[0].decode(errors="replace") for p in procs]
+    finally:
+        stop(procs)
+    failed = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
+    if failed:
+        raise AssertionError(f"ranks failed {failed}:\n" + "\n".join(o[-3000:] for o in outputs))

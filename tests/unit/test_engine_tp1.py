@@ -1,0 +1,159 @@
+"""The coordinator engine in-process at TP1: payload copies, failures, stops, limits."""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kernels.layout import EXPORT_K, FIRST_PAIR
+from runtime.bootstrap import RuntimeConfig, build_engine, load_rank
+from runtime.engine_api import EngineError, RequestError, SamplingParams
+from tests.checkpoints import hf_logprobs, write_llama
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_llama(tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture()
+def engine(model_dir):
+    config = RuntimeConfig(model_dir=model_dir, capacity=4, max_model_len=64)
+    engine = build_engine(config, load_rank(config, None)).start()
+    yield engine
+    engine.shutdown()
+
+
+def run_all(engine, jobs):
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        return list(pool.map(lambda job: engine.generate_sync(*job), jobs))
+
+
+def test_frames_without_requesting_lanes_copy_no_payload(engine):
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    run_all(engine, [([5, 6, 7], params), ([8, 9], params)])
+    counters = engine.executor.counters
+    assert counters.frames > 0 and counters.record_bytes > 0
+    assert counters.payload_copies == 0 and counters.payload_bytes == 0
+
+
+def test_mixed_batch_copies_only_requesting_lanes(engine):
+    plain = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    wanting = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3)
+    results = run_all(engine, [([5, 6, 7], plain), ([5, 6, 7], wanting), ([9], plain)])
+    (plain_tokens, _), (lp_tokens, _), _ = results
+    assert [t.token_id for t in plain_tokens] == [t.token_id for t in lp_tokens]
+    assert all(t.logprob is None for t in plain_tokens)
+    token_capacity = engine.step.outputs.token_capacity
+    per_lane = token_capacity * (FIRST_PAIR + 2 * EXPORT_K) * 4
+    # Exactly one lane's prefix per frame in which the requesting request sampled a token.
+    assert engine.executor.counters.payload_bytes == len(lp_tokens) * per_lane
+
+
+def test_selected_ids_wider_than_k_copy_their_width(engine, model_dir):
+    ids = tuple(range(100, 130))
+    tokens, _ = engine.generate_sync([4, 5], SamplingParams(
+        max_tokens=2, temperature=0.0, ignore_eos=True, logprob_token_ids=ids))
+    ref = hf_logprobs(model_dir, [4, 5] + [t.token_id for t in tokens])
+    for t in tokens:
+        assert [a.token_id for a in t.alternatives] == list(ids)
+        for a in t.alternatives:
+            assert math.isclose(a.logprob, float(ref[1 + t.index, a.token_id]), abs_tol=1e-4)
+    per_lane = engine.step.outputs.token_capacity * (FIRST_PAIR + 2 * len(ids)) * 4
+    assert engine.executor.counters.payload_bytes == len(tokens) * per_lane
+
+
+def test_eos_ends_without_entry_and_ignore_eos_keeps_it(engine):
+    eos = engine.info.eos_token_ids[0]
+    forced = ((eos, 100.0),)
+    tokens, finish = engine.generate_sync([5, 6], SamplingParams(
+        max_tokens=4, temperature=0.0, logit_bias=forced, logprobs=2))
+    assert tokens == [] and finish.reason == "stop" and finish.stop_token_id == eos
+    tokens, finish = engine.generate_sync([5, 6], SamplingParams(
+        max_tokens=3, temperature=0.0, logit_bias=forced, logprobs=2, ignore_eos=True))
+    assert [t.token_id for t in tokens] == [eos] * 3 and finish.reason == "length"
+    assert all(t.logprob is not None for t in tokens)
+
+
+def test_stop_token_ids_clip_and_length_limit(engine):
+    tokens, finish = engine.generate_sync([5, 6], SamplingParams(
+        max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1))
+    stop_at = tokens[3].token_id
+    first = next(i for i, t in enumerate(tokens) if t.token_id == stop_at)
+    clipped, finish = engine.generate_sync([5, 6], SamplingParams(
+        max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1, stop_token_ids=(stop_at,)))
+    assert [t.token_id for t in clipped] == [t.token_id for t in tokens[:first]]
+    assert finish.reason == "stop" and finish.stop_token_id == stop_at
+    long_prompt = list(range(3, 3 + 60))
+    tokens, finish = engine.generate_sync(long_prompt, SamplingParams(
+        max_tokens=50, temperature=0.0, ignore_eos=True))
+    assert len(tokens) == 64 - 60 and finish.reason == "length"
+
+
+def test_requests_refused_before_admission(engine):
+    with pytest.raises(RequestError) as err:
+        engine.generate_sync([5], SamplingParams(logprob_token_ids=(1, 100000)))
+    assert err.value.param == "logprob_token_ids"
+    with pytest.raises(RequestError) as err:
+        engine.generate_sync(list(range(1, 70)), SamplingParams())
+    assert err.value.param == "prompt"
+    with pytest.raises(RequestError) as err:
+        SamplingParams(logprobs=21)
+    assert err.value.param == "logprobs"
+
+
+def test_core_without_logprob_buffers_refuses_logprobs(model_dir):
+    config = RuntimeConfig(model_dir=model_dir, capacity=2, max_model_len=64, logprobs=False)
+    engine = build_engine(config, load_rank(config, None)).start()
+    try:
+        assert engine.info.max_logprobs == 0 and not engine.info.allow_logprobs
+        with pytest.raises(RequestError) as err:
+            engine.generate_sync([5], SamplingParams(logprobs=0))
+        assert err.value.param == "logprobs"
+        tokens, _ = engine.generate_sync([5], SamplingParams(max_tokens=2, ignore_eos=True))
+        assert len(tokens) == 2
+    finally:
+        engine.shutdown()
+
+
+def test_non_finite_logits_fail_only_the_requesting_request(model_dir, tmp_path):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in model_dir.iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    weights = load_file(broken / "model.safetensors")
+    weights["lm_head.weight"][17] = float("nan")
+    save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
+    config = RuntimeConfig(model_dir=broken, capacity=2, max_model_len=64)
+    engine = build_engine(config, load_rank(config, None)).start()
+    try:
+        lp = SamplingParams(max_tokens=2, temperature=0.0, logprobs=1, ignore_eos=True)
+        plain = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True,
+                               allowed_token_ids=tuple(range(20, 40)))
+        with pytest.raises(EngineError, match="non-finite|NaN"):
+            engine.generate_sync([5, 6], lp)
+        tokens, finish = engine.generate_sync([5, 6], plain)
+        assert len(tokens) == 2 and all(20 <= t.token_id < 40 for t in tokens)
+        assert engine.healthy()
+    finally:
+        engine.shutdown()
+
+
+def test_generated_logprobs_match_transformers_with_chunked_prefill(model_dir):
+    config = RuntimeConfig(model_dir=model_dir, capacity=2, max_model_len=128, chunk_size=7)
+    engine = build_engine(config, load_rank(config, None)).start()
+    try:
+        prompt = [(i * 37) % 290 + 3 for i in range(30)]
+        tokens, _ = engine.generate_sync(prompt, SamplingParams(
+            max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=20))
+    finally:
+        engine.shutdown()
+    ref = hf_logprobs(model_dir, prompt + [t.token_id for t in tokens])
+    for t in tokens:
+        row = ref[len(prompt) - 1 + t.index]
+        assert t.token_id == int(torch.argmax(row))
+        assert math.isclose(t.logprob, float(row[t.token_id]), abs_tol=1e-4)
