@@ -62,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     if not cluster.is_coordinator:
         return cluster.run_peer()
     engine = cluster.engine()
+    print("engine ready", file=sys.stderr, flush=True)
+    healthy = False
     try:
         items = json.loads(args.requests.read_text())
         with ThreadPoolExecutor(max_workers=max(1, cluster.config.capacity)) as pool:
@@ -73,9 +75,10 @@ def main(argv: list[str] | None = None) -> int:
             "healthy": engine.healthy(),
         }
         args.output.write_text(json.dumps(out, allow_nan=False))
+        healthy = engine.healthy()
     finally:
         cluster.close(engine)
-    return 0
+    return 0 if healthy else 1
 
 
 if __name__ == "__main__":

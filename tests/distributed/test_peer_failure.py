@@ -1,0 +1,40 @@
+"""A peer killed mid-generation: in-flight requests fail clearly and the job exits non-zero."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+
+from tests.checkpoints import write_llama
+from tests.distributed.launcher import start_ranks, stop
+
+
+def test_killed_peer_fails_in_flight_requests_without_hanging(tmp_path):
+    model_dir = write_llama(tmp_path / "llama")
+    reqs = [{"prompt_ids": [5, 6, 7], "params": {"max_tokens": 480, "temperature": 0.0,
+                                                  "ignore_eos": True, "logprobs": 2}}] * 3
+    (tmp_path / "req.json").write_text(json.dumps(reqs))
+    out = tmp_path / "out.json"
+    args = ["--model", str(model_dir), "--requests", str(tmp_path / "req.json"),
+            "--output", str(out), "--capacity", "4", "--max-model-len", "500",
+            "--log-level", "ERROR"]
+    procs = start_ranks("launch.generate", args, 2, stderr=subprocess.PIPE)
+    try:
+        coordinator, peer = procs
+        deadline = time.monotonic() + 120
+        while b"engine ready" not in coordinator.stderr.readline():
+            assert time.monotonic() < deadline, "coordinator never became ready"
+            assert coordinator.poll() is None, "coordinator exited early"
+        time.sleep(0.5)
+        peer.send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        code = coordinator.wait(timeout=60)
+        print("exit after", time.monotonic() - killed_at)
+        assert time.monotonic() - killed_at < 30
+        assert code != 0
+        results = json.loads(out.read_text())["results"]
+        assert all("error" in r and "request failed" in r["error"] for r in results), results
+    finally:
+        stop(procs)
