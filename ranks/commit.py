@@ -1,7 +1,8 @@
 """The commit writer: ABI6 records for one submission's active frame.
 
 Token limits, EOS and stop-token clipping happen here, so every reader (the reduction, the
-executor, the decoder) only has to look at the record's emitted count.
+executor, the decoder) only has to look at the record's emitted count. Records are built as
+Python rows and written into the frame in one copy per submission.
 """
 
 from __future__ import annotations
@@ -26,52 +27,52 @@ class SlotState:
     """Tokens whose K/V are in the cache."""
 
 
-@dataclass(frozen=True)
-class CommitResult:
-    emitted: int
-    finish: abi6.FinishReason
+class RecordBatch:
+    """The records of one submission, written to the frame by ``flush``."""
 
+    def __init__(self, width: int, submission: int) -> None:
+        self.width = width
+        self.submission = submission
+        self.slots: list[int] = []
+        self.rows: list[list[int]] = []
 
-def write_header(
-    record: torch.Tensor, slot: int, state: SlotState, kind: abi6.Kind, submission: int
-) -> None:
-    record.zero_()
-    record[abi6.SLOT] = slot
-    record[abi6.EPOCH] = state.epoch
-    record[abi6.REQUEST_ORDINAL] = state.spec.ordinal
-    record[abi6.KIND] = int(kind)
-    record[abi6.SEQUENCE_LENGTH] = state.length
-    record[abi6.SUBMISSION] = submission
+    def _row(self, slot: int, state: SlotState, kind: abi6.Kind) -> list[int]:
+        row = [0] * self.width
+        row[abi6.SLOT] = slot
+        row[abi6.EPOCH] = state.epoch
+        row[abi6.REQUEST_ORDINAL] = state.spec.ordinal
+        row[abi6.KIND] = int(kind)
+        row[abi6.SEQUENCE_LENGTH] = state.length
+        row[abi6.SUBMISSION] = self.submission
+        self.slots.append(slot)
+        self.rows.append(row)
+        return row
 
+    def admission(self, slot: int, state: SlotState) -> None:
+        """A prefill chunk that samples nothing: a record, no emitted token."""
+        self._row(slot, state, abi6.Kind.ADMISSION)
 
-def commit_admission(record: torch.Tensor, slot: int, state: SlotState, submission: int) -> None:
-    """A prefill chunk that samples nothing: a record, no emitted token."""
-    write_header(record, slot, state, abi6.Kind.ADMISSION, submission)
+    def sample(self, slot: int, state: SlotState, token: int, logit_row: int) -> bool:
+        """Commit one sampled token; returns whether it was emitted (stop tokens are not)."""
+        row = self._row(slot, state, abi6.Kind.SAMPLE)
+        row[abi6.FIRST_LOGIT_ROW] = logit_row
+        row[abi6.OFFERED] = 1
+        row[abi6.HEADER] = token
+        if token in state.spec.stop_token_ids:
+            # The terminating token stays in the token slot for the coordinator to read, but
+            # it is not emitted: it gets no logprob and no text.
+            row[abi6.FINISH_REASON] = int(abi6.FinishReason.STOP_TOKEN)
+            return False
+        state.output.append(token)
+        row[abi6.EMITTED] = 1
+        row[abi6.ACCEPTED] = 1
+        if len(state.output) >= state.spec.max_tokens:
+            row[abi6.FINISH_REASON] = int(abi6.FinishReason.LENGTH)
+        return True
 
-
-def commit_sample(
-    record: torch.Tensor,
-    slot: int,
-    state: SlotState,
-    token: int,
-    submission: int,
-    logit_row: int,
-) -> CommitResult:
-    """Commit one sampled token: emit it, or clip it when it is a stop token."""
-    write_header(record, slot, state, abi6.Kind.SAMPLE, submission)
-    record[abi6.FIRST_LOGIT_ROW] = logit_row
-    record[abi6.OFFERED] = 1
-    record[abi6.HEADER] = token
-    if token in state.spec.stop_token_ids:
-        # The terminating token stays in the token slot for the coordinator to read, but it is
-        # not emitted: it gets no logprob and no text.
-        record[abi6.FINISH_REASON] = int(abi6.FinishReason.STOP_TOKEN)
-        return CommitResult(0, abi6.FinishReason.STOP_TOKEN)
-    state.output.append(token)
-    record[abi6.EMITTED] = 1
-    record[abi6.ACCEPTED] = 1
-    finish = abi6.FinishReason.NONE
-    if len(state.output) >= state.spec.max_tokens:
-        finish = abi6.FinishReason.LENGTH
-    record[abi6.FINISH_REASON] = int(finish)
-    return CommitResult(1, finish)
+    def flush(self, records: torch.Tensor) -> None:
+        """Clear the frame's records and write this submission's rows."""
+        records.zero_()
+        if self.slots:
+            index = torch.tensor(self.slots, dtype=torch.int64, device=records.device)
+            records[index] = torch.tensor(self.rows, dtype=records.dtype, device=records.device)

@@ -12,7 +12,7 @@ import torch
 
 from kernels.layout import EXPORT_K, PAYLOAD_WORDS
 from kernels.sharded import PreparedShardedReduction
-from ranks.commit import SlotState, commit_admission, commit_sample
+from ranks.commit import RecordBatch, SlotState
 from ranks.completion import CompletionOutputs
 from ranks.plan import RequestSpec, StepPlan
 from ranks.sampler import RowSampling, ShardedSampler
@@ -86,7 +86,7 @@ class RankStep:
     def run(self, plan: StepPlan) -> None:
         frame = plan.frame
         records = self.outputs.completion_records[frame]
-        records.zero_()
+        batch = RecordBatch(records.shape[1], plan.submission)
         ids, positions, slot_ids, logit_index, sampling_work = [], [], [], [], []
         lanes: dict[int, LaneRequest] = {}
         for work in plan.work:
@@ -114,15 +114,17 @@ class RankStep:
                         logprobs=EXPORT_K, token_ids=state.spec.logprob_token_ids or None
                     )
             else:
-                commit_admission(records[work.slot], work.slot, state, plan.submission)
+                batch.admission(work.slot, state)
         self.uploader.upload(lanes)
         if not ids:
+            batch.flush(records)
             return
         as_long = lambda xs: torch.tensor(xs, dtype=torch.int64, device=self.device)
         logits = self.model.forward(
             as_long(ids), as_long(positions), as_long(slot_ids), as_long(logit_index)
         )
         if not sampling_work:
+            batch.flush(records)
             return
         tokens = self.sampler.sample(
             logits,
@@ -130,18 +132,26 @@ class RankStep:
             [state.prompt for _, state in sampling_work],
             [state.output for _, state in sampling_work],
         )
-        self.reduce_requested.zero_()
-        for row, (slot, state) in enumerate(sampling_work):
-            token = int(tokens[row])
-            result = commit_sample(records[slot], slot, state, token, plan.submission, slot)
-            if result.emitted and slot in lanes:
-                self.logit_rows[slot].copy_(logits[row])
-                self.chosen[slot] = token
-                self.reduce_requested[slot] = 1
-        self._reduce(frame)
+        reduce_rows, reduce_slots = [], []
+        for row, ((slot, state), token) in enumerate(zip(sampling_work, tokens.tolist(),
+                                                         strict=True)):
+            if batch.sample(slot, state, token, slot) and slot in lanes:
+                reduce_rows.append(row)
+                reduce_slots.append(slot)
+        batch.flush(records)
+        self._reduce(frame, logits, tokens, reduce_rows, reduce_slots)
 
-    def _reduce(self, frame: int) -> None:
+    def _reduce(self, frame, logits, tokens, rows: list[int], slots: list[int]) -> None:
         """Gated reduction over slot-indexed logit rows; only emitting, flagged lanes are read."""
+        if not slots:
+            # Every rank derives the lanes from the same plan and tokens, so all skip together.
+            return
+        self.reduce_requested.zero_()
+        to_rows = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        to_slots = torch.tensor(slots, dtype=torch.int64, device=self.device)
+        self.logit_rows[to_slots] = logits[to_rows]
+        self.chosen[to_slots] = tokens[to_rows]
+        self.reduce_requested[to_slots] = 1
         self.reduce_requested.mul_(self.outputs.logprob_requested)
         self.reduction(
             self.logit_rows,
@@ -152,9 +162,7 @@ class RankStep:
             EXPORT_K,
             self.reduce_out,
         )
-        lanes = self.reduce_requested.nonzero().flatten()
-        if lanes.numel():
-            self.outputs.completion_logprobs[frame, lanes, 0] = self.reduce_out[lanes]
+        self.outputs.completion_logprobs[frame, to_slots, 0] = self.reduce_out[to_slots]
 
     def _row_sampling(self, state: SlotState) -> RowSampling:
         spec = state.spec

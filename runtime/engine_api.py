@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from kernels.layout import EXPORT_K, MAX_TOKEN_IDS
 
@@ -74,8 +74,7 @@ class SamplingParams:
         return self.logprobs is not None or self.logprob_token_ids is not None
 
 
-@dataclass(frozen=True)
-class TokenLogprob:
+class TokenLogprob(NamedTuple):
     token_id: int
     logprob: float
     """Exact FP32 value as a Python float; may be -inf, never NaN."""

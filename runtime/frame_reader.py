@@ -35,45 +35,44 @@ def expectation(request: Request) -> LaneExpectation:
 
 
 def read_frame(host: HostFrame, requests: list[Request], vocab_size: int) -> dict[int, Outcome]:
-    """Outcomes keyed by request ordinal for the requests that sampled in this frame."""
+    """Outcomes keyed by request ordinal for the requests that sampled in this frame.
+
+    Emitted tokens come from the records; logprob entries from the decoder, which checks each
+    chosen id against the emitted token. A request missing an entry fails instead of losing it.
+    """
     requesting = {r.slot: expectation(r) for r in requests if r.wants_logprobs}
     decoded = decode_frame(host.records, host.payload, requesting, vocab_size) if requesting else {}
     outcomes: dict[int, Outcome] = {}
     for request in requests:
-        record = host.records[request.slot]
-        outcome = outcomes.setdefault(request.ordinal, Outcome())
-        if int(record[abi6.EPOCH]) != request.epoch or int(record[abi6.SLOT]) != request.slot:
+        record = host.records[request.slot].tolist()
+        outcome = outcomes[request.ordinal] = Outcome()
+        if record[abi6.EPOCH] != request.epoch or record[abi6.SLOT] != request.slot:
             outcome.error = f"slot {request.slot}: record does not belong to this request"
             continue
-        emitted = abi6.emitted_tokens(record)
-        base = len(request.generated)
+        emitted = record[abi6.HEADER : abi6.HEADER + record[abi6.EMITTED]]
         entries = {}
         if request.wants_logprobs:
             result = decoded[request.slot]
             entries = {e.position: e for e in result.entries}
             if not result.ok:
                 outcome.error = str(result.error)
+        base = len(request.generated)
         for position, token in enumerate(emitted):
             entry = entries.get(position)
-            if request.wants_logprobs and entry is None and not abi6.is_forced(record, position):
+            forced = (record[abi6.FORCED_MASK] >> position) & 1
+            if request.wants_logprobs and entry is None and not forced:
                 outcome.error = outcome.error or f"missing logprob entry at position {position}"
                 break
-            outcome.tokens.append(
-                GeneratedToken(
-                    index=base + position,
-                    token_id=token,
-                    logprob=None if entry is None else entry.logprob,
-                    alternatives=()
-                    if entry is None
-                    else tuple(TokenLogprob(t, v) for t, v in entry.alternatives),
-                )
-            )
+            alternatives = () if entry is None else tuple(map(TokenLogprob._make,
+                                                              entry.alternatives))
+            logprob = None if entry is None else entry.logprob
+            outcome.tokens.append(GeneratedToken(base + position, token, logprob, alternatives))
         if outcome.error is not None:
             continue
-        reason = abi6.FinishReason(int(record[abi6.FINISH_REASON]))
+        reason = abi6.FinishReason(record[abi6.FINISH_REASON])
         if reason != abi6.FinishReason.NONE:
             stop_token = None
             if reason in (abi6.FinishReason.EOS, abi6.FinishReason.STOP_TOKEN):
-                stop_token = int(record[abi6.HEADER + len(emitted)])
+                stop_token = record[abi6.HEADER + len(emitted)]
             outcome.finish = Finished(FINISH_NAMES.get(reason, "stop"), stop_token)
     return outcomes

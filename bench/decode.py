@@ -1,0 +1,108 @@
+"""Decode throughput with and without logprobs, at TP1 and TP2 on CPU (gloo).
+
+    python bench/decode.py [--model DIR] [--tokens 64] [--repeat 3]
+
+Spawns one run per TP size (ranks started like torchrun would). In each run the coordinator
+times batches of greedy requests (batch 1 and 16) with no logprobs, logprobs=0 and
+logprobs=20, in the same process, and prints decode tokens/s (median over repeats) and the
+ratio to the no-logprobs run. Prefill is excluded: every request has a 4-token prompt, and the
+time to the first token is subtracted per batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+MODES = {"none": None, "K=0": 0, "K=20": 20}
+
+
+def time_batch(engine, batch: int, tokens: int, logprobs: int | None) -> float:
+    from runtime.engine_api import SamplingParams
+
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True,
+                            logprobs=logprobs)
+    short = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=logprobs)
+    prompts = [[5 + i, 6, 7, 8] for i in range(batch)]
+    with ThreadPoolExecutor(batch) as pool:
+        start = time.perf_counter()
+        list(pool.map(lambda p: engine.generate_sync(p, short), prompts))
+        first = time.perf_counter() - start
+        start = time.perf_counter()
+        list(pool.map(lambda p: engine.generate_sync(p, params), prompts))
+        total = time.perf_counter() - start
+    return batch * (tokens - 1) / max(total - first, 1e-9)
+
+
+def worker(args: argparse.Namespace) -> int:
+    from launch.cluster import join
+
+    ns = argparse.Namespace(model=args.model, served_model_name=None, capacity=16,
+                            max_model_len=None, chunk_size=256, no_logprobs=False,
+                            reduction_backend=None, collective_timeout=60.0,
+                            heartbeat_timeout=10.0, log_level="ERROR")
+    cluster = join(ns)
+    if not cluster.is_coordinator:
+        return cluster.run_peer()
+    engine = cluster.engine()
+    try:
+        time_batch(engine, 2, 8, 20)
+        rows = {}
+        for batch in (1, 16):
+            for name, k in MODES.items():
+                runs = [time_batch(engine, batch, args.tokens, k) for _ in range(args.repeat)]
+                rows[f"{batch}/{name}"] = statistics.median(runs)
+        Path(args.output).write_text(json.dumps(rows))
+    finally:
+        cluster.close(engine)
+    return 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--model", type=Path, default=None)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--tp", type=int, nargs="*", default=[1, 2])
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--output", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        return worker(args)
+    from tests.distributed.launcher import start_ranks, stop
+
+    print(f"decode tokens/s (median of {args.repeat}), {args.tokens} tokens per request")
+    print(f"{'TP':>3} {'batch':>5} {'mode':>6} {'tok/s':>9} {'vs none':>8}")
+    for tp in args.tp:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "rows.json"
+            extra = ["--model", str(args.model)] if args.model else []
+            cmd = ["bench.decode", "--worker", "--output", str(out), "--tokens",
+                   str(args.tokens), "--repeat", str(args.repeat), *extra]
+            procs = start_ranks(cmd[0], cmd[1:], tp)
+            try:
+                if any(p.wait(timeout=1800) for p in procs):
+                    raise SystemExit(f"TP{tp} run failed")
+            finally:
+                stop(procs)
+            rows = json.loads(out.read_text())
+        for batch in (1, 16):
+            base = rows[f"{batch}/none"]
+            for name in MODES:
+                value = rows[f"{batch}/{name}"]
+                print(f"{tp:>3} {batch:>5} {name:>6} {value:>9.1f} {value / base:>8.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
