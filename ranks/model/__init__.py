@@ -1,0 +1,20 @@
+"""Model recipes: Llama / Qwen2 with tensor-parallel sharded weights and a per-slot KV cache."""
+
+from __future__ import annotations
+
+from ranks.model.config import ModelConfig, UnsupportedModelError
+from ranks.model.llama import KVCache, ShardedCausalLM
+from ranks.model.sharding import ShardLayout, head_shard, shard_layout, vocab_shard
+from ranks.model.weights import WeightLoadError
+
+__all__ = [
+    "KVCache",
+    "ModelConfig",
+    "ShardLayout",
+    "ShardedCausalLM",
+    "UnsupportedModelError",
+    "WeightLoadError",
+    "head_shard",
+    "shard_layout",
+    "vocab_shard",
+]

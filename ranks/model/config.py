@@ -1,0 +1,176 @@
+"""Model hyperparameters read from a Hugging Face ``config.json`` (Llama and Qwen2 families)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+DEFAULT_ROPE_THETA = 10000.0
+PLAIN_ROPE_TYPES = (None, "default")
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint uses a feature this runtime does not implement."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    max_position_embeddings: int
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.architecture not in ARCHITECTURES.values():
+            raise UnsupportedModelError(f"unsupported architecture {self.architecture!r}")
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if not self.rope_theta > 0:
+            raise ValueError(f"rope_theta must be positive, got {self.rope_theta}")
+        if not self.rms_norm_eps > 0:
+            raise ValueError(f"rms_norm_eps must be positive, got {self.rms_norm_eps}")
+        for token in (self.bos_token_id, *self.eos_token_ids):
+            if token is not None and not 0 <= token < self.vocab_size:
+                raise ValueError(f"special token id {token} outside vocabulary {self.vocab_size}")
+
+    @property
+    def kv_groups(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        architecture = _architecture(raw)
+        hidden = int(raw["hidden_size"])
+        heads = int(raw["num_attention_heads"])
+        _check_activation(raw)
+        _check_no_sliding_window(raw)
+        if architecture == "qwen2":
+            qkv_bias, o_bias, mlp_bias = True, False, False
+        else:
+            attention_bias = bool(raw.get("attention_bias", False))
+            qkv_bias, o_bias = attention_bias, attention_bias
+            mlp_bias = bool(raw.get("mlp_bias", False))
+        return cls(
+            architecture=architecture,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_hidden_layers=int(raw["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=int(raw.get("head_dim") or hidden // heads),
+            rope_theta=_rope_theta(raw),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            mlp_bias=mlp_bias,
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=_token_ids(raw.get("eos_token_id")),
+        )
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no config.json in {model_dir}")
+        return cls.from_dict(json.loads(path.read_text(encoding="utf-8")))
+
+
+def _architecture(raw: dict[str, Any]) -> str:
+    names = raw.get("architectures") or []
+    for name in names:
+        if name in ARCHITECTURES:
+            return ARCHITECTURES[name]
+    if names:
+        raise UnsupportedModelError(
+            f"unsupported architectures {names}; supported: {sorted(ARCHITECTURES)}"
+        )
+    model_type = raw.get("model_type")
+    if model_type in ARCHITECTURES.values():
+        return str(model_type)
+    raise UnsupportedModelError(f"unsupported model_type {model_type!r}; supported: llama, qwen2")
+
+
+def _check_activation(raw: dict[str, Any]) -> None:
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedModelError(f"unsupported hidden_act {act!r}; only 'silu' is implemented")
+
+
+def _check_no_sliding_window(raw: dict[str, Any]) -> None:
+    if raw.get("use_sliding_window"):
+        raise UnsupportedModelError("sliding-window attention (use_sliding_window) is unsupported")
+    layer_types = raw.get("layer_types") or []
+    other = sorted({t for t in layer_types if t != "full_attention"})
+    if other:
+        raise UnsupportedModelError(f"unsupported attention layer types {other}")
+
+
+def _rope_theta(raw: dict[str, Any]) -> float:
+    theta = raw.get("rope_theta")
+    if raw.get("partial_rotary_factor", 1.0) != 1.0:
+        raise UnsupportedModelError("partial rotary embeddings are unsupported")
+    for key in ("rope_parameters", "rope_scaling"):
+        params = raw.get(key)
+        if params is None:
+            continue
+        if not isinstance(params, dict):
+            raise UnsupportedModelError(f"{key} must be an object, got {params!r}")
+        if params and all(isinstance(v, dict) for v in params.values()):
+            if set(params) != {"full_attention"}:
+                raise UnsupportedModelError(f"per-layer-type {key} {sorted(params)} unsupported")
+            params = params["full_attention"]
+        rope_type = params.get("rope_type", params.get("type"))
+        if rope_type not in PLAIN_ROPE_TYPES:
+            raise UnsupportedModelError(
+                f"unsupported rope scaling {rope_type!r} in {key}; only default RoPE is implemented"
+            )
+        if params.get("partial_rotary_factor", 1.0) != 1.0:
+            raise UnsupportedModelError("partial rotary embeddings are unsupported")
+        if params.get("rope_theta") is not None:
+            theta = params["rope_theta"]
+    return float(DEFAULT_ROPE_THETA if theta is None else theta)
+
+
+def _token_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)

@@ -1,0 +1,308 @@
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from ranks.model import (
+    ModelConfig,
+    ShardedCausalLM,
+    UnsupportedModelError,
+    WeightLoadError,
+    head_shard,
+    shard_layout,
+    vocab_shard,
+)
+
+TOLERANCE = 1e-4
+SEQUENCES = {"a": (2, 6, 4), "b": (0, 9, 4), "c": (2, 3, 2)}
+"""name -> (slot, prompt length, decode steps). "c" reuses "a"'s slot after "a" ends."""
+
+
+def llama_kwargs() -> dict:
+    return dict(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        rope_theta=5000.0,
+        rms_norm_eps=1e-5,
+        attention_bias=True,
+        mlp_bias=True,
+        tie_word_embeddings=False,
+        max_position_embeddings=128,
+    )
+
+
+def qwen2_kwargs() -> dict:
+    return dict(
+        vocab_size=301,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        max_position_embeddings=128,
+    )
+
+
+def build_checkpoint(path: Path, family: str, max_shard_size: str | None = None) -> Path:
+    """Random tiny checkpoint saved with transformers; every parameter (biases too) is random."""
+    import transformers
+
+    if family == "llama":
+        config = transformers.LlamaConfig(**llama_kwargs())
+        model_cls = transformers.LlamaForCausalLM
+    else:
+        config = transformers.Qwen2Config(**qwen2_kwargs())
+        model_cls = transformers.Qwen2ForCausalLM
+    torch.manual_seed(0)
+    model = model_cls(config).eval()
+    gen = torch.Generator().manual_seed(1234)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            noise = torch.randn(param.shape, generator=gen)
+            param.copy_(1.0 + 0.2 * noise if name.endswith("norm.weight") else 0.1 * noise)
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(path, **kwargs)
+    return path
+
+
+def sequence_tokens(vocab_size: int) -> dict[str, list[int]]:
+    gen = torch.Generator().manual_seed(7)
+    return {
+        name: torch.randint(0, vocab_size, (prompt + decode,), generator=gen).tolist()
+        for name, (_, prompt, decode) in SEQUENCES.items()
+    }
+
+
+def reference_logits(model_dir: Path, tokens: dict[str, list[int]]) -> dict[str, torch.Tensor]:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        return {name: model(torch.tensor([ids])).logits[0].float() for name, ids in tokens.items()}
+
+
+@dataclass(frozen=True)
+class Step:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    logit_indices: torch.Tensor
+    expected: list[tuple[str, int]]
+
+
+def schedule(tokens: dict[str, list[int]]) -> list[Step]:
+    """Mixed prefill/decode steps: whole prefill, two-chunk prefill, interleaved decodes."""
+    segments: list[list[tuple[str, int, int]]] = [
+        [("a", 0, 6), ("b", 0, 5)],
+        [("b", 5, 9), ("a", 6, 7)],
+        [("a", 7, 8), ("b", 9, 10)],
+        [("b", 10, 11), ("a", 8, 9)],
+        [("a", 9, 10), ("b", 11, 12)],
+        [("c", 0, 3), ("b", 12, 13)],
+        [("c", 3, 4)],
+        [("c", 4, 5)],
+    ]
+    steps = []
+    for number, parts in enumerate(segments):
+        ids, pos, slots, rows = [], [], [], []
+        for name, start, end in parts:
+            ids += tokens[name][start:end]
+            pos += list(range(start, end))
+            slots += [SEQUENCES[name][0]] * (end - start)
+            rows += [(name, p) for p in range(start, end)]
+        order = list(range(len(ids)))
+        if number % 2:
+            order = order[::-1][: max(1, len(order) - 1)]
+        steps.append(
+            Step(
+                input_ids=torch.tensor(ids, dtype=torch.int64),
+                positions=torch.tensor(pos, dtype=torch.int64),
+                slots=torch.tensor(slots, dtype=torch.int64),
+                logit_indices=torch.tensor(order, dtype=torch.int64),
+                expected=[rows[i] for i in order],
+            )
+        )
+    return steps
+
+
+def run_schedule(model: ShardedCausalLM, tokens: dict[str, list[int]]) -> list[torch.Tensor]:
+    model.allocate_cache(capacity=3, max_seq_len=32)
+    return [
+        model.forward(s.input_ids, s.positions, s.slots, s.logit_indices) for s in schedule(tokens)
+    ]
+
+
+def expected_rows(step: Step, reference: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.stack([reference[name][pos] for name, pos in step.expected])
+
+
+@pytest.mark.parametrize(
+    ("family", "max_shard_size"), [("llama", None), ("qwen2", None), ("llama", "40KB")]
+)
+def test_tp1_logits_match_transformers(tmp_path: Path, family: str, max_shard_size: str | None):
+    model_dir = build_checkpoint(tmp_path / family, family, max_shard_size)
+    if max_shard_size is not None:
+        assert (model_dir / "model.safetensors.index.json").is_file()
+    model = ShardedCausalLM.load(model_dir)
+    tokens = sequence_tokens(model.vocab_size)
+    reference = reference_logits(model_dir, tokens)
+    assert (model.vocab_start, model.local_valid) == (0, model.vocab_size)
+    assert model.local_width == model.vocab_size
+    for step, logits in zip(schedule(tokens), run_schedule(model, tokens), strict=True):
+        assert logits.dtype == torch.float32
+        assert logits.shape == (len(step.expected), model.vocab_size)
+        torch.testing.assert_close(
+            logits, expected_rows(step, reference), atol=TOLERANCE, rtol=TOLERANCE
+        )
+
+
+def test_config_reads_transformers_json(tmp_path: Path):
+    llama = ModelConfig.from_model_dir(build_checkpoint(tmp_path / "l", "llama"))
+    assert (llama.architecture, llama.rope_theta, llama.head_dim) == ("llama", 5000.0, 24)
+    assert llama.qkv_bias and llama.o_bias and llama.mlp_bias and not llama.tie_word_embeddings
+    qwen = ModelConfig.from_model_dir(build_checkpoint(tmp_path / "q", "qwen2"))
+    assert (qwen.architecture, qwen.vocab_size, qwen.head_dim) == ("qwen2", 301, 8)
+    assert qwen.qkv_bias and not qwen.o_bias and qwen.tie_word_embeddings
+
+
+def legacy_config(**overrides) -> dict:
+    raw = dict(llama_kwargs(), architectures=["LlamaForCausalLM"], eos_token_id=[2, 5])
+    raw.update(overrides)
+    return raw
+
+
+def test_config_legacy_fields_and_errors():
+    config = ModelConfig.from_dict(legacy_config(rope_scaling=None, bos_token_id=1))
+    assert config.rope_theta == 5000.0 and config.eos_token_ids == (2, 5)
+    assert config.bos_token_id == 1
+    plain = {"rope_theta": 2.5e5, "rope_type": "default"}
+    assert ModelConfig.from_dict(legacy_config(rope_parameters=plain)).rope_theta == 2.5e5
+    no_theta = {k: v for k, v in legacy_config().items() if k != "rope_theta"}
+    assert ModelConfig.from_dict(no_theta).rope_theta == 10000.0
+    scaled = {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5}
+    with pytest.raises(UnsupportedModelError, match="llama3"):
+        ModelConfig.from_dict(legacy_config(rope_scaling=scaled))
+    with pytest.raises(UnsupportedModelError, match="yarn"):
+        ModelConfig.from_dict(legacy_config(rope_parameters={"rope_type": "yarn"}))
+    with pytest.raises(UnsupportedModelError, match="sliding"):
+        ModelConfig.from_dict(legacy_config(use_sliding_window=True))
+    with pytest.raises(UnsupportedModelError, match="sliding_attention"):
+        ModelConfig.from_dict(legacy_config(layer_types=["full_attention", "sliding_attention"]))
+    with pytest.raises(UnsupportedModelError, match="MistralForCausalLM"):
+        ModelConfig.from_dict(legacy_config(architectures=["MistralForCausalLM"]))
+    with pytest.raises(UnsupportedModelError, match="gelu"):
+        ModelConfig.from_dict(legacy_config(hidden_act="gelu"))
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        ModelConfig.from_dict(legacy_config(num_key_value_heads=3))
+
+
+def test_shard_math():
+    assert [vocab_shard(301, 4, r) for r in range(4)] == [
+        (0, 76, 76),
+        (76, 76, 76),
+        (152, 76, 76),
+        (228, 76, 73),
+    ]
+    assert vocab_shard(301, 1, 0) == (0, 301, 301)
+    assert [head_shard(8, 2, 4, r) for r in range(4)] == [
+        (0, 2, 0, 1),
+        (2, 2, 0, 1),
+        (4, 2, 1, 1),
+        (6, 2, 1, 1),
+    ]
+    assert head_shard(8, 4, 2, 1) == (4, 4, 2, 2)
+    with pytest.raises(ValueError, match="num_attention_heads 6"):
+        head_shard(6, 2, 4, 0)
+    with pytest.raises(ValueError, match="num_key_value_heads 3"):
+        head_shard(12, 3, 2, 0)
+    with pytest.raises(ValueError, match="without real ids"):
+        vocab_shard(5, 4, 3)
+    config = ModelConfig.from_dict(legacy_config(intermediate_size=90))
+    with pytest.raises(ValueError, match="intermediate_size 90"):
+        shard_layout(config, 4, 0)
+
+
+def rewrite_tensors(model_dir: Path, edit) -> None:
+    path = model_dir / "model.safetensors"
+    tensors = load_file(str(path))
+    edit(tensors)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def test_weight_load_errors(tmp_path: Path):
+    model_dir = build_checkpoint(tmp_path / "q", "qwen2")
+    name = "model.layers.1.self_attn.k_proj.weight"
+
+    def truncate(tensors: dict) -> None:
+        tensors[name] = tensors[name][:-8].clone()
+
+    rewrite_tensors(model_dir, truncate)
+    with pytest.raises(WeightLoadError, match=r"k_proj\.weight.*\[24, 64\].*\[32, 64\]"):
+        ShardedCausalLM.load(model_dir)
+
+    def drop(tensors: dict) -> None:
+        del tensors[name]
+        del tensors["model.norm.weight"]
+
+    rewrite_tensors(model_dir, drop)
+    with pytest.raises(WeightLoadError, match=r"missing tensor 'model\.layers\.1.*\[32, 64\]"):
+        ShardedCausalLM.load(model_dir)
+    (model_dir / "model.safetensors").unlink()
+    with pytest.raises(WeightLoadError, match="no model.safetensors"):
+        ShardedCausalLM.load(model_dir)
+
+
+def test_missing_shard_file_and_untied_head(tmp_path: Path):
+    model_dir = build_checkpoint(tmp_path / "l", "llama", max_shard_size="40KB")
+    index = json.loads((model_dir / "model.safetensors.index.json").read_text())
+    assert "lm_head.weight" in index["weight_map"]
+    (model_dir / index["weight_map"]["lm_head.weight"]).unlink()
+    with pytest.raises(WeightLoadError, match="missing"):
+        ShardedCausalLM.load(model_dir)
+
+
+def test_forward_validates_inputs(tmp_path: Path):
+    model = ShardedCausalLM.load(build_checkpoint(tmp_path / "q", "qwen2"))
+    ids = torch.tensor([1, 2], dtype=torch.int64)
+    pos = torch.tensor([0, 1], dtype=torch.int64)
+    slots = torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="allocate_cache"):
+        model.forward(ids, pos, slots, pos)
+    model.allocate_cache(capacity=2, max_seq_len=4)
+    assert model.cache.keys[0].shape == (2, 4, 4, 8)
+    with pytest.raises(ValueError, match="positions"):
+        model.forward(ids, pos + 3, slots, pos)
+    with pytest.raises(ValueError, match="slots"):
+        model.forward(ids, pos, slots + 2, pos)
+    with pytest.raises(ValueError, match="input ids"):
+        model.forward(ids + 300, pos, slots, pos)
+    with pytest.raises(ValueError, match="logit_indices"):
+        model.forward(ids, pos, slots, pos + 1)
+    with pytest.raises(ValueError, match="same"):
+        model.forward(ids, pos * 0, slots, pos)
+    assert model.forward(ids, pos, slots, pos[:0]).shape == (0, 301)
+
+
+def test_bfloat16_weights_and_logits(tmp_path: Path):
+    model_dir = build_checkpoint(tmp_path / "l", "llama")
+    full = ShardedCausalLM.load(model_dir)
+    half = ShardedCausalLM.load(model_dir, dtype=torch.bfloat16)
+    assert half.weights.layers[0].qkv.dtype == torch.bfloat16
+    tokens = sequence_tokens(full.vocab_size)
+    for a, b in zip(run_schedule(full, tokens), run_schedule(half, tokens), strict=True):
+        assert b.dtype == torch.bfloat16
+        torch.testing.assert_close(b.float(), a, atol=0.15, rtol=0.05)
