@@ -1,4 +1,5 @@
-"""Validation and dispatch for the public reduction entry points."""
+"""Validation and dispatch for the public reduction entry points, and the packed-payload
+assembly shared by the torch paths (kernels/torch_backend.py, kernels/torch_sharded.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,15 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.layout import EXPORT_K, MAX_TOKEN_IDS, PAYLOAD_WORDS
+from kernels.layout import (
+    CHOSEN_BITS,
+    CHOSEN_ID,
+    EXPORT_K,
+    FIRST_PAIR,
+    MAX_TOKEN_IDS,
+    PAYLOAD_WORDS,
+)
+from kernels.sortkeys import EMPTY_KEY, float_bits, key_ids, key_values
 
 BACKENDS = ("reference", "torch", "triton")
 
@@ -64,3 +73,179 @@ def check_common(
             f"got {out.dtype} {tuple(out.shape)}"
         )
     return requested, out
+
+
+def check_chosen(chosen: torch.Tensor, requested: torch.Tensor, vocab_size: int) -> None:
+    """Chosen ids of requesting rows must be vocabulary ids (padding lanes are not tokens)."""
+    if chosen.dtype.is_floating_point or chosen.dtype == torch.bool:
+        raise ValueError(f"chosen: expected an integer tensor, got {chosen.dtype}")
+    live = requested != 0
+    bad = live & ((chosen < 0) | (chosen >= vocab_size))
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"chosen[{row}] = {int(chosen[row])} outside vocabulary [0, {vocab_size})"
+        )
+
+
+def reduce_logprobs(
+    logits: torch.Tensor,
+    chosen: torch.Tensor,
+    *,
+    k: int = EXPORT_K,
+    token_ids: Sequence[Sequence[int]] | None = None,
+    vocab_size: int | None = None,
+    requested: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    backend: str = "torch",
+) -> torch.Tensor:
+    """Packed logprobs, int32 [rows, PAYLOAD_WORDS], of full-vocabulary logit rows.
+
+    Per written row: chosen id, chosen FP32 logprob bits, then K natural alternatives (value
+    descending, id ascending on the reported FP32 value) or, for a row with token_ids, those
+    IDs in caller order. Reported value = float32(logit) - lse with lse from FP32 tile
+    maxima and masses; lanes >= vocab_size (padding) never enter. A non-finite lse (NaN or
+    +inf logit, or every logit -inf) gives NaN values. Unused words of a written row are -1
+    (both words of a missing pair when the vocabulary has fewer than K ids). Rows whose
+    ``requested`` flag is 0 are neither read nor written; a fresh ``out`` is filled with -1.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    width = logits.shape[-1] if logits.dim() == 2 else 0
+    vocab = width if vocab_size is None else int(vocab_size)
+    requested, out = check_common(logits, chosen, k, vocab, requested, out)
+    if vocab > width:
+        raise ValueError(f"vocab_size {vocab} exceeds the logits width {width}")
+    check_chosen(chosen, requested, vocab)
+    if backend == "reference":
+        from kernels.reference import reduce_reference
+
+        rows_ids = None if token_ids is None else [list(t) for t in token_ids]
+        pack_token_ids(rows_ids, logits.shape[0], vocab)  # same validation as the others
+        return reduce_reference(
+            logits, chosen, k=k, token_ids=rows_ids, vocab_size=vocab, requested=requested,
+            out=out,
+        )
+    ids, counts = pack_token_ids(token_ids, logits.shape[0], vocab)
+    ids, counts = ids.to(logits.device), counts.to(logits.device)
+    if backend == "torch":
+        from kernels.torch_backend import reduce_torch
+
+        return reduce_torch(logits, chosen, ids, counts, requested, k, vocab, out)
+    from kernels.triton_backend import reduce_triton
+
+    return reduce_triton(logits, chosen, ids, counts, requested, k, vocab, out)
+
+
+def reduce_logprobs_sharded(
+    local_logits: torch.Tensor,
+    chosen: torch.Tensor,
+    *,
+    vocab_start: int,
+    vocab_size: int,
+    group: object,
+    k: int = EXPORT_K,
+    token_ids: Sequence[Sequence[int]] | None = None,
+    requested: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    backend: str = "torch",
+) -> torch.Tensor:
+    """Packed logprobs of vocabulary-sharded rows: the same int32 [rows, PAYLOAD_WORDS] on
+    every rank as ``reduce_logprobs`` on the full row (within FP32 tolerance).
+
+    ``local_logits`` [rows, width] holds global ids [vocab_start, vocab_start + width); lanes
+    at or beyond ``vocab_size`` are padding. Every rank of ``group`` (None: no group) must
+    call with the same rows, chosen, token_ids, requested, k and backend. Six launches and
+    two fixed-width exchanges per call; prepared state is cached per configuration.
+    """
+    if backend not in ("torch", "triton"):
+        raise ValueError(f"backend: expected 'torch' or 'triton', got {backend!r}")
+    requested, out = check_common(local_logits, chosen, k, vocab_size, requested, out)
+    if vocab_start < 0:
+        raise ValueError(f"vocab_start: expected >= 0, got {vocab_start}")
+    check_chosen(chosen, requested, vocab_size)
+    rows, width = local_logits.shape
+    ids, counts = pack_token_ids(token_ids, rows, vocab_size)
+    ids, counts = ids.to(local_logits.device), counts.to(local_logits.device)
+    from kernels.sharded import prepared_reduction
+
+    prepared = prepared_reduction(
+        group, rows, width, vocab_start, vocab_size, backend, local_logits.device,
+        local_logits.dtype,
+    )
+    return prepared(local_logits, chosen, ids, counts, requested, k, out)
+
+
+# Packed payload assembly (torch paths).
+
+
+def flagged_rows(flags: torch.Tensor) -> torch.Tensor | None:
+    """int64 indices of the True rows, or None when every row is flagged (slices then)."""
+    if bool(flags.all()):
+        return None
+    return flags.nonzero().flatten()
+
+
+def top_keys(candidates: torch.Tensor, k: int) -> torch.Tensor:
+    """[n, m] int64 keys -> [n, k] best keys, best first (EMPTY_KEY pads when m < k)."""
+    n, m = candidates.shape
+    best = candidates.topk(min(k, m), dim=1, sorted=True).values
+    if best.shape[1] < k:
+        pad = torch.full((n, k - best.shape[1]), EMPTY_KEY, dtype=torch.int64, device=best.device)
+        best = torch.cat((best, pad), dim=1)
+    return best
+
+
+def pack_pairs(
+    chosen: torch.Tensor,
+    chosen_values: torch.Tensor,
+    pair_ids: torch.Tensor,
+    pair_bits: torch.Tensor,
+) -> torch.Tensor:
+    """int32 [n, PAYLOAD_WORDS]: chosen id, chosen FP32 bits, then the (id, bits) pairs.
+
+    pair_ids/pair_bits are int32 [n, <=128] with -1 in both words of an unused pair; words
+    beyond the given pairs are -1.
+    """
+    n, p = pair_ids.shape
+    payload = torch.full((n, PAYLOAD_WORDS), -1, dtype=torch.int32, device=pair_ids.device)
+    payload[:, CHOSEN_ID] = chosen.to(torch.int32)
+    payload[:, CHOSEN_BITS] = float_bits(chosen_values)
+    pairs = payload[:, FIRST_PAIR : FIRST_PAIR + 2 * p].view(n, p, 2)
+    pairs[..., 0] = pair_ids
+    pairs[..., 1] = pair_bits
+    return payload
+
+
+def natural_pairs(best: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Best keys [n, k] -> (ids, FP32 bits) int32; an EMPTY_KEY slot (vocabulary < K) -> -1, -1.
+
+    Values are decoded from the keys, so a reported -0.0 is stored as +0.0.
+    """
+    empty = best == EMPTY_KEY
+    ids = torch.where(empty, -1, key_ids(best)).to(torch.int32)
+    bits = torch.where(empty, -1, float_bits(key_values(best)))
+    return ids, bits
+
+
+def selected_pairs(
+    ids: torch.Tensor, counts: torch.Tensor, values: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Selected ids [n, 128] + their reported values -> (ids, bits), -1 beyond each count."""
+    live = torch.arange(MAX_TOKEN_IDS, device=ids.device) < counts.unsqueeze(1).to(torch.int64)
+    return (
+        torch.where(live, ids.to(torch.int32), -1),
+        torch.where(live, float_bits(values), -1),
+    )
+
+
+def write_rows(out: torch.Tensor, rows: torch.Tensor | None, payload: torch.Tensor) -> None:
+    if rows is None:
+        out.copy_(payload)
+    else:
+        out.index_copy_(0, rows, payload)
+
+
+def pick_rows(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """The flagged rows of a per-row tensor (itself when every row is flagged)."""
+    return t if rows is None else t.index_select(0, rows)

@@ -99,6 +99,10 @@ def join(args: argparse.Namespace) -> Cluster:
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if not cuda:
+        # Ranks on one host share its cores; oversubscribed BLAS threads are many times slower.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     topology = init_from_env(timeout_s=args.collective_timeout) if world > 1 else None
     group = world_group() if world > 1 else None
     rank = topology.rank if topology else 0
