@@ -1,0 +1,204 @@
+"""Token id -> the true bytes of its text, following the tokenizer's decoder.
+
+A token's bytes are what the decoder makes of that one vocabulary piece (or added token's
+content; `tokenizers` sends added and special tokens through the decoder too) before UTF-8
+replacement and before stream-boundary cleanup:
+
+* ByteLevel: each piece character maps back through the GPT-2 byte map; a piece with any
+  character outside the map is taken as its own UTF-8 (as the decoder does).
+* Replace + ByteFallback (+ Fuse + Strip), as in Llama/Mistral: string replacements ("▁" ->
+  " ") first, then a `<0xNN>` piece is the single byte NN, any other piece its UTF-8.
+* Metaspace: the replacement character becomes a space.
+
+Stream-boundary cleanup is not part of a token's bytes: `Strip` (after `Fuse`) removes leading
+spaces from the start of the whole decoded text, and the Metaspace decoder removes every
+replacement character of the first decoded token. `strip` and `first_bytes_of` describe those,
+and the incremental detokenizer applies them. Hence, for ids whose byte-fallback runs are valid
+UTF-8, `tokenizer.decode(ids)` equals the UTF-8 (errors="replace") of the concatenated bytes
+(first token through `first_bytes_of`, skipped special tokens left out) with `strip` applied.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+import tokenizers
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+class UnsupportedDecoder(ValueError):
+    """The tokenizer's decoder cannot be expressed as per-token bytes plus stream cleanup."""
+
+
+@cache
+def gpt2_byte_decoder() -> dict[str, int]:
+    """The inverse of GPT-2's bytes_to_unicode map: printable character -> byte."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    keep += range(ord("®"), ord("ÿ") + 1)
+    table = {chr(b): b for b in keep}
+    extra = 0
+    for b in range(256):
+        if b not in keep:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
+
+
+@dataclass(frozen=True)
+class DecoderPlan:
+    """What a supported `tokenizers` decoder does, split into per-token and stream parts."""
+
+    replaces: tuple[tuple[str, str], ...] = ()
+    byte_fallback: bool = False
+    byte_level: bool = False
+    strip: tuple[str, int] | None = None
+    """Stream-level Strip: (character, how many leading ones the decoded text loses)."""
+    first_token_drop: str | None = None
+    """Metaspace: the first decoded token loses every occurrence of this character."""
+
+    def piece_bytes(self, piece: str, *, first: bool = False) -> bytes:
+        if self.byte_level:
+            table = gpt2_byte_decoder()
+            if all(c in table for c in piece):
+                return bytes(table[c] for c in piece)
+            return piece.encode()
+        if first and self.first_token_drop:
+            piece = piece.replace(self.first_token_drop, "")
+        for old, new in self.replaces:
+            piece = piece.replace(old, new)
+        if self.byte_fallback:
+            match = _BYTE_PIECE.fullmatch(piece)
+            if match:
+                return bytes([int(match.group(1), 16)])
+        return piece.encode()
+
+
+def plan_decoder(config: dict[str, Any] | None) -> DecoderPlan:
+    """Interpret a decoder's JSON (as in tokenizer.json); raise UnsupportedDecoder otherwise."""
+    if config is None:
+        raise UnsupportedDecoder("tokenizer has no decoder")
+    kind = config.get("type")
+    if kind == "ByteLevel":
+        return DecoderPlan(byte_level=True)
+    if kind == "Metaspace":
+        return _metaspace(config)
+    if kind != "Sequence":
+        raise UnsupportedDecoder(f"decoder {kind!r} is not supported")
+    parts = config.get("decoders") or []
+    kinds = [p.get("type") for p in parts]
+    if set(kinds) <= {"ByteLevel", "Fuse"} and "ByteLevel" in kinds:
+        return DecoderPlan(byte_level=True)
+    if kinds in (["Metaspace"], ["Metaspace", "Fuse"]):
+        return _metaspace(parts[0])
+    replaces: list[tuple[str, str]] = []
+    byte_fallback = fused = False
+    strip: tuple[str, int] | None = None
+    for part, part_kind in zip(parts, kinds, strict=True):
+        if strip is not None:
+            raise UnsupportedDecoder("decoders after Strip are not supported")
+        if part_kind == "Replace":
+            pattern = part.get("pattern", {})
+            if "String" not in pattern or byte_fallback or fused:
+                raise UnsupportedDecoder("only string Replace before ByteFallback/Fuse")
+            replaces.append((pattern["String"], part["content"]))
+        elif part_kind == "ByteFallback":
+            byte_fallback = True
+        elif part_kind == "Fuse":
+            fused = True
+        elif part_kind == "Strip":
+            if not fused or part.get("stop", 0) != 0:
+                raise UnsupportedDecoder("only Strip(start=n, stop=0) after Fuse")
+            strip = (part["content"], int(part.get("start", 0)))
+        else:
+            raise UnsupportedDecoder(f"decoder {part_kind!r} in a Sequence is not supported")
+    if strip is not None and strip[1] == 0:
+        strip = None
+    return DecoderPlan(replaces=tuple(replaces), byte_fallback=byte_fallback, strip=strip)
+
+
+def _metaspace(config: dict[str, Any]) -> DecoderPlan:
+    replacement = config.get("replacement", "▁")
+    scheme = config.get("prepend_scheme")
+    if scheme is None:
+        scheme = "always" if config.get("add_prefix_space", True) else "never"
+    drop = None if scheme == "never" else replacement
+    return DecoderPlan(replaces=((replacement, " "),), first_token_drop=drop)
+
+
+def token_id_string(token_id: int) -> str:
+    """The `token` text used with return_tokens_as_token_ids (vLLM's "token_id:N")."""
+    return f"token_id:{token_id}"
+
+
+class TokenBytes:
+    """Precomputed per-id bytes for one tokenizer.
+
+    `vocab_size` may exceed the tokenizer's size (a padded LM head); ids without a piece have
+    no bytes. Ids outside [0, size) raise IndexError.
+    """
+
+    def __init__(self, tokenizer: tokenizers.Tokenizer, vocab_size: int | None = None) -> None:
+        spec = json.loads(tokenizer.to_str())
+        self.plan = plan_decoder(spec.get("decoder"))
+        size = max(tokenizer.get_vocab_size(with_added_tokens=True), vocab_size or 0)
+        table: list[bytes] = []
+        first: dict[int, bytes] = {}
+        for token_id in range(size):
+            piece = tokenizer.id_to_token(token_id)
+            if piece is None:
+                table.append(b"")
+                continue
+            data = self.plan.piece_bytes(piece)
+            table.append(data)
+            if self.plan.first_token_drop and self.plan.first_token_drop in piece:
+                first[token_id] = self.plan.piece_bytes(piece, first=True)
+        self._table = table
+        self._first = first
+        self._special = frozenset(
+            t["id"] for t in spec.get("added_tokens", []) if t.get("special") and t["id"] < size
+        )
+
+    @property
+    def size(self) -> int:
+        return len(self._table)
+
+    @property
+    def strip(self) -> tuple[str, int] | None:
+        return self.plan.strip
+
+    def _check(self, token_id: int) -> None:
+        if not 0 <= token_id < len(self._table):
+            raise IndexError(f"token id {token_id} outside [0, {len(self._table)})")
+
+    def bytes_of(self, token_id: int) -> bytes:
+        """The token's true bytes (never lossy: partial UTF-8 stays partial)."""
+        self._check(token_id)
+        return self._table[token_id]
+
+    def first_bytes_of(self, token_id: int) -> bytes:
+        """The bytes the token contributes when it is the first decoded token."""
+        self._check(token_id)
+        return self._first.get(token_id, self._table[token_id])
+
+    def is_special(self, token_id: int) -> bool:
+        """A special added token: skip_special_tokens removes it from the text."""
+        self._check(token_id)
+        return token_id in self._special
+
+    def token_string(self, token_id: int) -> str:
+        """The token's own text: its bytes as UTF-8 with errors="replace".
+
+        A token holding part of a character shows U+FFFD here; `bytes_of` keeps the truth.
+        Leading spaces are kept (the stream's Strip does not apply to a lone token), like
+        vLLM's decoded tokens after it restores SentencePiece's stripped leading space.
+        """
+        return self.bytes_of(token_id).decode("utf-8", errors="replace")
+
+    @staticmethod
+    def token_id_string(token_id: int) -> str:
+        return token_id_string(token_id)

@@ -1,0 +1,172 @@
+"""Pure builders for vLLM's logprobs wire format (Completions and Chat Completions).
+
+Values: a logprob of -inf becomes -9999.0 (OpenAI's "very unlikely"), finite values are sent
+exactly (vLLM clamps with max(x, -9999.0), which also floors finite values), and NaN or +inf
+raise NonFiniteLogprob: `max(nan, -9999.0)` is NaN in Python, so a clamp alone would let NaN
+reach JSON.
+
+Tokens: the `token` text is the token's own bytes decoded with errors="replace" (U+FFFD for a
+token holding part of a character, leading spaces kept), or "token_id:N" with
+return_tokens_as_token_ids. Chat `bytes` are always the token's true bytes (vLLM re-encodes the
+replaced string, losing partial UTF-8; with token-id mode it sends the placeholder's bytes).
+
+Completions `top_logprobs` maps token text -> logprob. Natural mode: the chosen token first,
+then the natural alternatives by rank (chosen not repeated), as vLLM orders its dict.
+Selected-ID mode (logprob_token_ids): exactly the selected ids in caller order. Two ids with the
+same text would collide in vLLM's dict and one entry would silently vanish; here every later
+colliding id is keyed "token_id:N" (and if such a key is itself taken, the whole position uses
+"token_id:N" keys), so each id always has an entry.
+
+Chat `top_logprobs`: the natural top-N by rank (or the selected ids in caller order). vLLM
+instead takes the first N items of a dict that starts with the sampled token, so when the
+sampled token is outside the top N it shows it plus only N-1 alternatives; ours never inserts
+the chosen token. Chat positions without a logprob (forced tokens) have no entry.
+
+Streaming: call the builders on each chunk's positions only. Offsets are absolute (they come
+from the detokenizer, plus `offset_base`, e.g. the prompt text length under echo), so chunked
+and whole responses agree.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from runtime.engine_api import GeneratedToken, SamplingParams, TokenLogprob
+from runtime.token_bytes import TokenBytes, token_id_string
+
+WIRE_FLOOR = -9999.0
+
+
+class NonFiniteLogprob(ValueError):
+    """A NaN or +inf logprob reached the wire builders."""
+
+
+def wire_logprob(value: float) -> float:
+    if value == -math.inf:
+        return WIRE_FLOOR
+    if not math.isfinite(value):
+        raise NonFiniteLogprob(f"logprob {value!r} cannot be sent as JSON")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class Position:
+    """One reported position. For echo, prompt position 0 is Position(id, None)."""
+
+    token_id: int
+    logprob: float | None
+    alternatives: tuple[TokenLogprob, ...] = ()
+    text_offset: int = 0
+
+    @classmethod
+    def generated(cls, token: GeneratedToken, text_offset: int) -> Position:
+        return cls(token.token_id, token.logprob, token.alternatives, text_offset)
+
+
+def positions(
+    entries: Iterable[tuple[GeneratedToken, int]], offset_base: int = 0
+) -> list[Position]:
+    """Positions from (token, offset) entries, e.g. `stops.Chunk.entries`."""
+    return [Position.generated(tok, offset + offset_base) for tok, offset in entries]
+
+
+@dataclass(frozen=True)
+class WireMode:
+    selected: bool = False
+    """logprob_token_ids mode: alternatives are the caller's ids, not natural ones."""
+    as_token_ids: bool = False
+    """return_tokens_as_token_ids: every token text is "token_id:N"."""
+
+    @classmethod
+    def for_params(cls, params: SamplingParams, *, as_token_ids: bool = False) -> WireMode:
+        return cls(params.logprob_token_ids is not None, as_token_ids)
+
+
+def token_text(tb: TokenBytes, token_id: int, mode: WireMode) -> str:
+    return token_id_string(token_id) if mode.as_token_ids else tb.token_string(token_id)
+
+
+def _keys(tb: TokenBytes, ids: Sequence[int], mode: WireMode) -> list[str]:
+    if mode.as_token_ids:
+        return [token_id_string(i) for i in ids]
+    keys: list[str] = []
+    for token_id in ids:
+        key = tb.token_string(token_id)
+        keys.append(token_id_string(token_id) if key in keys else key)
+    if len(set(keys)) != len(keys):
+        return [token_id_string(i) for i in ids]
+    return keys
+
+
+def top_logprobs_dict(
+    position: Position, tb: TokenBytes, mode: WireMode = WireMode()
+) -> dict[str, float] | None:
+    """The Completions top_logprobs entry of one position (None without a logprob)."""
+    if position.logprob is None:
+        return None
+    pairs: list[tuple[int, float]] = []
+    if not mode.selected:
+        pairs.append((position.token_id, position.logprob))
+    pairs += [
+        (alt.token_id, alt.logprob)
+        for alt in position.alternatives
+        if mode.selected or alt.token_id != position.token_id
+    ]
+    keys = _keys(tb, [token_id for token_id, _ in pairs], mode)
+    return {key: wire_logprob(value) for key, (_, value) in zip(keys, pairs, strict=True)}
+
+
+def completion_logprobs(
+    items: Iterable[Position], tb: TokenBytes, mode: WireMode = WireMode()
+) -> dict[str, Any]:
+    """Completions `logprobs`: tokens, token_logprobs, top_logprobs, text_offset."""
+    out: dict[str, Any] = {
+        "tokens": [],
+        "token_logprobs": [],
+        "top_logprobs": [],
+        "text_offset": [],
+    }
+    for position in items:
+        out["tokens"].append(token_text(tb, position.token_id, mode))
+        value = position.logprob
+        out["token_logprobs"].append(None if value is None else wire_logprob(value))
+        out["top_logprobs"].append(top_logprobs_dict(position, tb, mode))
+        out["text_offset"].append(position.text_offset)
+    return out
+
+
+def _chat_item(tb: TokenBytes, token_id: int, logprob: float, mode: WireMode) -> dict[str, Any]:
+    return {
+        "token": token_text(tb, token_id, mode),
+        "logprob": wire_logprob(logprob),
+        "bytes": list(tb.bytes_of(token_id)),
+    }
+
+
+def chat_token_logprob(
+    position: Position, tb: TokenBytes, mode: WireMode = WireMode()
+) -> dict[str, Any]:
+    """One Chat `logprobs.content[]` entry."""
+    if position.logprob is None:
+        raise ValueError(f"token {position.token_id} has no logprob (forced): no chat entry")
+    item = _chat_item(tb, position.token_id, position.logprob, mode)
+    item["top_logprobs"] = [
+        _chat_item(tb, alt.token_id, alt.logprob, mode) for alt in position.alternatives
+    ]
+    return item
+
+
+def chat_logprobs(
+    items: Iterable[Position], tb: TokenBytes, mode: WireMode = WireMode()
+) -> dict[str, Any]:
+    """Chat `logprobs`: {"content": [...]}; positions without a logprob are left out."""
+    return {
+        "content": [
+            chat_token_logprob(position, tb, mode)
+            for position in items
+            if position.logprob is not None
+        ]
+    }
