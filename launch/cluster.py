@@ -125,7 +125,7 @@ def watch_peers(channel, engine: Engine, grace_s: float = 2.0) -> None:
         dead = channel.dead_peers()
         if dead:
             engine.fail(f"peer rank(s) {list(dead)} stopped answering")
-            log.error("peer rank(s) %s lost; exiting", list(dead))
+            log.error("peer rank(s) %s stopped answering; requests failed, exiting", list(dead))
             time.sleep(grace_s)
             os._exit(1)
         time.sleep(0.5)
