@@ -1,0 +1,70 @@
+"""Time per step of the sharded sampler at TP1 (one process, CPU torch path).
+
+Rows: greedy, temperature-only (T=0.8), top-k (k=50), top-p (p=0.9); batch 1 and 16; vocabulary
+32,000 and 151,936. Logits are N(0, 3^2) with one spike per row. Prints the median over
+repeats and the ratio of each kind to greedy at the same batch and vocabulary.
+
+Top-p does NOT gather the vocabulary row at any TP degree: its boundary comes from a 5-round
+radix select over fixed-point probability-mass histograms (256 int32 words per row per rank
+per round). Top-k <= 256 exchanges each shard's best k values; greedy and temperature-only
+rows exchange only the final (score, id) pick, 3 words per row.
+
+Usage: python -m bench.sampler [--repeats N] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from ranks.sampler import ShardedSampler
+from ranks.sampling_params import RowSampling
+
+KINDS = {
+    "greedy": dict(temperature=0.0),
+    "temperature": dict(temperature=0.8),
+    "top-k 50": dict(temperature=0.8, top_k=50),
+    "top-p 0.9": dict(temperature=0.8, top_p=0.9),
+}
+
+
+def time_kinds(vocab: int, batch: int, repeats: int) -> dict[str, float]:
+    """Median seconds per step of each kind; kinds are interleaved within every repeat so
+    that load from other processes affects them alike."""
+    gen = torch.Generator().manual_seed(vocab + batch)
+    logits = torch.randn(batch, vocab, generator=gen) * 3
+    logits[torch.arange(batch), torch.randint(vocab, (batch,), generator=gen)] += 12
+    sampler = ShardedSampler(None, 0, vocab, vocab, vocab, max_rows=batch)
+    empty = [[] for _ in range(batch)]
+    times: dict[str, list[float]] = {name: [] for name in KINDS}
+    for step in range(repeats + 1):
+        for name, params in KINDS.items():
+            rows = [RowSampling(seed=1000 + i, position=step, **params) for i in range(batch)]
+            start = time.perf_counter()
+            sampler.sample(logits, rows, empty, empty)
+            if step:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {args.threads} thread(s), median of {args.repeats}")
+    print(f"{'vocab':>7} {'batch':>5} {'kind':>12} {'ms/step':>9} {'x greedy':>9}")
+    for vocab in (32_000, 151_936):
+        for batch in (1, 16):
+            medians = time_kinds(vocab, batch, args.repeats)
+            for name, seconds in medians.items():
+                ratio = seconds / medians["greedy"]
+                print(f"{vocab:>7} {batch:>5} {name:>12} {1e3 * seconds:>9.2f} {ratio:>9.1f}")
+
+
+if __name__ == "__main__":
+    main()

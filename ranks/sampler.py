@@ -1,0 +1,229 @@
+"""The sharded sampler: picks one token per logit row without gathering vocabulary rows.
+
+Each rank holds ``logits[rows, local_width]`` for global ids ``vocab_start + lane``; lanes at
+or beyond ``local_valid`` are padding and never sampled. Transformations, in vLLM's order:
+repetition/presence/frequency penalties, logit_bias, allowed_token_ids (grammar mask),
+temperature, top-k, top-p, min-p; then greedy argmax or a Gumbel-max whose Philox noise is
+keyed by (seed, position, global id), so a seeded row samples the same token at every TP
+degree. The raw logits are never modified: all work happens in a scratch buffer, which
+``processed`` exposes for target verification. NaN logits count as -inf.
+
+Exchanges (all fixed-width int32 all-gathers, skipped for a size-1 group):
+- greedy and temperature-only rows: only the final pick, 3 words per row.
+- rows with top-k <= 256, top-p or min-p: one 256-word exchange of each shard's best values
+  (global max, k-th largest value).
+- top-k > 256 and top-p: a 5-round radix select over bucket sums (256 words per round); the
+  vocabulary row is never gathered.
+Tie rules are documented in ranks/sampler_filters.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from collectives.exchange import WordExchange
+from ranks.sampler_filters import (
+    FILTER_WORDS,
+    PICK_WORDS,
+    TOPK_WIDTH,
+    greedy_best,
+    gumbel_best,
+    key_values,
+    max_and_topk,
+    pick_global,
+    probability_weights,
+    radix_thresholds,
+    relative_probs,
+    value_keys,
+)
+from ranks.sampling_params import SEED_MAX, RowSampling
+
+NEG_INF = float("-inf")
+
+
+class ShardedSampler:
+    def __init__(
+        self,
+        group: object | None,
+        vocab_start: int,
+        local_valid: int,
+        local_width: int,
+        vocab_size: int,
+        max_rows: int,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if vocab_size < 1 or max_rows < 1:
+            raise ValueError(f"vocab_size and max_rows must be >= 1, got {vocab_size}, {max_rows}")
+        if not 0 <= local_valid <= local_width:
+            raise ValueError(f"local_valid {local_valid} outside [0, local_width={local_width}]")
+        if vocab_start < 0 or vocab_start + local_valid > vocab_size:
+            raise ValueError(
+                f"shard [{vocab_start}, {vocab_start + local_valid}) outside vocab {vocab_size}"
+            )
+        self.group = group
+        self.vocab_start = vocab_start
+        self.local_valid = local_valid
+        self.local_width = local_width
+        self.vocab_size = vocab_size
+        self.max_rows = max_rows
+        self.device = torch.device(device)
+        self.scratch = torch.empty(max_rows, local_width, dtype=torch.float32, device=self.device)
+        self.filter_exchange = WordExchange(group, max_rows, FILTER_WORDS, self.device)
+        self.pick_exchange = WordExchange(group, max_rows, PICK_WORDS, self.device)
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[RowSampling],
+        prompt_ids: Sequence[Sequence[int]],
+        output_ids: Sequence[Sequence[int]],
+    ) -> torch.Tensor:
+        """Global token ids int64 [rows], identical on every rank of the group."""
+        x = self.processed(logits, rows, prompt_ids, output_ids)
+        n = len(rows)
+        keys = torch.empty(n, dtype=torch.int64, device=self.device)
+        ids = torch.empty_like(keys)
+        greedy = self._index([i for i, r in enumerate(rows) if r.greedy])
+        if greedy.numel():
+            keys[greedy], ids[greedy] = greedy_best(x[greedy], self.vocab_start)
+        rand = self._index([i for i, r in enumerate(rows) if not r.greedy])
+        if rand.numel():
+            seeds = [r.seed - SEED_MAX if r.seed >= 2**63 else r.seed for r in rows]
+            seeds_t = torch.tensor(seeds, dtype=torch.int64, device=self.device)[rand]
+            positions = torch.tensor([r.position for r in rows], device=self.device)[rand]
+            keys[rand], ids[rand] = gumbel_best(x[rand], seeds_t, positions, self.vocab_start)
+        return pick_global(keys, ids, self.pick_exchange)
+
+    def processed(
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[RowSampling],
+        prompt_ids: Sequence[Sequence[int]],
+        output_ids: Sequence[Sequence[int]],
+    ) -> torch.Tensor:
+        """The scratch rows [rows, local_valid] after every transformation (filtered lanes are
+        -inf; greedy rows are neither scaled nor filtered). A view of the scratch buffer,
+        valid until the next call. Collective: every rank of the group must call it."""
+        n = len(rows)
+        if logits.dim() != 2 or logits.shape[0] != n or logits.shape[1] != self.local_width:
+            raise ValueError(
+                f"logits: expected [{n}, {self.local_width}], got {tuple(logits.shape)}"
+            )
+        if not 1 <= n <= self.max_rows:
+            raise ValueError(f"rows: expected 1..{self.max_rows}, got {n}")
+        if len(prompt_ids) != n or len(output_ids) != n:
+            raise ValueError(f"prompt_ids and output_ids: expected {n} lists each")
+        for i, r in enumerate(rows):
+            if r.max_token_id() >= self.vocab_size:
+                raise ValueError(f"rows[{i}]: token id {r.max_token_id()} outside vocabulary")
+        x = self.scratch[:n, : self.local_valid]
+        x.copy_(logits[:, : self.local_valid])
+        x.nan_to_num_(nan=NEG_INF, posinf=float("inf"), neginf=NEG_INF)
+        for i, r in enumerate(rows):
+            if r.penalized:
+                self._penalize(x[i], r, prompt_ids[i], output_ids[i])
+            if r.logit_bias:
+                lanes, bias = self._local(
+                    [t for t, _ in r.logit_bias], [b for _, b in r.logit_bias]
+                )
+                x[i].index_add_(0, lanes, bias)
+            if r.allowed_token_ids is not None:
+                lanes, _ = self._local(r.allowed_token_ids)
+                blocked = torch.ones(self.local_valid, dtype=torch.bool, device=self.device)
+                blocked[lanes] = False
+                x[i].masked_fill_(blocked, NEG_INF)
+        temps = [1.0 if r.greedy else r.temperature for r in rows]
+        if any(t != 1.0 for t in temps):
+            x.div_(torch.tensor(temps, dtype=torch.float32, device=self.device).unsqueeze(1))
+        self._filter(x, rows)
+        return x
+
+    def _filter(self, x: torch.Tensor, rows: Sequence[RowSampling]) -> None:
+        v = self.vocab_size
+        filtered = [i for i, r in enumerate(rows) if r.filtered(v)]
+        if not filtered:
+            return
+        small = [rows[i].top_k_active(v) and rows[i].top_k <= TOPK_WIDTH for i in filtered]
+        ks = [rows[i].top_k if s else 1 for i, s in zip(filtered, small, strict=True)]
+        block = x if len(filtered) == x.shape[0] else x[self._index(filtered)]
+        max_key, kth = max_and_topk(block, self._index(ks), self.filter_exchange)
+        maxima = dict(zip(filtered, key_values(max_key).unbind(0), strict=True))
+        if any(small):
+            kept = torch.where(torch.tensor(small, device=self.device), key_values(kth), NEG_INF)
+            self._remove(x, filtered, lambda b: b < kept.unsqueeze(1))
+
+        def row_max(which: list[int]) -> torch.Tensor:
+            return torch.stack([maxima[i] for i in which])
+
+        def radix_cut(which: list[int], block: torch.Tensor, top_p: bool) -> torch.Tensor:
+            keys = value_keys(block)
+            if top_p:
+                weights = probability_weights(block, row_max(which), v)
+                targets = self._float64([rows[i].top_p for i in which])
+            else:
+                weights = torch.ones_like(keys)
+                targets = self._float64([rows[i].top_k for i in which])
+            cut = radix_thresholds(keys, weights, targets, top_p, self.filter_exchange)
+            return keys < cut.unsqueeze(1)
+
+        large = [i for i in filtered if rows[i].top_k_active(v) and rows[i].top_k > TOPK_WIDTH]
+        if large:
+            self._remove(x, large, lambda b: radix_cut(large, b, False))
+        top_p = [i for i in filtered if rows[i].top_p < 1]
+        if top_p:
+            self._remove(x, top_p, lambda b: radix_cut(top_p, b, True))
+        min_p = [i for i in filtered if rows[i].min_p > 0]
+        if min_p:
+            floors = self._float64([rows[i].min_p for i in min_p]).unsqueeze(1)
+            self._remove(x, min_p, lambda b: relative_probs(b, row_max(min_p)) < floors)
+
+    def _remove(
+        self, x: torch.Tensor, which: list[int], removed: Callable[[torch.Tensor], torch.Tensor]
+    ) -> None:
+        """Set the lanes that ``removed(rows block)`` marks to -inf, in rows ``which`` of x."""
+        if len(which) == x.shape[0]:
+            x.masked_fill_(removed(x), NEG_INF)
+        else:
+            idx = self._index(which)
+            block = x[idx]
+            x[idx] = block.masked_fill_(removed(block), NEG_INF)
+
+    def _penalize(
+        self, row: torch.Tensor, r: RowSampling, prompt: Sequence[int], output: Sequence[int]
+    ) -> None:
+        out_lanes, _ = self._local(output)
+        lanes, counts = torch.unique(out_lanes, return_counts=True)
+        if r.repetition_penalty != 1:
+            prompt_lanes, _ = self._local(prompt)
+            seen = torch.unique(torch.cat((prompt_lanes, lanes)))
+            vals = row[seen]
+            rep = torch.tensor(r.repetition_penalty, dtype=torch.float32, device=self.device)
+            row[seen] = torch.where(vals > 0, vals / rep, vals * rep)
+        if r.frequency_penalty != 0:
+            freq = torch.tensor(r.frequency_penalty, dtype=torch.float32, device=self.device)
+            row[lanes] -= freq * counts.to(torch.float32)
+        if r.presence_penalty != 0:
+            pres = torch.tensor(r.presence_penalty, dtype=torch.float32, device=self.device)
+            row[lanes] -= pres
+
+    def _local(
+        self, token_ids: Sequence[int], values: Sequence[float] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Lanes of this shard among global ids (and the matching float32 values)."""
+        ids = torch.tensor(list(token_ids), dtype=torch.int64, device=self.device)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
+            raise ValueError(f"token ids outside vocabulary [0, {self.vocab_size})")
+        lanes = ids - self.vocab_start
+        mine = (lanes >= 0) & (lanes < self.local_valid)
+        if values is None:
+            return lanes[mine], None
+        vals = torch.tensor(list(values), dtype=torch.float32, device=self.device)
+        return lanes[mine], vals[mine]
+
+    def _index(self, values: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(list(values), dtype=torch.int64, device=self.device)
+
+    def _float64(self, values: Sequence[float]) -> torch.Tensor:
+        return torch.tensor([float(t) for t in values], dtype=torch.float64, device=self.device)

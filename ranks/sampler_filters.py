@@ -1,0 +1,213 @@
+"""Shard math of the sampler: global thresholds and the global pick, through small exchanges.
+
+Every function takes the local shard's rows and a WordExchange (a size-1 group skips
+communication). Every decision depends only on per-lane values that all tensor-parallel
+layouts compute identically and on integer or exact-order reductions, so the result does not
+depend on the shard layout. (The one caveat: exp and log are elementwise, but a SIMD lane and
+a scalar tail may round them 1 ulp apart; that can only matter at an exact tie.)
+
+Tie rules (TP-invariant because they use values and global ids only, never lane order):
+- top-k: the threshold is the k-th largest value counted with multiplicity; every lane whose
+  value equals the threshold is kept (so ties can keep more than k tokens).
+- top-p: lanes are grouped by value; a value is kept when the probability mass of strictly
+  larger values is < top_p of the total, so a tie at the boundary is kept whole. Masses are
+  integers (exp(x - max) in fixed point), whose sums do not depend on order.
+- min-p: a lane is kept when exp(x - max) >= min_p.
+- the pick: the largest score wins; equal scores pick the smallest global id.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from collectives.exchange import WordExchange
+from kernels.philox import GUMBEL_SPAN, gumbel_noise
+from kernels.sortkeys import keys_to_words, ordered_high, ordered_high_to_float, words_to_keys
+
+TOPK_WIDTH = 256
+"""top-k up to this size: one exchange of each shard's best TOPK_WIDTH values (ordered words)."""
+
+FILTER_WORDS = 256
+"""Words per row per rank of the filter exchanges. Top-k/max exchange: the shard's best values
+as ordered FP32 words (kernels.sortkeys.ordered_high), descending, then PAD_WORD. Radix round:
+words (2b, 2b + 1) = (high, low) int32 halves of bucket b's int64 weight sum, then zeros."""
+
+PICK_WORDS = 3
+"""Final exchange, per row per rank: the shard's best score as an ordered 64-bit key in two
+words (high, low), then the global id of that lane."""
+
+RADIX_ROUNDS = ((25, 7), (18, 7), (11, 7), (4, 7), (0, 4))
+"""(shift, bits) of each radix-select round over 32-bit value keys: at most 128 int64 buckets,
+i.e. 256 words per row per rank."""
+
+ROW_NOISE_MIN_WIDTH = 16384
+"""Rows at least this wide with most lanes still candidates draw noise row by row."""
+
+NO_KEY = -(2**63)
+NO_ID = 2**31 - 1
+PAD_WORD = -(2**31)
+"""A top-k exchange slot holding no value: below the ordered word of -inf."""
+
+
+def value_keys(x: torch.Tensor) -> torch.Tensor:
+    """FP32 values -> int64 keys in [0, 2**32) with the same order (-0.0 equals +0.0)."""
+    return ordered_high(x).to(torch.int64) + 2**31
+
+
+def key_values(keys: torch.Tensor) -> torch.Tensor:
+    """Inverse of value_keys (for -0.0 gives +0.0)."""
+    return ordered_high_to_float((keys - 2**31).to(torch.int32))
+
+
+def score_keys(scores: torch.Tensor) -> torch.Tensor:
+    """float64 scores -> int64 with the same signed order (-0.0 maps like +0.0)."""
+    s = torch.where(scores == 0, torch.zeros_like(scores), scores).to(torch.float64)
+    bits = s.contiguous().view(torch.int64)
+    return torch.where(bits < 0, bits ^ (2**63 - 1), bits)
+
+
+def _padded(words: torch.Tensor, width: int, fill: int) -> torch.Tensor:
+    out = torch.full((words.shape[0], width), fill, dtype=torch.int32, device=words.device)
+    out[:, : words.shape[1]] = words
+    return out
+
+
+def max_and_topk(
+    x: torch.Tensor, ks: torch.Tensor, exchange: WordExchange
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global max and k-th largest value (keys) of each row; ks[i] in 1..TOPK_WIDTH.
+
+    One exchange: each shard sends its best min(max(ks), width) ordered words; the k-th
+    largest of the union of the shards' top-k is the global k-th largest.
+    """
+    n, width = x.shape
+    take = min(int(ks.max()), width) if n else 0
+    local = torch.full((n, FILTER_WORDS), PAD_WORD, dtype=torch.int32, device=x.device)
+    if take:
+        local[:, :take] = ordered_high(torch.topk(x, take, dim=1, sorted=True).values)
+    merged = exchange.gather(local, rows=n).permute(1, 0, 2).reshape(n, -1)
+    merged = torch.sort(merged, dim=1, descending=True).values.to(torch.int64) + 2**31
+    kth = merged.gather(1, (ks.to(torch.int64) - 1).unsqueeze(1)).squeeze(1)
+    return merged[:, 0], kth
+
+
+def radix_thresholds(
+    keys: torch.Tensor,
+    weights: torch.Tensor,
+    targets: torch.Tensor,
+    relative: bool,
+    exchange: WordExchange,
+) -> torch.Tensor:
+    """Per row, the largest key v with W(v) >= target, W(v) = global weight of keys >= v.
+
+    keys: int64 [rows, width] in [0, 2**32); weights: int64 >= 0, summing below 2**62 over
+    the vocabulary; targets: float64 [rows], multiplied by the total weight when ``relative``.
+    Unit weights give the k-th largest value; probability weights give the top-p boundary.
+    Five exchanges of 128 int64 bucket sums each; integer sums make it layout-independent.
+    """
+    n = keys.shape[0]
+    # Lanes of weight zero never change W, so they are dropped; after each round only the
+    # lanes inside the chosen bucket matter (the ones above are summed into ``above``).
+    row, lane = torch.nonzero(weights > 0, as_tuple=True)
+    flat = row * keys.shape[1] + lane
+    keys, weights = (t.reshape(-1).index_select(0, flat) for t in (keys, weights))
+    prefix = torch.zeros(n, dtype=torch.int64, device=keys.device)
+    above = torch.zeros_like(prefix)
+    for shift, bits in RADIX_ROUNDS:
+        buckets = 1 << bits
+        bucket = (keys >> shift) & (buckets - 1)
+        hist = torch.zeros(n * buckets, dtype=torch.int64, device=keys.device)
+        hist = hist.scatter_add_(0, row * buckets + bucket, weights).view(n, buckets)
+        local = _padded(keys_to_words(hist), FILTER_WORDS, 0)
+        hist = words_to_keys(exchange.gather(local, rows=n)[:, :, : 2 * buckets]).sum(0)
+        if relative and shift == RADIX_ROUNDS[0][0]:
+            targets = targets * hist.sum(1).to(torch.float64)
+        suffix = torch.nn.functional.pad(hist.flip(1).cumsum(1).flip(1), (0, 1))
+        ok = (above.unsqueeze(1) + suffix[:, :buckets]).to(torch.float64) >= targets.unsqueeze(1)
+        chosen = (ok.sum(1) - 1).clamp(min=0)
+        above = above + suffix.gather(1, (chosen + 1).unsqueeze(1)).squeeze(1)
+        prefix = (prefix << bits) | chosen
+        inside = torch.nonzero(bucket == chosen.index_select(0, row)).squeeze(1)
+        row, keys, weights = (t.index_select(0, inside) for t in (row, keys, weights))
+    return prefix
+
+
+def probability_weights(x: torch.Tensor, row_max: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """exp(x - max) in fixed point with 62 - ceil(log2 V) fraction bits (sum < 2**62)."""
+    scale = 2.0 ** (62 - max(1, (vocab_size - 1).bit_length()))
+    return (relative_probs(x, row_max) * scale).floor_().to(torch.int64)
+
+
+def relative_probs(x: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
+    """float64 exp(x - max); lanes equal to the max give 1 (also when the max is +inf)."""
+    xd = x.to(torch.float64)
+    m = row_max.to(torch.float64).unsqueeze(1)
+    return torch.where(xd == m, 1.0, torch.exp(xd - m))
+
+
+def greedy_best(x: torch.Tensor, vocab_start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Local argmax (first lane on ties = smallest global id): (float64 score, global id)."""
+    if x.shape[1] == 0:
+        return _empty_best(x.shape[0], x.device)
+    lane = torch.argmax(x, dim=1)
+    score = x.gather(1, lane.unsqueeze(1)).squeeze(1).to(torch.float64)
+    return score_keys(score), lane + vocab_start
+
+
+def gumbel_best(
+    x: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, vocab_start: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Local Gumbel-max of float64(x) + noise(seed, position, global id): (score key, id).
+
+    Noise lies in [GUMBEL_MIN, GUMBEL_MAX], so a lane more than GUMBEL_SPAN below the row's
+    local max can never beat the max lane's score; the margin keeps that strict after float64
+    rounding, so skipping such lanes never changes the winner. Lanes that remain draw noise
+    in one flat call with per-lane keys, except in wide rows where most lanes remain: those
+    draw noise row by row with scalar keys (about 1.7x cheaper per lane on CPU).
+    """
+    n, width = x.shape
+    best, best_id = _empty_best(n, x.device)
+    if width == 0:
+        return best, best_id
+    xmax = x.max(dim=1).values.to(torch.float64)
+    margin = 1e-9 + 1e-12 * xmax.abs()
+    cutoff = torch.where(torch.isfinite(xmax), xmax - GUMBEL_SPAN - margin, xmax)
+    # Compare in float32 against the cutoff rounded down: a superset of the float64 test.
+    low = cutoff.to(torch.float32)
+    low = torch.where(low.to(torch.float64) > cutoff, torch.nextafter(low, low - 1), low)
+    candidates = x >= low.unsqueeze(1)
+    sparse = (candidates.sum(dim=1) * 2 <= width) | (width < ROW_NOISE_MIN_WIDTH)
+    for i in torch.nonzero(~sparse).flatten().tolist():
+        ids = torch.arange(width, device=x.device) + vocab_start
+        noise = gumbel_noise(int(seeds[i]), int(positions[i]), ids)
+        key = score_keys(x[i].to(torch.float64) + noise)
+        lane = int(torch.argmax(key))
+        best[i], best_id[i] = key[lane], lane + vocab_start
+    row, lane = torch.nonzero(candidates & sparse.unsqueeze(1), as_tuple=True)
+    if row.numel():
+        ids = lane + vocab_start
+        key = score_keys(
+            x[row, lane].to(torch.float64) + gumbel_noise(seeds[row], positions[row], ids)
+        )
+        best.scatter_reduce_(0, row, key, reduce="amax")
+        tied = torch.where(key == best[row], ids, NO_ID)
+        best_id.scatter_reduce_(0, row, tied, reduce="amin")
+    return best, best_id
+
+
+def _empty_best(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    return (
+        torch.full((n,), NO_KEY, dtype=torch.int64, device=device),
+        torch.full((n,), NO_ID, dtype=torch.int64, device=device),
+    )
+
+
+def pick_global(keys: torch.Tensor, ids: torch.Tensor, exchange: WordExchange) -> torch.Tensor:
+    """One exchange of each shard's best (score key, id): max key, then the smallest id."""
+    n = keys.shape[0]
+    local = torch.cat((keys_to_words(keys.unsqueeze(1)), ids.to(torch.int32).unsqueeze(1)), 1)
+    gathered = exchange.gather(local, rows=n)
+    all_keys = words_to_keys(gathered[:, :, :2]).squeeze(2)
+    all_ids = gathered[:, :, 2].to(torch.int64)
+    best = all_keys.max(dim=0).values
+    return torch.where(all_keys == best, all_ids, NO_ID).min(dim=0).values

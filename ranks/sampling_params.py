@@ -1,0 +1,111 @@
+"""Per-row sampling parameters, as the coordinator sends them in the step plan."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+GREEDY_EPS = 1e-5
+"""Temperatures below this sample greedily (vLLM's _SAMPLING_EPS)."""
+
+SEED_MIN = -(2**63)
+SEED_MAX = 2**64
+POSITION_MAX = 2**32
+
+
+def _finite(name: str, value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{name}: expected a finite number, got {value!r}")
+    return float(value)
+
+
+def _token_id(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name}: expected a token id >= 0, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class RowSampling:
+    """Sampling parameters of one logit row.
+
+    ``seed`` is required (the coordinator picks one for unseeded requests); it keys the
+    Philox noise together with ``position``, the index of the generated token. ``top_k`` 0 or
+    -1 disables top-k. ``logit_bias`` is a tuple of distinct (token id, bias) pairs (a mapping
+    is accepted and converted); ``allowed_token_ids`` (the grammar mask) is None for no mask.
+    """
+
+    seed: int
+    position: int
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("seed", "position", "top_k"):
+            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int):
+                raise ValueError(f"{name}: expected an int, got {getattr(self, name)!r}")
+        if not SEED_MIN <= self.seed < SEED_MAX:
+            raise ValueError(f"seed: expected a 64-bit integer, got {self.seed}")
+        if not 0 <= self.position < POSITION_MAX:
+            raise ValueError(f"position: expected 0 <= position < 2**32, got {self.position}")
+        if _finite("temperature", self.temperature) < 0:
+            raise ValueError(f"temperature: expected >= 0, got {self.temperature}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k: expected -1, 0 (off) or a positive count, got {self.top_k}")
+        if not 0 < _finite("top_p", self.top_p) <= 1:
+            raise ValueError(f"top_p: expected 0 < top_p <= 1, got {self.top_p}")
+        if not 0 <= _finite("min_p", self.min_p) <= 1:
+            raise ValueError(f"min_p: expected 0 <= min_p <= 1, got {self.min_p}")
+        _finite("presence_penalty", self.presence_penalty)
+        _finite("frequency_penalty", self.frequency_penalty)
+        if _finite("repetition_penalty", self.repetition_penalty) <= 0:
+            raise ValueError(f"repetition_penalty: expected > 0, got {self.repetition_penalty}")
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        if self.allowed_token_ids is not None:
+            allowed = tuple(_token_id("allowed_token_ids", t) for t in self.allowed_token_ids)
+            if not allowed or len(set(allowed)) != len(allowed):
+                raise ValueError("allowed_token_ids: expected distinct ids, at least one")
+            object.__setattr__(self, "allowed_token_ids", allowed)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS
+
+    @property
+    def penalized(self) -> bool:
+        return (
+            self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or self.repetition_penalty != 1
+        )
+
+    def top_k_active(self, vocab_size: int) -> bool:
+        return 0 < self.top_k < vocab_size
+
+    def filtered(self, vocab_size: int) -> bool:
+        """Whether any of top-k, top-p, min-p changes the row (never for greedy rows)."""
+        return not self.greedy and (
+            self.top_k_active(vocab_size) or self.top_p < 1 or self.min_p > 0
+        )
+
+    def max_token_id(self) -> int:
+        ids = [t for t, _ in self.logit_bias] + list(self.allowed_token_ids or ())
+        return max(ids, default=-1)
+
+
+def _bias_pairs(
+    value: Mapping[int, float] | Iterable[tuple[int, float]],
+) -> tuple[tuple[int, float], ...]:
+    items = value.items() if isinstance(value, Mapping) else value
+    pairs = tuple((_token_id("logit_bias", t), _finite("logit_bias", b)) for t, b in items)
+    if len({t for t, _ in pairs}) != len(pairs):
+        raise ValueError("logit_bias: token ids must be distinct")
+    return pairs

@@ -1,0 +1,122 @@
+"""The sharded sampler at TP2 and TP4 over real gloo groups equals TP1 on the full row."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from collectives.groups import group_rank, group_size, world_group
+from ranks.sampler import ShardedSampler
+from ranks.sampling_params import RowSampling
+from tests.distributed.harness import run_ranks
+
+VOCAB = 301
+STEPS = 6
+TIMEOUT_S = 120.0
+PAD_VALUE = 1e30
+
+pytestmark = pytest.mark.slow
+
+
+def shard(world: int, rank: int) -> tuple[int, int, int]:
+    width = -(-VOCAB // world)
+    start = rank * width
+    return start, width, min(width, VOCAB - start)
+
+
+def scenario(step: int) -> tuple[torch.Tensor, list[RowSampling], list[list[int]], list[list[int]]]:
+    """Mixed rows: greedy with ties across shards, temperature, top-k (small, tied, radix),
+    top-p (tied), min-p, combinations, penalties, logit_bias and a grammar mask."""
+    gen = torch.Generator().manual_seed(100 + step)
+    params = [
+        dict(temperature=0.0),
+        dict(temperature=0.0, repetition_penalty=1.2),
+        dict(temperature=0.0),
+        dict(temperature=0.8),
+        dict(seed=2**64 - 5),
+        dict(top_k=5),
+        dict(top_k=3, temperature=2.0),
+        dict(top_k=280),
+        dict(top_p=0.9),
+        dict(top_p=0.5, temperature=3.0),
+        dict(min_p=0.1, temperature=1.5),
+        dict(top_k=50, top_p=0.8, min_p=0.05, temperature=0.7),
+        dict(
+            repetition_penalty=1.2,
+            frequency_penalty=0.5,
+            presence_penalty=0.3,
+            logit_bias={300: 3.0, 0: -2.0, 151: 1.0},
+        ),
+        dict(allowed_token_ids=(3, 150, 151, 225, 300), top_p=0.9, temperature=4.0),
+        dict(seed=-(2**40), top_k=290, top_p=0.3),
+        dict(temperature=0.05, min_p=0.5),
+    ]
+    rows = [
+        RowSampling(**({"seed": 7 * i + 1, "position": step} | p)) for i, p in enumerate(params)
+    ]
+    logits = torch.randn(len(rows), VOCAB, generator=gen) * 3
+    logits[1, [151, 226, 290]] = 50.0
+    logits[2, [5, 150, 151]] = 50.0
+    logits[6, [10, 160, 230, 299]] = 12.0
+    logits[9, [70, 151, 152, 300]] = 6.0
+    logits[12] = logits[12].round()
+    prompt = [[(13 * i + 7 * j) % VOCAB for j in range(6)] for i in range(len(rows))]
+    output = [[(29 * i + 151 * j) % VOCAB for j in range(step + 3)] for i in range(len(rows))]
+    return logits, rows, prompt, output
+
+
+def run_steps(sampler: ShardedSampler, start: int, width: int, valid: int) -> dict:
+    ids, processed, intact = [], [], True
+    for step in range(STEPS):
+        full, rows, prompt, output = scenario(step)
+        local = torch.full((len(rows), width), PAD_VALUE)
+        local[:, :valid] = full[:, start : start + valid]
+        before = local.clone()
+        ids.append(sampler.sample(local, rows, prompt, output))
+        processed.append(sampler.processed(local, rows, prompt, output).clone())
+        intact = intact and torch.equal(local, before)
+    cheap = [RowSampling(seed=5, position=0, temperature=t) for t in (0.0, 1.0, 0.5)]
+    sent_before, filter_calls = sampler.pick_exchange.bytes_sent, sampler.filter_exchange.calls
+    sampler.sample(torch.zeros(3, width), cheap, [[]] * 3, [[]] * 3)
+    return {
+        "ids": ids,
+        "processed": processed,
+        "intact": intact,
+        "cheap_bytes": sampler.pick_exchange.bytes_sent - sent_before,
+        "cheap_filter_calls": sampler.filter_exchange.calls - filter_calls,
+    }
+
+
+def _rank_main() -> dict:
+    group = world_group()
+    start, width, valid = shard(group_size(group), group_rank(group))
+    sampler = ShardedSampler(group, start, valid, width, VOCAB, max_rows=16)
+    return run_steps(sampler, start, width, valid)
+
+
+@pytest.fixture(scope="module")
+def tp1() -> dict:
+    return run_steps(ShardedSampler(None, 0, VOCAB, VOCAB, VOCAB, max_rows=16), 0, VOCAB, VOCAB)
+
+
+def test_tp1_scenario_is_not_trivial(tp1: dict):
+    first = tp1["ids"][0].tolist()
+    assert first[1] == 151 and first[2] == 5
+    assert first[6] in (10, 160, 230, 299)
+    kept = (tp1["processed"][0] > float("-inf")).sum(1).tolist()
+    assert kept[6] == 4 and kept[7] == 280 and kept[0] == VOCAB
+    assert len({tuple(ids.tolist()) for ids in tp1["ids"]}) == STEPS
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sharded_sampler_matches_tp1(world: int, tp1: dict):
+    results = run_ranks(_rank_main, world, timeout_s=TIMEOUT_S)
+    for rank, result in enumerate(results):
+        start, _, valid = shard(world, rank)
+        assert result["intact"], f"rank {rank} modified its logits"
+        for step in range(STEPS):
+            assert result["ids"][step].tolist() == tp1["ids"][step].tolist(), (rank, step)
+            expected = tp1["processed"][step][:, start : start + valid]
+            assert torch.equal(result["processed"][step], expected), (rank, step)
+        assert result["cheap_filter_calls"] == 0
+        assert result["cheap_bytes"] == 3 * 3 * 4

@@ -1,0 +1,308 @@
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import replace
+
+import pytest
+import torch
+
+from kernels.philox import gumbel_noise
+from ranks.sampler import ShardedSampler
+from ranks.sampler_filters import gumbel_best, key_values, score_keys, value_keys
+from ranks.sampling_params import RowSampling
+
+NEG_INF = float("-inf")
+
+
+def make_sampler(vocab: int, rows: int, pad: int = 0) -> ShardedSampler:
+    return ShardedSampler(None, 0, vocab, vocab + pad, vocab, rows)
+
+
+def reference_processed(logits: torch.Tensor, r: RowSampling, prompt, output) -> torch.Tensor:
+    """Full-row float32 transformations written out plainly (vLLM order), before temperature."""
+    x = logits.to(torch.float32).clone()
+    x[torch.isnan(x)] = NEG_INF
+    v = x.numel()
+    counts = torch.bincount(torch.tensor(output, dtype=torch.int64), minlength=v)
+    if r.repetition_penalty != 1:
+        seen = torch.zeros(v, dtype=torch.bool)
+        seen[list(prompt) + list(output)] = True
+        rep = torch.tensor(r.repetition_penalty, dtype=torch.float32)
+        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    if r.frequency_penalty != 0:
+        x = torch.where(counts > 0, x - torch.tensor(r.frequency_penalty) * counts, x)
+    if r.presence_penalty != 0:
+        x = torch.where(counts > 0, x - torch.tensor(r.presence_penalty), x)
+    for token, bias in r.logit_bias:
+        x[token] += torch.tensor(bias, dtype=torch.float32)
+    if r.allowed_token_ids is not None:
+        keep = torch.zeros(v, dtype=torch.bool)
+        keep[list(r.allowed_token_ids)] = True
+        x[~keep] = NEG_INF
+    return x
+
+
+def reference_kept(y: torch.Tensor, r: RowSampling) -> set[int]:
+    """Ids kept by top-k, top-p, min-p on the temperature-scaled row y (ties kept whole)."""
+    y = y.to(torch.float64)
+    keep = torch.ones_like(y, dtype=torch.bool)
+    if 0 < r.top_k < y.numel():
+        keep &= y >= torch.sort(y, descending=True).values[r.top_k - 1]
+    z = torch.where(keep, y, NEG_INF)
+    probs = torch.softmax(z, 0)
+    if r.top_p < 1:
+        for value in torch.unique(z[keep]).tolist():
+            above = float(probs[z > value].sum())
+            assert abs(above - r.top_p) > 1e-9, "boundary too close to call"
+            if above >= r.top_p:
+                keep &= z != value
+    if r.min_p > 0:
+        keep &= probs / probs.max() >= r.min_p
+    return set(torch.nonzero(keep).flatten().tolist())
+
+
+def test_greedy_is_argmax_with_smallest_id_on_ties():
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    logits[1, [7, 3, 40]] = 9.0
+    logits[2, [44, 45]] = 9.0
+    logits[3] = 0.0
+    rows = [RowSampling(seed=i, position=0, temperature=0.0, top_k=2, top_p=0.1) for i in range(4)]
+    got = make_sampler(50, 4).sample(logits, rows, [[]] * 4, [[]] * 4).tolist()
+    assert got == [int(logits[0].argmax()), 3, 44, 0]
+
+
+def test_padded_lanes_never_sampled():
+    logits = torch.zeros(3, 12)
+    logits[:, 10:] = 1e30
+    rows = [
+        RowSampling(seed=1, position=0, temperature=0.0),
+        RowSampling(seed=2, position=0, temperature=5.0),
+        RowSampling(seed=3, position=0, top_p=0.5),
+    ]
+    sampler = make_sampler(10, 3, pad=2)
+    for step in range(30):
+        rows = [replace(r, position=step) for r in rows]
+        assert max(sampler.sample(logits, rows, [[]] * 3, [[]] * 3).tolist()) < 10
+
+
+def test_penalties_bias_and_allowed_ids_match_reference():
+    v = 64
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(5, v, generator=gen) * 3
+    prompt = [[1, 2, 3, 2], [5, 6], [], [9, 10, 11], [60, 61]]
+    output = [[3, 3, 7], [5, 5, 5, 20], [30], [], [61, 62, 62, 1]]
+    rows = [
+        RowSampling(seed=0, position=0, temperature=0.0, repetition_penalty=1.3),
+        RowSampling(
+            seed=1, position=0, temperature=0.7, frequency_penalty=0.4, presence_penalty=-0.3
+        ),
+        RowSampling(seed=2, position=0, logit_bias=((30, 5.0), (31, -100.0))),
+        RowSampling(seed=3, position=0, temperature=0.0, allowed_token_ids=(9, 40, 41)),
+        RowSampling(
+            seed=4,
+            position=0,
+            temperature=2.0,
+            repetition_penalty=0.8,
+            frequency_penalty=1.0,
+            presence_penalty=0.5,
+            logit_bias={61: 2.5},
+            allowed_token_ids=(1, 61, 62, 63),
+        ),
+    ]
+    before = logits.clone()
+    got = make_sampler(v, 5).processed(logits, rows, prompt, output)
+    assert torch.equal(logits, before)
+    for i, r in enumerate(rows):
+        expected = reference_processed(logits[i], r, prompt[i], output[i])
+        if not r.greedy:
+            expected = expected / torch.tensor(r.temperature, dtype=torch.float32)
+        assert torch.equal(got[i], expected), i
+    greedy = make_sampler(v, 5).sample(logits, rows, prompt, output)
+    assert int(greedy[3]) == int(reference_processed(logits[3], rows[3], [], []).argmax())
+    assert int(greedy[3]) in (9, 40, 41)
+
+
+FILTER_ROWS = [
+    dict(top_k=7),
+    dict(top_k=1),
+    dict(top_k=300),
+    dict(top_k=700, temperature=0.5),
+    dict(top_p=0.9),
+    dict(top_p=0.25, temperature=1.7),
+    dict(min_p=0.1),
+    dict(top_k=40, top_p=0.8, min_p=0.02, temperature=0.8),
+    dict(top_k=400, top_p=0.5, temperature=0.6),
+    dict(top_k=1000),
+]
+
+
+@pytest.mark.parametrize(("seed", "shift"), [(0, 0.0), (1, -60.0)])
+def test_filters_keep_exactly_the_expected_set(seed, shift):
+    v = 1000
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(len(FILTER_ROWS), v, generator=gen) * 2 + shift
+    rows = [RowSampling(seed=i, position=0, **p) for i, p in enumerate(FILTER_ROWS)]
+    got = make_sampler(v, len(rows)).processed(logits, rows, [[]] * len(rows), [[]] * len(rows))
+    for i, r in enumerate(rows):
+        y = logits[i] / torch.tensor(r.temperature, dtype=torch.float32)
+        kept = set(torch.nonzero(got[i] > NEG_INF).flatten().tolist())
+        assert kept == reference_kept(y, r), FILTER_ROWS[i]
+        assert torch.equal(got[i][got[i] > NEG_INF], y[got[i] > NEG_INF])
+
+
+def test_ties_at_thresholds_are_kept_whole():
+    logits = torch.tensor([[5.0, 4.0, 3.0, 4.0, 1.0, 4.0, 0.0, 0.0]] * 3)
+    logits[2] = torch.tensor([2.0, 1.0, 0.0, 1.0, -1.0, -5.0, -5.0, -5.0])
+    rows = [
+        RowSampling(seed=0, position=0, top_k=2),
+        RowSampling(seed=0, position=0, top_k=300),
+        RowSampling(seed=0, position=0, top_p=0.75),
+    ]
+    got = make_sampler(8, 3).processed(logits, rows, [[]] * 3, [[]] * 3)
+    assert torch.nonzero(got[0] > NEG_INF).flatten().tolist() == [0, 1, 3, 5]
+    assert torch.equal(got[1], logits[1])
+    # mass of {2.0} = 0.47 < 0.75, so the tied pair at 1.0 stays whole.
+    assert torch.nonzero(got[2] > NEG_INF).flatten().tolist() == [0, 1, 3]
+
+
+def sample_many(logits_row, params, draws, batch=250):
+    v = logits_row.numel()
+    sampler = make_sampler(v, batch)
+    counts: Counter[int] = Counter()
+    for start in range(0, draws, batch):
+        rows = [RowSampling(seed=s, position=3, **params) for s in range(start, start + batch)]
+        logits = logits_row.expand(batch, -1).contiguous()
+        counts.update(sampler.sample(logits, rows, [[]] * batch, [[]] * batch).tolist())
+    return counts
+
+
+@pytest.mark.parametrize(
+    "params",
+    [dict(top_k=7, temperature=3.0), dict(top_p=0.6), dict(min_p=0.2, temperature=0.9)],
+)
+def test_sampled_ids_cover_exactly_the_kept_set(params):
+    perm = torch.randperm(50, generator=torch.Generator().manual_seed(3))
+    logits_row = torch.empty(50)
+    logits_row[perm] = -0.3 * torch.arange(50, dtype=torch.float32)
+    r = RowSampling(seed=0, position=0, **params)
+    expected = reference_kept(logits_row / torch.tensor(r.temperature), r)
+    assert 4 <= len(expected) <= 10
+    counts = sample_many(logits_row, params, 2000)
+    assert set(counts) == expected
+
+
+@pytest.mark.parametrize(
+    ("params", "kept"), [(dict(temperature=0.7), 8), (dict(temperature=1.3, top_k=5), 5)]
+)
+def test_empirical_distribution_matches_softmax(params, kept):
+    logits_row = torch.tensor([1.0, 0.5, 0.0, -0.3, 0.8, -1.0, 0.2, -0.6])
+    draws = 5000
+    counts = sample_many(logits_row, params, draws)
+    y = logits_row.double() / params["temperature"]
+    y[torch.argsort(y, descending=True)[kept:]] = NEG_INF
+    probs = torch.softmax(y, 0)
+    chi2 = sum(
+        (counts[i] - draws * p) ** 2 / (draws * p) for i, p in enumerate(probs.tolist()) if p > 0
+    )
+    assert set(counts) == {i for i, p in enumerate(probs.tolist()) if p > 0}
+    assert chi2 < 40.0, chi2  # df <= 7: p-value ~1e-6
+
+
+def test_logits_unchanged_bit_exact():
+    logits = torch.randn(4, 40, generator=torch.Generator().manual_seed(5))
+    logits[0, 3] = float("nan")
+    logits[1, 4] = float("inf")
+    logits[2, 5] = -0.0
+    logits[:, 36:] = 7.0
+    bits = logits.view(torch.int32).clone()
+    rows = [
+        RowSampling(seed=1, position=0, temperature=0.0, repetition_penalty=1.5),
+        RowSampling(seed=2, position=0, top_k=3, logit_bias={1: 3.0}),
+        RowSampling(seed=3, position=0, top_p=0.5, min_p=0.1, frequency_penalty=1.0),
+        RowSampling(seed=4, position=0, allowed_token_ids=(0, 1)),
+    ]
+    out = make_sampler(36, 4, pad=4).sample(logits, rows, [[1, 2]] * 4, [[2, 3, 3]] * 4)
+    assert torch.equal(logits.view(torch.int32), bits)
+    assert int(out[1]) == 4 and int(out[3]) in (0, 1)
+
+
+def test_seeded_determinism_and_batch_independence():
+    logits = torch.randn(3, 100, generator=torch.Generator().manual_seed(6))
+    rows = [RowSampling(seed=s, position=p, top_p=0.95) for s, p in [(10, 0), (11, 0), (10, 1)]]
+    sampler = make_sampler(100, 3)
+    first = sampler.sample(logits, rows, [[]] * 3, [[]] * 3)
+    assert torch.equal(sampler.sample(logits, rows, [[]] * 3, [[]] * 3), first)
+    alone = make_sampler(100, 1).sample(logits[2:], rows[2:], [[]], [[]])
+    assert int(alone[0]) == int(first[2])
+    draws = [
+        int(sampler.sample(logits[:1], [RowSampling(seed=10, position=p)], [[]], [[]])[0])
+        for p in range(20)
+    ]
+    assert len(set(draws)) > 5
+
+
+@pytest.mark.parametrize(("rows", "width"), [(64, 300), (6, 20_000)])
+def test_gumbel_pruning_never_changes_the_winner(rows, width):
+    gen = torch.Generator().manual_seed(7)
+    scale = torch.tensor([40.0, 3.0, 0.0]).repeat(rows // 3 + 1)[:rows].unsqueeze(1)
+    x = torch.randn(rows, width, generator=gen) * scale
+    x[::5, 17] = float("inf")
+    x[4::7] = NEG_INF
+    seeds = torch.arange(rows, dtype=torch.int64) - 32
+    positions = torch.arange(rows, dtype=torch.int64) * 3
+    keys, ids = gumbel_best(x, seeds, positions, vocab_start=1000)
+    lanes = torch.arange(width) + 1000
+    noise = gumbel_noise(seeds.unsqueeze(1), positions.unsqueeze(1), lanes)
+    full = score_keys(x.double() + noise)
+    best = full.max(1).values
+    brute = torch.where(full == best.unsqueeze(1), lanes, 2**40).min(1).values
+    assert torch.equal(keys, best) and torch.equal(ids, brute)
+
+
+def test_all_masked_row_is_deterministic():
+    logits = torch.full((2, 10), NEG_INF)
+    rows = [RowSampling(seed=1, position=0), RowSampling(seed=2, position=0, top_p=0.3)]
+    assert make_sampler(10, 2).sample(logits, rows, [[]] * 2, [[]] * 2).tolist() == [0, 0]
+
+
+def test_value_keys_round_trip():
+    vals = torch.tensor([NEG_INF, -1.5, -0.0, 0.0, 2.0, float("inf")])
+    keys = value_keys(vals)
+    assert torch.all(keys[1:] >= keys[:-1]) and int(keys[2]) == int(keys[3])
+    assert torch.equal(key_values(keys), vals.abs().where(vals == 0, vals))
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(temperature=-1.0),
+        dict(temperature=math.nan),
+        dict(top_k=-2),
+        dict(top_p=0.0),
+        dict(min_p=1.5),
+        dict(repetition_penalty=0.0),
+        dict(logit_bias=((1, 1.0), (1, 2.0))),
+        dict(allowed_token_ids=()),
+        dict(seed=2**64),
+        dict(position=-1),
+        dict(seed=True),
+    ],
+)
+def test_row_sampling_validation(bad):
+    args = dict(seed=0, position=0) | bad
+    with pytest.raises(ValueError):
+        RowSampling(**args)
+
+
+def test_sampler_rejects_out_of_vocabulary_ids_and_shapes():
+    sampler = make_sampler(10, 2)
+    logits = torch.zeros(1, 10)
+    with pytest.raises(ValueError):
+        sampler.sample(logits, [RowSampling(seed=0, position=0, logit_bias={10: 1.0})], [[]], [[]])
+    with pytest.raises(ValueError):
+        sampler.sample(
+            logits, [RowSampling(seed=0, position=0, presence_penalty=1.0)], [[]], [[10]]
+        )
+    with pytest.raises(ValueError):
+        sampler.sample(torch.zeros(1, 11), [RowSampling(seed=0, position=0)], [[]], [[]])
