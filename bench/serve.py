@@ -1,0 +1,169 @@
+"""HTTP serving throughput with and without logprobs, on loopback.
+
+Starts its own server (the embedded tiny model unless --model is given; --url uses a running
+one), then runs the same workload with 16 concurrent clients three times: no logprobs,
+logprobs=0 and logprobs=20 (Completions; --chat uses Chat Completions with top_logprobs).
+Prints requests/s, generated tokens/s and response bytes per request, each also as a ratio to
+the no-logprobs run measured in the same process.
+
+    python -m bench.serve [--requests 256] [--max-tokens 32] [--stream] [--chat]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Result:
+    name: str
+    seconds: float
+    requests: int
+    tokens: int
+    bytes: int
+
+    @property
+    def rps(self) -> float:
+        return self.requests / self.seconds
+
+    @property
+    def tps(self) -> float:
+        return self.tokens / self.seconds
+
+    @property
+    def bytes_per_response(self) -> float:
+        return self.bytes / self.requests
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "launch.serve", "--host", "127.0.0.1", "--port", str(port),
+           "--capacity", str(args.capacity)]
+    if args.model:
+        cmd += ["--model", args.model]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise SystemExit("server did not start")
+
+
+def request_body(args: argparse.Namespace, model: str, i: int, logprobs: int | None) -> dict:
+    common = {"model": model, "max_tokens": args.max_tokens, "temperature": 1.0, "seed": i,
+              "ignore_eos": True, "stream": args.stream}
+    if args.stream:
+        common["stream_options"] = {"include_usage": True}
+    if args.chat:
+        body = {**common, "messages": [{"role": "user", "content": f"Tell story {i}."}]}
+        if logprobs is not None:
+            body.update(logprobs=True, top_logprobs=logprobs)
+        return body
+    body = {**common, "prompt": f"Once upon a time, story number {i}"}
+    if logprobs is not None:
+        body["logprobs"] = logprobs
+    return body
+
+
+async def run(args: argparse.Namespace, url: str, model: str, name: str,
+              logprobs: int | None) -> Result:
+    path = "/v1/chat/completions" if args.chat else "/v1/completions"
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for i in range(args.requests):
+        queue.put_nowait(i)
+    totals = {"tokens": 0, "bytes": 0}
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        while not queue.empty():
+            i = queue.get_nowait()
+            response = await client.post(path, json=request_body(args, model, i, logprobs))
+            response.raise_for_status()
+            body = response.content
+            totals["bytes"] += len(body)
+            if args.stream:
+                last = [b for b in body.split(b"\n\n") if b.startswith(b"data: {")][-1]
+                usage = httpx.Response(200, content=last[6:]).json()["usage"]
+            else:
+                usage = response.json()["usage"]
+            totals["tokens"] += usage["completion_tokens"]
+
+    limits = httpx.Limits(max_connections=args.concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        start = time.perf_counter()
+        await asyncio.gather(*(worker(client) for _ in range(args.concurrency)))
+        seconds = time.perf_counter() - start
+    return Result(name, seconds, args.requests, totals["tokens"], totals["bytes"])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--url", default=None, help="use a running server instead")
+    parser.add_argument("--model", default=None, help="model dir (default: embedded tiny model)")
+    parser.add_argument("--capacity", type=int, default=16)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--stream", action="store_true")
+    parser.add_argument("--chat", action="store_true")
+    args = parser.parse_args(argv)
+    proc = None
+    url = args.url
+    if url is None:
+        proc, url = start_server(args)
+    try:
+        model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        warm = argparse.Namespace(**{**vars(args), "requests": args.concurrency})
+        asyncio.run(run(warm, url, model, "warmup", 20))
+        results = [asyncio.run(run(args, url, model, name, lp)) for name, lp in
+                   (("no logprobs", None), ("logprobs=0", 0), ("logprobs=20", 20))]
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    base = results[0]
+    kind = "chat" if args.chat else "completions"
+    print(f"{kind}, stream={args.stream}, {args.concurrency} clients, {args.requests} requests, "
+          f"max_tokens={args.max_tokens}")
+    print(f"{'run':<13}{'req/s':>9}{'tok/s':>10}{'bytes/resp':>12}"
+          f"{'req/s x':>10}{'tok/s x':>9}{'bytes x':>9}")
+    for r in results:
+        print(f"{r.name:<13}{r.rps:>9.2f}{r.tps:>10.1f}{r.bytes_per_response:>12.0f}"
+              f"{r.rps / base.rps:>10.3f}{r.tps / base.tps:>9.3f}"
+              f"{r.bytes_per_response / base.bytes_per_response:>9.2f}")
+
+
+if __name__ == "__main__":
+    main()

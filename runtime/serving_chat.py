@@ -1,0 +1,221 @@
+"""POST /v1/chat/completions in vLLM's wire format (non-streaming and SSE)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from runtime.chat_template import ChatTemplateError
+from runtime.engine_api import Engine, RequestError
+from runtime.protocol import ChatCompletionRequest
+from runtime.serving import (
+    ChoiceJob,
+    Delta,
+    ModelAssets,
+    Totals,
+    build_params,
+    check_choices,
+    check_stops,
+    choice_seed,
+    merge,
+    new_id,
+    now,
+    resolve_max_tokens,
+    run_choice,
+)
+from runtime.wire import Position, WireMode, chat_logprobs
+
+RESERVED_TEMPLATE_KEYS = {"messages", "add_generation_prompt"}
+
+
+@dataclass
+class PreparedChat:
+    request: ChatCompletionRequest
+    jobs: list[ChoiceJob]
+    role: str
+    echo: str | None
+    prompt_tokens: int
+    mode: WireMode | None
+
+
+def _check_logprobs(req: ChatCompletionRequest, engine: Engine) -> int | None:
+    """The number of natural alternatives (None: no logprobs)."""
+    info = engine.info
+    top = req.top_logprobs
+    if req.logprobs and not info.allow_logprobs:
+        raise RequestError(
+            "logprobs", "this model's core has no logprob outputs (K=0): logprobs are refused"
+        )
+    if top is not None:
+        if not 0 <= top <= info.max_logprobs:
+            raise RequestError("top_logprobs", f"must be in [0, {info.max_logprobs}], got {top}")
+        if top > 0 and not req.logprobs:
+            raise RequestError(
+                "top_logprobs", "when using top_logprobs, logprobs must be set to true"
+            )
+    if req.logprob_token_ids is not None and not req.logprobs:
+        raise RequestError(
+            "logprob_token_ids", "when using logprob_token_ids, logprobs must be set to true"
+        )
+    return (top or 0) if req.logprobs else None
+
+
+def _render(req: ChatCompletionRequest, assets: ModelAssets) -> str:
+    template = assets.chat_template
+    if template is None:
+        raise RequestError(
+            "messages", "this model has no chat template (tokenizer_config.json chat_template)"
+        )
+    messages = []
+    for message in req.messages:
+        item = message.model_dump(exclude_none=True)
+        item["content"] = message.text()
+        messages.append(item)
+    kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items()
+              if k not in RESERVED_TEMPLATE_KEYS and k != "continue_final_message"}
+    try:
+        return template.render(
+            messages,
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            **kwargs,
+        )
+    except ChatTemplateError as exc:
+        raise RequestError("messages", str(exc)) from exc
+
+
+def prepare_chat(req: ChatCompletionRequest, engine: Engine, assets: ModelAssets) -> PreparedChat:
+    """Everything refused before admission raises RequestError here (HTTP 400)."""
+    unsupported = req.chat_unsupported()
+    if unsupported:
+        raise RequestError(*unsupported)
+    if req.stream_options is not None and not req.stream:
+        raise RequestError("stream_options", "stream_options can only be set when stream=true")
+    top = _check_logprobs(req, engine)
+    stops = req.stop_strings()
+    check_stops(stops)
+    check_choices(req.n, 1)
+    text = _render(req, assets)
+    ids = assets.encode(text, add_special_tokens=req.add_special_tokens, param="messages")
+    if not ids:
+        raise RequestError("messages", "the rendered conversation has no tokens")
+    info = engine.info
+    param, requested = "max_tokens", req.max_tokens
+    if req.max_completion_tokens is not None:
+        param, requested = "max_completion_tokens", req.max_completion_tokens
+    max_tokens = resolve_max_tokens(
+        requested, len(ids), info.max_model_len, param, prompt_param="messages"
+    )
+    jobs = []
+    for i in range(req.n):
+        params = build_params(
+            req, max_tokens=max_tokens, logprobs=top,
+            logprob_token_ids=req.logprob_token_ids if top is not None else None,
+            seed=choice_seed(req.seed, i),
+        )
+        if i == 0:
+            try:
+                engine.check(ids, params)
+            except RequestError as exc:
+                if exc.param == "prompt":
+                    raise RequestError("messages", exc.message) from exc
+                raise
+        jobs.append(ChoiceJob(i, ids, params, stops, req.include_stop_str_in_output,
+                              req.skip_special_tokens))
+    role = "assistant" if req.add_generation_prompt else req.messages[-1].role
+    echo = None
+    if req.echo and req.messages[-1].role == role:
+        echo = req.messages[-1].text() or ""
+    mode = None
+    if top is not None:
+        selected = req.logprob_token_ids is not None
+        mode = WireMode(selected, bool(req.return_tokens_as_token_ids))
+    return PreparedChat(req, jobs, role, echo, len(ids), mode)
+
+
+def _logprobs(prep: PreparedChat, items: list[Position], assets: ModelAssets):
+    if prep.mode is None:
+        return None
+    return chat_logprobs(items, assets.token_bytes, prep.mode)
+
+
+def _streams(prep: PreparedChat, engine: Engine, assets: ModelAssets) -> list:
+    return [run_choice(engine, job, assets.token_bytes) for job in prep.jobs]
+
+
+async def chat(prep: PreparedChat, engine: Engine, assets: ModelAssets) -> dict:
+    """The whole response; raises EngineError (or another error) after admission."""
+    n = len(prep.jobs)
+    texts: list[list[str]] = [[prep.echo or ""] for _ in range(n)]
+    items: list[list[Position]] = [[] for _ in range(n)]
+    ends: dict[int, Delta] = {}
+    totals = Totals(prep.prompt_tokens)
+    async for index, delta in merge(_streams(prep, engine, assets)):
+        texts[index].append(delta.text)
+        items[index].extend(delta.positions)
+        totals.add(index, delta)
+        if delta.finish_reason is not None:
+            ends[index] = delta
+    choices = []
+    for index in range(n):
+        end = ends.get(index)
+        choices.append({
+            "index": index,
+            "message": {"role": prep.role, "content": "".join(texts[index]), "tool_calls": []},
+            "logprobs": _logprobs(prep, items[index], assets),
+            "finish_reason": end.finish_reason if end else None,
+            "stop_reason": end.stop_reason if end else None,
+        })
+    return {
+        "id": new_id("chatcmpl"),
+        "object": "chat.completion",
+        "created": now(),
+        "model": assets.served_model_name,
+        "choices": choices,
+        "usage": totals.usage(),
+        "system_fingerprint": None,
+        "prompt_logprobs": None,
+    }
+
+
+async def stream_chat(
+    prep: PreparedChat, engine: Engine, assets: ModelAssets
+) -> AsyncIterator[dict[str, Any]]:
+    """Chunk objects (the caller encodes them as SSE, adds errors and [DONE])."""
+    req = prep.request
+    head = {"id": new_id("chatcmpl"), "object": "chat.completion.chunk", "created": now(),
+            "model": assets.served_model_name}
+    options = req.stream_options
+    include_usage = bool(options and options.include_usage)
+    continuous = bool(options and options.continuous_usage_stats)
+    totals = Totals(prep.prompt_tokens)
+
+    def chunk(choice: dict[str, Any], index: int) -> dict[str, Any]:
+        out = {**head, "choices": [choice]}
+        if continuous:
+            out["usage"] = totals.usage(totals.per_choice.get(index, 0))
+        return out
+
+    for index in range(len(prep.jobs)):
+        delta = {"role": prep.role, "content": ""}
+        yield chunk({"index": index, "delta": delta, "logprobs": None, "finish_reason": None},
+                    index)
+        if prep.echo:
+            yield chunk({"index": index, "delta": {"content": prep.echo}, "logprobs": None,
+                         "finish_reason": None}, index)
+    async for index, delta in merge(_streams(prep, engine, assets)):
+        totals.add(index, delta)
+        if not delta.text and not delta.positions and delta.finish_reason is None:
+            continue
+        choice = {
+            "index": index,
+            "delta": {"content": delta.text},
+            "logprobs": _logprobs(prep, delta.positions, assets),
+            "finish_reason": delta.finish_reason,
+        }
+        if delta.finish_reason is not None:
+            choice["stop_reason"] = delta.stop_reason
+        yield chunk(choice, index)
+    if include_usage:
+        yield {**head, "choices": [], "usage": totals.usage()}
