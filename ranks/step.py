@@ -128,7 +128,7 @@ class RankStep:
             return
         tokens = self.sampler.sample(
             logits,
-            [self._row_sampling(state) for _, state in sampling_work],
+            [row_sampling(state.spec, len(state.output)) for _, state in sampling_work],
             [state.prompt for _, state in sampling_work],
             [state.output for _, state in sampling_work],
         )
@@ -164,18 +164,19 @@ class RankStep:
         )
         self.outputs.completion_logprobs[frame, to_slots, 0] = self.reduce_out[to_slots]
 
-    def _row_sampling(self, state: SlotState) -> RowSampling:
-        spec = state.spec
-        return RowSampling(
-            temperature=spec.temperature,
-            top_k=spec.top_k,
-            top_p=spec.top_p,
-            min_p=spec.min_p,
-            seed=spec.seed,
-            position=len(state.output),
-            presence_penalty=spec.presence_penalty,
-            frequency_penalty=spec.frequency_penalty,
-            repetition_penalty=spec.repetition_penalty,
-            logit_bias=spec.logit_bias,
-            allowed_token_ids=spec.allowed_token_ids,
-        )
+
+def row_sampling(spec: RequestSpec, position: int) -> RowSampling:
+    """The sampler's per-row parameters; constructing it validates them."""
+    return RowSampling(
+        temperature=spec.temperature,
+        top_k=spec.top_k,
+        top_p=spec.top_p,
+        min_p=spec.min_p,
+        seed=spec.seed,
+        position=position,
+        presence_penalty=spec.presence_penalty,
+        frequency_penalty=spec.frequency_penalty,
+        repetition_penalty=spec.repetition_penalty,
+        logit_bias=spec.logit_bias,
+        allowed_token_ids=spec.allowed_token_ids,
+    )

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from ranks.plan import RequestSpec, StepPlan
-from ranks.step import RankStep
+from ranks.step import RankStep, row_sampling
 from runtime.engine_api import (
     EngineError,
     EngineInfo,
@@ -135,11 +135,14 @@ class Engine:
             bad = [t for t in ids if not 0 <= t < info.vocab_size]
             if bad:
                 raise RequestError(name, f"token ids {bad[:5]} outside [0, {info.vocab_size})")
-        if params.allowed_token_ids is not None and not params.allowed_token_ids:
-            raise RequestError("allowed_token_ids", "must not be empty")
         for t, bias in params.logit_bias:
             if not math.isfinite(bias):
                 raise RequestError("logit_bias", f"bias for token {t} must be finite")
+        try:
+            row_sampling(self._spec(0, prompt_ids, params), position=0)
+        except ValueError as exc:
+            param, _, message = str(exc).partition(": ")
+            raise RequestError(param, message or str(exc)) from exc
 
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams

@@ -157,3 +157,20 @@ def test_generated_logprobs_match_transformers_with_chunked_prefill(model_dir):
         row = ref[len(prompt) - 1 + t.index]
         assert t.token_id == int(torch.argmax(row))
         assert math.isclose(t.logprob, float(row[t.token_id]), abs_tol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("params", "param"),
+    [
+        ({"allowed_token_ids": (5, 5)}, "allowed_token_ids"),
+        ({"seed": 2**70}, "seed"),
+        ({"logit_bias": ((3, 1.0), (3, 2.0))}, "logit_bias"),
+        ({"stop_token_ids": (10**6,)}, "stop_token_ids"),
+    ],
+)
+def test_sampling_parameters_refused_before_they_reach_the_ranks(engine, params, param):
+    with pytest.raises(RequestError) as err:
+        engine.generate_sync([5, 6], SamplingParams(max_tokens=2, **params))
+    assert err.value.param == param
+    tokens, _ = engine.generate_sync([5, 6], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert len(tokens) == 2 and engine.healthy()
