@@ -105,9 +105,13 @@ def reduce_logprobs(
     descending, id ascending on the reported FP32 value) or, for a row with token_ids, those
     IDs in caller order. Reported value = float32(logit) - lse with lse from FP32 tile
     maxima and masses; lanes >= vocab_size (padding) never enter. A non-finite lse (NaN or
-    +inf logit, or every logit -inf) gives NaN values. Unused words of a written row are -1
-    (both words of a missing pair when the vocabulary has fewer than K ids). Rows whose
-    ``requested`` flag is 0 are neither read nor written; a fresh ``out`` is filled with -1.
+    +inf logit, or every logit -inf) gives a NaN chosen value (and NaN selected values);
+    the torch backends then report no natural alternatives (ids -1). Unused words of a
+    written row are -1 (both words of a missing pair when the vocabulary has fewer than K
+    ids). Natural values are decoded from the sort keys, so a reported -0.0 reads +0.0.
+    Rows whose ``requested`` flag is 0 are neither read nor written; a fresh ``out`` is
+    filled with -1. backend: "torch" (CPU production path), "reference" (slow oracle) or
+    "triton" (kernels/triton_backend.py, imported on first use).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
@@ -196,47 +200,37 @@ def top_keys(candidates: torch.Tensor, k: int) -> torch.Tensor:
     return best
 
 
-def pack_pairs(
+def assemble_payload(
     chosen: torch.Tensor,
     chosen_values: torch.Tensor,
-    pair_ids: torch.Tensor,
-    pair_bits: torch.Tensor,
+    natural: torch.Tensor,
+    best: torch.Tensor | None,
+    picked: torch.Tensor,
+    sel: torch.Tensor,
+    sel_counts: torch.Tensor,
+    sel_values: torch.Tensor,
 ) -> torch.Tensor:
-    """int32 [n, PAYLOAD_WORDS]: chosen id, chosen FP32 bits, then the (id, bits) pairs.
+    """int32 [n, PAYLOAD_WORDS]: chosen id and FP32 bits, then (id, FP32 bits) pairs.
 
-    pair_ids/pair_bits are int32 [n, <=128] with -1 in both words of an unused pair; words
-    beyond the given pairs are -1.
+    Rows ``natural`` get the keys ``best`` [len(natural), k], best first (an EMPTY_KEY slot,
+    vocabulary < K, gives -1, -1; values are decoded from the keys, so -0.0 reads +0.0).
+    Rows ``picked`` get ids ``sel`` [len(picked), 128] with ``sel_values``, in caller order,
+    -1 beyond each of ``sel_counts``. Every other word is -1.
     """
-    n, p = pair_ids.shape
-    payload = torch.full((n, PAYLOAD_WORDS), -1, dtype=torch.int32, device=pair_ids.device)
+    n = chosen.numel()
+    payload = torch.full((n, PAYLOAD_WORDS), -1, dtype=torch.int32, device=chosen.device)
     payload[:, CHOSEN_ID] = chosen.to(torch.int32)
     payload[:, CHOSEN_BITS] = float_bits(chosen_values)
-    pairs = payload[:, FIRST_PAIR : FIRST_PAIR + 2 * p].view(n, p, 2)
-    pairs[..., 0] = pair_ids
-    pairs[..., 1] = pair_bits
+    pairs = payload[:, FIRST_PAIR:].view(n, MAX_TOKEN_IDS, 2)
+    if best is not None and best.shape[1]:
+        k, empty = best.shape[1], best == EMPTY_KEY
+        pairs[natural, :k, 0] = torch.where(empty, -1, key_ids(best)).to(torch.int32)
+        pairs[natural, :k, 1] = torch.where(empty, -1, float_bits(key_values(best)))
+    if picked.numel():
+        live = torch.arange(MAX_TOKEN_IDS, device=sel.device) < sel_counts.unsqueeze(1)
+        pairs[picked, :, 0] = torch.where(live, sel.to(torch.int32), -1)
+        pairs[picked, :, 1] = torch.where(live, float_bits(sel_values), -1)
     return payload
-
-
-def natural_pairs(best: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Best keys [n, k] -> (ids, FP32 bits) int32; an EMPTY_KEY slot (vocabulary < K) -> -1, -1.
-
-    Values are decoded from the keys, so a reported -0.0 is stored as +0.0.
-    """
-    empty = best == EMPTY_KEY
-    ids = torch.where(empty, -1, key_ids(best)).to(torch.int32)
-    bits = torch.where(empty, -1, float_bits(key_values(best)))
-    return ids, bits
-
-
-def selected_pairs(
-    ids: torch.Tensor, counts: torch.Tensor, values: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Selected ids [n, 128] + their reported values -> (ids, bits), -1 beyond each count."""
-    live = torch.arange(MAX_TOKEN_IDS, device=ids.device) < counts.unsqueeze(1).to(torch.int64)
-    return (
-        torch.where(live, ids.to(torch.int32), -1),
-        torch.where(live, float_bits(values), -1),
-    )
 
 
 def write_rows(out: torch.Tensor, rows: torch.Tensor | None, payload: torch.Tensor) -> None:

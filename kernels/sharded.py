@@ -1,0 +1,160 @@
+"""Backend-agnostic driver of the vocabulary-sharded reduction: six launches, two exchanges.
+
+Each rank holds logits [rows, width] for global ids [vocab_start, vocab_start + width), of
+which the first local_valid lanes are real vocabulary (the rest is padding). Per call:
+
+  shard_stats       (launches 1-2)  -> exchange 1: EXCHANGE1_WORDS = 2 int32 words per row
+  gather 1          [world, rows, 2]: word 0 = shard max FP32 bits, word 1 = shard exp mass
+                    FP32 bits (relative to that max); (-inf, 0) from a shard with no lanes
+  shard_candidates  (launches 3-5)  -> exchange 2: EXCHANGE2_WORDS = 129 int32 words per row
+  gather 2          [world, rows, 129]: word 0 = chosen raw logit FP32 bits (owner's word
+                    read), words 1..64 = best 32 sort keys as (high, low) halves (natural
+                    rows) or words 1..count = selected IDs' raw logit bits (owner's read)
+  final_merge       (launch 6)      -> the packed payload, identical on every rank
+
+(2 + 129) * 4 = 524 bytes per position per rank; no vocabulary-sized row ever travels.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from types import ModuleType
+
+import torch
+
+from collectives.exchange import WordExchange
+from collectives.groups import all_gather_object, group_size
+from kernels.layout import EXCHANGE1_WORDS, EXCHANGE2_WORDS
+
+_CACHE_SIZE = 32
+_cache: OrderedDict[tuple, PreparedShardedReduction] = OrderedDict()
+
+
+def step_functions(backend: str) -> ModuleType:
+    """The module implementing shard_stats / shard_candidates / final_merge for a backend."""
+    if backend == "torch":
+        from kernels import torch_sharded
+
+        return torch_sharded
+    if backend == "triton":
+        from kernels import triton_sharded
+
+        return triton_sharded
+    raise ValueError(f"sharded backend: expected 'torch' or 'triton', got {backend!r}")
+
+
+def shard_bounds(vocab_start: int, local_valid: int, vocab_size: int) -> tuple[int, int]:
+    """This rank's owned global range [lo, hi), clamped to the vocabulary."""
+    lo = min(vocab_start, vocab_size)
+    return lo, lo + local_valid
+
+
+class PreparedShardedReduction:
+    """Built once per configuration (collective: every rank of the group constructs it at
+    the same point); then each call runs six launches and exactly two exchanges."""
+
+    def __init__(
+        self,
+        group: object,
+        rows: int,
+        width: int,
+        vocab_start: int,
+        local_valid: int,
+        vocab_size: int,
+        backend: str,
+        device: torch.device | str,
+    ) -> None:
+        if not 0 <= local_valid <= width:
+            raise ValueError(f"local_valid {local_valid} outside [0, {width}]")
+        self.group = group
+        self.rows = rows
+        self.width = width
+        self.vocab_start = vocab_start
+        self.local_valid = local_valid
+        self.vocab_size = vocab_size
+        self.steps = step_functions(backend)
+        self.world = group_size(group)
+        mine = (*shard_bounds(vocab_start, local_valid, vocab_size), vocab_size, rows)
+        bounds = [tuple(b) for b in all_gather_object(mine, group)]
+        self.shard_starts = self._check_bounds(bounds, vocab_size)
+        self.exchange1 = WordExchange(group, rows, EXCHANGE1_WORDS, device)
+        self.exchange2 = WordExchange(group, rows, EXCHANGE2_WORDS, device)
+        self.lse = torch.empty(rows, dtype=torch.float32, device=device)
+
+    @staticmethod
+    def _check_bounds(bounds: list[tuple], vocab_size: int) -> list[int]:
+        """Non-empty shards must tile [0, vocab_size) in rank order; returns world + 1
+        starts (an empty shard's start equals the next one's, so it owns no id)."""
+        if any(b[2] != vocab_size or b[3] != bounds[0][3] for b in bounds):
+            raise ValueError(f"ranks disagree on vocab_size or rows: {bounds}")
+        starts, cursor = [], 0
+        for rank, (lo, hi, _, _) in enumerate(bounds):
+            starts.append(cursor)
+            if hi > lo:
+                if lo != cursor:
+                    raise ValueError(f"rank {rank} shard [{lo}, {hi}) is not at {cursor}")
+                cursor = hi
+        if cursor != vocab_size:
+            raise ValueError(f"shards cover [0, {cursor}), not [0, {vocab_size}): {bounds}")
+        return [*starts, cursor]
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.exchange1.bytes_sent + self.exchange2.bytes_sent
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        chosen: torch.Tensor,
+        ids: torch.Tensor,
+        counts: torch.Tensor,
+        requested: torch.Tensor,
+        k: int,
+        out: torch.Tensor,
+    ) -> torch.Tensor:
+        if logits.shape != (self.rows, self.width):
+            raise ValueError(f"logits: expected {(self.rows, self.width)}, got {logits.shape}")
+        steps = self.steps
+        send1 = self.exchange1.send
+        steps.shard_stats(logits, requested, self.local_valid, send1)
+        e1_all = self.exchange1.gather()
+        send2 = self.exchange2.send
+        steps.shard_candidates(
+            logits, chosen, ids, counts, requested, e1_all, self.vocab_start,
+            self.local_valid, self.lse, send2,
+        )
+        e2_all = self.exchange2.gather()
+        steps.final_merge(
+            e2_all, self.lse, chosen, ids, counts, requested, k, self.shard_starts, out
+        )
+        return out
+
+
+def prepared_reduction(
+    group: object,
+    rows: int,
+    width: int,
+    vocab_start: int,
+    vocab_size: int,
+    backend: str,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> PreparedShardedReduction:
+    """Cached PreparedShardedReduction for this configuration.
+
+    The cached object holds a strong reference to the group, so id(group) cannot be reused
+    while its entry lives. Eviction is FIFO over the same call sequence on every rank, so a
+    miss (and its collective construction) happens on all ranks together.
+    """
+    key = (id(group), rows, width, vocab_start, vocab_size, backend, str(device), dtype)
+    hit = _cache.get(key)
+    if hit is not None and hit.group is group:
+        return hit
+    local_valid = max(0, min(vocab_size - vocab_start, width))
+    prepared = PreparedShardedReduction(
+        group, rows, width, vocab_start, local_valid, vocab_size, backend, device
+    )
+    _cache[key] = prepared
+    while len(_cache) > _CACHE_SIZE:
+        _cache.popitem(last=False)
+    return prepared

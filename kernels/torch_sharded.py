@@ -1,0 +1,183 @@
+"""Torch step functions of the vocabulary-sharded reduction (six launches, CPU path).
+
+The backend-agnostic driver (kernels/sharded.py) calls, per position block:
+  shard_stats      launches 1-2: tile (max, mass), then the shard's (max, mass) -> exchange 1
+  shard_candidates launch 3: global lse from exchange 1 in rank order;
+                   launch 4: tiles' best 32 keys (global ids) or owned selected raw logits;
+                   launch 5: shard merge -> exchange 2 words
+  final_merge      launch 6: the gathered candidates -> the packed payload, same on every rank
+kernels/triton_sharded.py implements the same three functions with the same signatures.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.api import assemble_payload, flagged_rows, pick_rows, top_keys, write_rows
+from kernels.layout import MAX_TOKEN_IDS, TILE_CANDIDATES
+from kernels.sortkeys import EMPTY_KEY, bits_to_float, float_bits, keys_to_words, words_to_keys
+from kernels.torch_backend import (
+    CHUNK_LANES,
+    NEG_INF,
+    TILE_LANES,
+    chunk_max,
+    combine,
+    count_rows,
+    lse_from,
+    slab_of,
+    slabs,
+    tile_candidates,
+    tile_stats,
+)
+
+KEY_WORDS = 2 * TILE_CANDIDATES
+"""Exchange 2 words 1..64 carry the shard's best 32 keys in natural mode."""
+
+_NEG_INF_BITS = -8388608  # float_bits(-inf) = 0xFF800000
+
+
+def _rows_index(rows: torch.Tensor | None, total: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(total, device=device) if rows is None else rows
+
+
+def chunk_maxima(
+    logits: torch.Tensor, rows: torch.Tensor | None, valid: int, tile: int = TILE_LANES
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chunk_max, tail_max) as launch 1 records them, from the native logits."""
+    n = count_rows(rows, logits.shape[0])
+    full, rest = divmod(valid, tile)
+    dev = logits.device
+    cmax = torch.empty(n, full, tile // CHUNK_LANES, dtype=torch.float32, device=dev)
+    body = rest // CHUNK_LANES * CHUNK_LANES
+    tail = torch.empty(n, body // CHUNK_LANES, dtype=torch.float32, device=dev)
+    for r0, r1, t0, t1, lanes in slabs(n, full * tile + body, tile):
+        x = slab_of(logits, rows, r0, r1, t0 * tile, t0 * tile + (t1 - t0) * lanes)
+        c = chunk_max(x.view(r1 - r0, t1 - t0, lanes)).to(torch.float32)
+        if lanes == tile:
+            cmax[r0:r1, t0:t1] = c
+        else:
+            tail[r0:r1] = c[:, 0]
+    return cmax, tail
+
+
+def shard_stats(
+    logits: torch.Tensor, requested: torch.Tensor, local_valid: int, e1_out: torch.Tensor
+) -> None:
+    """Launches 1-2 on this shard. e1_out int32 [rows, 2] (exchange 1 send words):
+    word 0 = the shard's FP32 max bits, word 1 = its exp mass relative to that max (bits).
+    A shard with no valid lanes, and every unflagged row, reports (-inf, 0)."""
+    e1_out[:, 0] = _NEG_INF_BITS
+    e1_out[:, 1] = 0
+    rows = flagged_rows(requested != 0)
+    if local_valid <= 0 or (rows is not None and rows.numel() == 0):
+        return
+    stats = tile_stats(logits, rows, local_valid)
+    big, mass = combine(stats.max, stats.mass)
+    write_rows(e1_out, rows, torch.stack((float_bits(big), float_bits(mass)), dim=1))
+
+
+def global_lse(e1_all: torch.Tensor) -> torch.Tensor:
+    """Exchange 1 [world, rows, 2] -> FP32 lse [rows], combined sequentially in rank order so
+    that every rank computes bit-identical values (NaN when non-finite)."""
+    big_all = bits_to_float(e1_all[..., 0])
+    mass_all = bits_to_float(e1_all[..., 1])
+    big = big_all.amax(0)
+    shift = torch.where(big == NEG_INF, torch.zeros_like(big), big)
+    # 1. A rank with max -inf (empty shard) adds 0 * exp(-inf) = 0, exactly.
+    mass = torch.zeros_like(big)
+    for r in range(e1_all.shape[0]):
+        mass = mass + mass_all[r] * torch.exp(big_all[r] - shift)
+    return lse_from(big, mass)
+
+
+def shard_candidates(
+    logits: torch.Tensor,
+    chosen: torch.Tensor,
+    ids: torch.Tensor,
+    counts: torch.Tensor,
+    requested: torch.Tensor,
+    e1_all: torch.Tensor,
+    vocab_start: int,
+    local_valid: int,
+    lse_out: torch.Tensor,
+    e2_out: torch.Tensor,
+) -> None:
+    """Launches 3-5. lse_out FP32 [rows]; e2_out int32 [rows, 129] (exchange 2 send words):
+      word 0      the chosen token's raw logit FP32 bits if this shard owns it, else 0
+      natural row (count 0): words 1..64 = the shard's best 32 keys as (high, low) halves,
+                  EMPTY_KEY halves where the shard has fewer lanes; words 65..128 = 0
+      selected row: word 1 + j = raw logit bits of selected id j if owned here, else 0
+    Unflagged rows are all zero."""
+    lse_out.copy_(global_lse(e1_all))
+    e2_out.zero_()
+    dev = logits.device
+    live = requested != 0
+    end = vocab_start + local_valid
+    c = chosen.to(torch.int64)
+    own = (live & (c >= vocab_start) & (c < end)).nonzero().flatten()
+    if own.numel():
+        raw = logits[own, c[own] - vocab_start].to(torch.float32)
+        e2_out[own, 0] = float_bits(raw)
+    natural = (live & (counts == 0)).nonzero().flatten()
+    if natural.numel():
+        if local_valid > 0:
+            rows = None if natural.numel() == logits.shape[0] else natural
+            # 2. Launch 4 recomputes the chunk maxima launch 1 found (no state between steps).
+            cmax, tail = chunk_maxima(logits, rows, local_valid)
+            cand = tile_candidates(
+                logits, rows, local_valid, lse_out[natural], cmax, tail, vocab_start
+            )
+            # 3. Launch 5: the shard keeps its best 32 of all its tiles' candidates.
+            best = top_keys(cand.flatten(1), TILE_CANDIDATES)
+        else:
+            best = torch.full((natural.numel(), TILE_CANDIDATES), EMPTY_KEY, device=dev)
+        e2_out[natural, 1 : 1 + KEY_WORDS] = keys_to_words(best)
+    picked = (live & (counts > 0)).nonzero().flatten()
+    if picked.numel() and local_valid > 0:
+        sel = ids[picked].to(torch.int64)
+        j = torch.arange(MAX_TOKEN_IDS, device=dev)
+        mine = (j < counts[picked].unsqueeze(1)) & (sel >= vocab_start) & (sel < end)
+        lane = (sel - vocab_start).clamp(0, local_valid - 1)
+        raw = logits[picked.unsqueeze(1), lane].to(torch.float32)
+        e2_out[picked, 1:] = torch.where(mine, float_bits(raw), 0)
+
+
+def final_merge(
+    e2_all: torch.Tensor,
+    lse: torch.Tensor,
+    chosen: torch.Tensor,
+    ids: torch.Tensor,
+    counts: torch.Tensor,
+    requested: torch.Tensor,
+    k: int,
+    shard_starts: list[int],
+    out: torch.Tensor,
+) -> None:
+    """Launch 6: exchange 2 [world, rows, 129] -> packed rows of out (flagged rows only)."""
+    rows = flagged_rows(requested != 0)
+    total = out.shape[0]
+    dev = out.device
+    r = _rows_index(rows, total, dev)
+    n = r.numel()
+    if n == 0:
+        return
+    world = e2_all.shape[0]
+    bounds = torch.tensor(shard_starts[1:world], dtype=torch.int64, device=dev)
+    # 4. Owner of id = the rank r with starts[r] <= id < starts[r + 1]; empty shards have
+    #    equal bounds, and right=True skips them.
+    c = pick_rows(chosen, rows).to(torch.int64)
+    owner = torch.bucketize(c, bounds, right=True)
+    chosen_values = bits_to_float(e2_all[owner, r, 0]) - lse[r]
+    cnt = pick_rows(counts, rows)
+    natural = (cnt == 0).nonzero().flatten()
+    best = None
+    if k > 0 and natural.numel():
+        keys = words_to_keys(e2_all[:, r[natural], 1 : 1 + KEY_WORDS])  # [world, m, 32]
+        best = top_keys(keys.transpose(0, 1).flatten(1), k)
+    picked = (cnt > 0).nonzero().flatten()
+    sel = pick_rows(ids, rows)[picked].to(torch.int64)
+    who = torch.bucketize(sel, bounds, right=True)
+    word = torch.arange(1, 1 + MAX_TOKEN_IDS, device=dev).expand_as(sel)
+    values = bits_to_float(e2_all[who, r[picked].unsqueeze(1), word]) - lse[r[picked]].unsqueeze(1)
+    payload = assemble_payload(c, chosen_values, natural, best, picked, sel, cnt[picked], values)
+    write_rows(out, rows, payload)

@@ -1,0 +1,418 @@
+"""The torch backend and the reference against an independent float64 oracle, and each other.
+
+Oracle (written here, shares no code with kernels/): float64 log-softmax of the FP32 logits
+over the real vocabulary, ranked by (value desc, id asc). FP32 results must match it within
+a per-row tolerance; ids must match exactly where the oracle's gaps exceed the tolerance,
+and within the output equal values must come in ascending id order.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from kernels import reduce_logprobs, reduce_logprobs_sharded
+from kernels.api import pack_token_ids
+from kernels.torch_backend import reduce_torch
+
+WORDS = 258
+EPS32 = 2.0**-23
+
+
+def oracle(x: torch.Tensor, vocab: int) -> tuple[torch.Tensor, float] | None:
+    """float64 reported values of one row, and its lse; None when the lse is not finite."""
+    v = x[:vocab].to(torch.float64)
+    if bool(torch.isnan(v).any()) or bool((v == math.inf).any()) or bool((v == -math.inf).all()):
+        return None
+    lse = float(torch.logsumexp(v, 0))
+    return v - lse, lse
+
+
+def row_tolerance(x: torch.Tensor, vocab: int, lse: float) -> float:
+    finite = x[:vocab].to(torch.float64)
+    finite = finite[torch.isfinite(finite)]
+    big = float(finite.abs().max()) if finite.numel() else 0.0
+    return 16 * EPS32 * (1.0 + abs(lse) + big)
+
+
+def _f32(bits: list[int]) -> list[float]:
+    return torch.tensor(bits, dtype=torch.int32).view(torch.float32).tolist()
+
+
+def check_row(
+    words: torch.Tensor, x: torch.Tensor, vocab: int, chosen: int, k: int, ids: list[int]
+) -> None:
+    """One packed row against the float64 oracle (see the module docstring)."""
+    w = words.tolist()
+    assert len(w) == WORDS and w[0] == chosen
+    ref = oracle(x, vocab)
+    pair_ids, pair_vals = w[2::2], _f32(w[3::2])
+    if ref is None:
+        assert math.isnan(_f32([w[1]])[0]), "non-finite lse must give a NaN chosen value"
+        assert all(-1 <= i < vocab for i in pair_ids)
+        return
+    v64, lse = ref
+    tol = row_tolerance(x, vocab, lse)
+
+    def close(got: float, want: float) -> bool:
+        return got == want if math.isinf(want) else abs(got - want) <= tol
+
+    assert close(_f32([w[1]])[0], float(v64[chosen])), (w[1], float(v64[chosen]))
+    if ids:
+        n = len(ids)
+        assert pair_ids[:n] == ids
+        for i, got in zip(ids, pair_vals[:n], strict=True):
+            assert close(got, float(v64[i])), (i, got, float(v64[i]))
+        assert all(t == -1 for t in w[2 + 2 * n :])
+        return
+    real = min(k, vocab)
+    got_ids, got_vals = pair_ids[:real], pair_vals[:real]
+    assert all(t == -1 for t in w[2 + 2 * real :]), "unused words must be -1"
+    assert len(set(got_ids)) == real and all(0 <= i < vocab for i in got_ids)
+    for a, b, ia, ib in zip(got_vals, got_vals[1:], got_ids, got_ids[1:], strict=False):
+        assert a > b or (a == b and ia < ib), "order: value desc, then id asc"
+    for i, got in zip(got_ids, got_vals, strict=True):
+        assert close(got, float(v64[i])), (i, got, float(v64[i]))
+    order = torch.sort(v64, descending=True, stable=True)
+    want_vals = order.values.tolist()
+    want_ids = order.indices.tolist()
+    for j in range(real):
+        assert close(got_vals[j], want_vals[j]), (j, got_vals[j], want_vals[j])
+        above = want_vals[j - 1] - want_vals[j] if j else math.inf
+        below = want_vals[j] - want_vals[j + 1] if j + 1 < vocab else math.inf
+        if above > 2 * tol and below > 2 * tol:
+            assert got_ids[j] == want_ids[j], (j, got_ids, want_ids[:real])
+    if real:
+        rest = torch.ones(vocab, dtype=torch.bool)
+        rest[got_ids] = False
+        if bool(rest.any()):
+            assert float(v64[rest].max()) <= got_vals[-1] + tol, "a better id was skipped"
+
+
+def check_payload(out, logits, vocab, chosen, k, token_ids, requested) -> None:
+    for row in range(out.shape[0]):
+        if requested is None or int(requested[row]):
+            ids = token_ids[row] if token_ids else []
+            check_row(out[row], logits[row], vocab, int(chosen[row]), k, ids)
+
+
+def run_all(logits, chosen, *, k, vocab, token_ids, requested, tile):
+    """(reference, torch via the API, torch with an explicit tile) payloads."""
+    kw = dict(k=k, token_ids=token_ids, vocab_size=vocab, requested=requested)
+    ref = reduce_logprobs(logits, chosen, backend="reference", **kw)
+    api = reduce_logprobs(logits, chosen, backend="torch", **kw)
+    ids, counts = pack_token_ids(token_ids, logits.shape[0], vocab)
+    flags = torch.ones(logits.shape[0], dtype=torch.int32) if requested is None else requested
+    tiled = torch.full((logits.shape[0], WORDS), -1, dtype=torch.int32)
+    reduce_torch(logits, chosen, ids, counts, flags, k, vocab, tiled, tile=tile)
+    return ref, api, tiled
+
+
+def make_logits(kind: str, rows: int, vocab: int, pad: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, vocab, generator=g, dtype=torch.float64) * 3
+    if kind == "ties":  # many exact ties, including at the top-K cutoff
+        x = torch.randint(-2, 3, (rows, vocab), generator=g).double()
+    elif kind == "subtraction":  # distinct logits closer than an ulp of the result
+        x = 1.0 + torch.randint(0, 8, (rows, vocab), generator=g).double() * 2.0**-23
+        x[:, 0] = 20.0  # lse ~ 20: x - lse ~ -19, where FP32 steps are 2^-19
+    elif kind == "signed_zero":
+        x = torch.where(torch.rand(rows, vocab, generator=g) < 0.5, -0.0, 0.0).double()
+        x[:, vocab // 2 :] -= 1.0
+    elif kind == "neg_inf":
+        x[torch.rand(rows, vocab, generator=g) < 0.7] = -math.inf
+        x[:, 0] = 0.5
+    elif kind == "huge":
+        x[:, int(torch.randint(0, vocab, (1,), generator=g))] = 1e30
+    elif kind == "scaled":
+        x = x * 1000.0
+    garbage = torch.tensor([math.nan, math.inf, 1e30, -math.inf], dtype=torch.float64)
+    padding = garbage[torch.randint(0, 4, (rows, pad), generator=g)]
+    return torch.cat([x, padding], dim=1).to(torch.float32)
+
+
+KINDS = ["normal", "ties", "subtraction", "signed_zero", "neg_inf", "huge", "scaled"]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@st.composite
+def cases(draw):
+    vocab = draw(st.sampled_from([1, 2, 7, 19, 20, 21, 64, 423, 1000, 5000]))
+    rows = draw(st.integers(1, 4))
+    kind = draw(st.sampled_from(KINDS))
+    dtype = draw(st.sampled_from(DTYPES))
+    if kind in ("subtraction", "huge", "scaled") and dtype != torch.float32:
+        dtype = torch.float32  # these values only exist in FP32
+    seed = draw(st.integers(0, 2**30))
+    logits = make_logits(kind, rows, vocab, draw(st.sampled_from([0, 1, 17])), seed).to(dtype)
+    chosen = torch.tensor([draw(st.integers(0, vocab - 1)) for _ in range(rows)])
+    requested = torch.tensor([draw(st.integers(0, 1)) for _ in range(rows)], dtype=torch.int32)
+    g = torch.Generator().manual_seed(seed)
+    token_ids = []
+    for _ in range(rows):
+        n = min(draw(st.sampled_from([0, 0, 1, 5, 128])), vocab)
+        token_ids.append(torch.randperm(vocab, generator=g)[:n].tolist())
+    k = draw(st.integers(0, 20))
+    tile = draw(st.sampled_from([16, 64, 512, 4096]))
+    return logits, chosen, requested, token_ids, k, vocab, tile
+
+
+@settings(max_examples=150, deadline=None)
+@given(cases())
+def test_torch_and_reference_match_float64_oracle(case) -> None:
+    logits, chosen, requested, token_ids, k, vocab, tile = case
+    outs = run_all(
+        logits, chosen, k=k, vocab=vocab, token_ids=token_ids, requested=requested, tile=tile
+    )
+    for out in outs:
+        check_payload(out, logits, vocab, chosen, k, token_ids, requested)
+        assert torch.all(out[requested == 0] == -1), "unrequested rows must stay untouched"
+
+
+BACKENDS = ["reference", "torch"]
+
+
+def _pairs(out: torch.Tensor, row: int = 0) -> tuple[list[int], list[float]]:
+    w = out[row].tolist()
+    return w[2::2], _f32(w[3::2])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_subtraction_ties_select_the_smaller_id(backend: str) -> None:
+    """Ids 3 and 7 have distinct FP32 logits (7's is larger), but x - lse rounds both to
+    -19.0: the reported values tie, so the smaller id ranks first; the float64 oracle would
+    rank 7 first. The remaining ids tie exactly and follow in ascending order."""
+    x = torch.full((1, 50), -100.0)
+    x[0, 10] = 20.0
+    x[0, 3] = 1.0 + 2.0**-22
+    x[0, 7] = 1.0 + 3 * 2.0**-23
+    assert float(x[0, 7]) > float(x[0, 3])
+    out = reduce_logprobs(x, torch.tensor([7]), backend=backend)
+    ids, vals = _pairs(out)
+    rest = [i for i in range(50) if i not in (3, 7, 10)]
+    assert ids[:20] == [10, 3, 7, *rest[:17]]
+    assert vals[1] == vals[2] == -19.0
+    assert out[0, 1] == out[0, 7]  # the chosen value is the same FP32 value as pair 2's
+    check_row(out[0], x[0], 50, 7, 20, [])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ties_below_the_prefilter_floor_are_kept(backend: str) -> None:
+    """Each 8-chunk group of the tile holds one lane 1 + 7u (u = 2^-23), so the torch
+    prefilter's raw floor candidate is 1 + 7u; lanes 0..39 hold 1.0, below it, yet x - lse
+    rounds every one of these 72 lanes to -19.0: the tie admits the smallest ids."""
+    x = torch.full((1, 4096), -100.0)
+    x[0, 4095] = 20.0
+    x[0, 3840:4096:8][:32] = 1.0 + 7 * 2.0**-23
+    x[0, :40] = 1.0
+    out = reduce_logprobs(x, torch.tensor([3840]), backend=backend)
+    ids, vals = _pairs(out)
+    assert ids[:20] == [4095, *range(19)]
+    assert vals[1:20] == [-19.0] * 19
+    assert _f32([int(out[0, 1])]) == [-19.0]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_exact_ties_at_the_cutoff_keep_the_smallest_ids(backend: str) -> None:
+    x = torch.zeros(2, 9000, dtype=torch.bfloat16)
+    x[0, 4100::7] = 1.0  # 700 tied maxima, spread over tiles
+    x[1] = 0.25  # the whole row ties
+    out = reduce_logprobs(x, torch.tensor([0, 8999]), backend=backend)
+    assert _pairs(out, 0)[0][:20] == list(range(4100, 4100 + 7 * 20, 7))
+    assert _pairs(out, 1)[0][:20] == list(range(20))
+    check_payload(out, x, 9000, torch.tensor([0, 8999]), 20, None, None)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_signed_zero_vocab_one_and_vocab_below_k(backend: str) -> None:
+    one = reduce_logprobs(torch.tensor([[-0.0]]), torch.tensor([0]), backend=backend)
+    assert one[0, :4].tolist()[0::2] == [0, 0] and _pairs(one)[1][0] == 0.0
+    assert one[0, 1].item() in (0, -(2**31))  # +0.0 or -0.0: both are logprob 0
+    assert torch.all(one[0, 4:] == -1)
+    x = torch.tensor([[0.0, -0.0, -0.0, 0.0, -1.0]])
+    out = reduce_logprobs(x, torch.tensor([4]), backend=backend)
+    ids, vals = _pairs(out)
+    assert ids[:5] == [0, 1, 2, 3, 4]
+    assert ids[5:] == [-1] * 123 and torch.all(out[0, 12:] == -1)
+    assert vals[0] == vals[1] == vals[2] == vals[3] > vals[4]
+    check_row(out[0], x[0], 5, 4, 20, [])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_neg_inf_lanes_and_bad_rows(backend: str) -> None:
+    x = torch.full((4, 30), -math.inf)
+    x[0, [4, 9, 17]] = torch.tensor([1.0, 2.0, 1.0])
+    x[1, 5] = math.nan
+    x[2, 6] = math.inf
+    # row 3: every lane -inf
+    out = reduce_logprobs(x, torch.tensor([9, 5, 6, 0]), backend=backend)
+    ids, vals = _pairs(out, 0)
+    assert ids[:20] == [9, 4, 17, *[i for i in range(30) if i not in (4, 9, 17)][:17]]
+    assert vals[3:20] == [-math.inf] * 17
+    for row in (1, 2, 3):
+        assert math.isnan(_f32([int(out[row, 1])])[0])
+        assert all(-1 <= i < 30 for i in _pairs(out, row)[0])
+    check_payload(out, x, 30, torch.tensor([9, 5, 6, 0]), 20, None, None)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_all_neg_inf_tile_contributes_nothing(backend: str) -> None:
+    x = torch.randn(2, 9000, dtype=torch.float64).to(torch.bfloat16)
+    x[:, :4096] = -math.inf  # one whole tile (and half the next for row 1)
+    x[1, 4096:6000] = -math.inf
+    chosen = torch.tensor([4096, 8999])
+    out = reduce_logprobs(x, chosen, backend=backend)
+    check_payload(out, x, 9000, chosen, 20, None, None)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_huge_logit_and_padding_garbage(backend: str) -> None:
+    x = torch.randn(2, 430) * 3
+    x[0, 77] = 1e30
+    x[1, 3] = 3.0e38
+    x[:, 423:] = torch.tensor([math.nan, math.inf, 3e38, -math.inf, 1e30, math.nan, math.inf])
+    out = reduce_logprobs(x, torch.tensor([77, 5]), vocab_size=423, backend=backend)
+    assert _pairs(out, 0)[0][0] == 77 and _pairs(out, 0)[1][0] == 0.0
+    assert _pairs(out, 0)[0][1:20] == [i for i in range(20) if i != 77][:19]  # all tie
+    check_payload(out, x, 423, torch.tensor([77, 5]), 20, None, None)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_selected_ids_in_caller_order(backend: str) -> None:
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(3, 1000, generator=g) * 3).to(torch.bfloat16)
+    order = torch.argsort(x[1].float(), descending=True, stable=True).tolist()
+    picks = [order[-1], order[500], order[0], 999, 0]  # mostly outside the natural top-K
+    full = torch.randperm(1000, generator=g)[:128].tolist()
+    chosen = torch.tensor([5, order[-1], 17])  # row 1: chosen is the least likely token
+    out = reduce_logprobs(x, chosen, token_ids=[full, [], picks], backend=backend)
+    assert _pairs(out, 0)[0] == full and _pairs(out, 2)[0][:5] == picks
+    assert order[-1] not in _pairs(out, 1)[0][:20] and int(out[1, 0]) == order[-1]
+    check_payload(out, x, 1000, chosen, 20, [full, [], picks], None)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_unrequested_rows_are_not_written(backend: str) -> None:
+    x = torch.randn(4, 100)
+    x[1] = math.nan  # an unrequested row's content cannot matter
+    out = torch.full((4, WORDS), 0x5A5A5A5A, dtype=torch.int32)
+    requested = torch.tensor([1, 0, 1, 0], dtype=torch.int32)
+    reduce_logprobs(x, torch.tensor([1, 2, 3, 4]), requested=requested, out=out, backend=backend)
+    assert torch.all(out[[1, 3]] == 0x5A5A5A5A)
+    check_payload(out, x, 100, torch.tensor([1, 2, 3, 4]), 20, None, requested)
+    none = torch.full((4, WORDS), 7, dtype=torch.int32)
+    reduce_logprobs(x, torch.tensor([1] * 4), requested=torch.zeros(4), out=none, backend=backend)
+    assert torch.all(none == 7)
+
+
+def test_qwen_vocabulary_bf16_and_fp16() -> None:
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(2, 151936, generator=g) * 4
+    x[1, 151000:] -= 30  # a cold tail
+    chosen = torch.tensor([151935, 12])
+    for dtype in (torch.bfloat16, torch.float16):
+        logits = x.to(dtype)
+        for backend in BACKENDS:
+            out = reduce_logprobs(logits, chosen, backend=backend)
+            check_payload(out, logits, 151936, chosen, 20, None, None)
+
+
+def test_rejects_bad_inputs() -> None:
+    x = torch.randn(2, 10)
+    with pytest.raises(ValueError, match="chosen"):
+        reduce_logprobs(x, torch.tensor([0, 10]))
+    with pytest.raises(ValueError, match="chosen"):
+        reduce_logprobs(x, torch.tensor([0, 9]), vocab_size=9)
+    with pytest.raises(ValueError, match="vocab_size"):
+        reduce_logprobs(x, torch.tensor([0, 1]), vocab_size=11)
+    with pytest.raises(ValueError, match="distinct"):
+        reduce_logprobs(x, torch.tensor([0, 1]), token_ids=[[1, 1], []])
+    with pytest.raises(ValueError, match="backend"):
+        reduce_logprobs(x, torch.tensor([0, 1]), backend="cuda")
+
+
+class _BigAllocations(TorchDispatchMode):
+    """Records every new tensor storage of at least `limit` bytes created by an aten op."""
+
+    def __init__(self, limit: int, known: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.limit = limit
+        self.seen = {t.untyped_storage().data_ptr() for t in known}
+        self.big: list[tuple[str, tuple, torch.dtype]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        for t in tree_flatten(result)[0]:
+            if isinstance(t, torch.Tensor):
+                ptr = t.untyped_storage().data_ptr()
+                if ptr not in self.seen and t.untyped_storage().nbytes() >= self.limit:
+                    self.big.append((str(func), tuple(t.shape), t.dtype))
+                self.seen.add(ptr)
+        return result
+
+
+def test_torch_backend_never_allocates_a_rows_by_vocab_fp32_tensor() -> None:
+    rows, vocab = 8, 40000
+    x = (torch.randn(rows, vocab) * 3).to(torch.bfloat16)
+    chosen = torch.arange(rows)
+    out = torch.full((rows, WORDS), -1, dtype=torch.int32)
+    limit = rows * vocab * 4 // 2  # half of a [rows, vocab] FP32 copy
+    with _BigAllocations(limit, [x, out]) as spy:  # the detector itself must work
+        x.float().log_softmax(-1)
+    assert spy.big, "the allocation spy failed to see the baseline's FP32 copy"
+    ties = torch.zeros_like(x)  # every chunk reaches the floor: the slab-by-slab path
+    for call in (
+        lambda: reduce_logprobs(x, chosen, out=out),
+        lambda: reduce_logprobs(ties, chosen, out=out),
+        lambda: reduce_logprobs(x, chosen, out=out, requested=torch.tensor([1, 0] * 4)),
+        lambda: reduce_logprobs_sharded(
+            x, chosen, vocab_start=0, vocab_size=vocab, group=None, out=out
+        ),
+    ):
+        with _BigAllocations(limit, [x, ties, out]) as spy:
+            call()
+        assert not spy.big, f"large allocations: {spy.big}"
+    check_payload(out, x, vocab, chosen, 20, None, None)
+
+
+def test_stale_ids_beyond_the_count_are_ignored() -> None:
+    """Backends take raw id/count tensors: slots past a row's count may hold another
+    request's ids (or anything); they are neither read as ids nor written."""
+    from kernels.sharded import PreparedShardedReduction
+
+    x = torch.randn(3, 300)
+    chosen = torch.tensor([1, 2, 3])
+    ids, counts = pack_token_ids([[7, 5], [], [299]], 3, 300)
+    ids[:, 2:] = 10**6
+    ids[1, :] = -(10**6)  # count 0: natural alternatives, the ids are noise
+    flags = torch.ones(3, dtype=torch.int32)
+    want = reduce_logprobs(x, chosen, token_ids=[[7, 5], [], [299]], backend="reference")
+    direct = torch.full((3, WORDS), -1, dtype=torch.int32)
+    reduce_torch(x, chosen, ids, counts, flags, 20, 300, direct)
+    sharded = torch.full((3, WORDS), -1, dtype=torch.int32)
+    PreparedShardedReduction(None, 3, 300, 0, 300, 300, "torch", "cpu")(
+        x, chosen, ids, counts, flags, 20, sharded
+    )
+    for out in (direct, sharded):
+        assert torch.equal(out[:, 0::2], want[:, 0::2])
+        check_payload(out, x, 300, chosen, 20, [[7, 5], [], [299]], None)
+
+
+def test_strided_logits_views() -> None:
+    """Row-strided (a column slice) and lane-strided (a transpose) views read the right
+    lanes: the launch-3 gather addresses storage through the view's strides."""
+    g = torch.Generator().manual_seed(5)
+    big = (torch.randn(3, 9000, generator=g) * 3).to(torch.bfloat16)
+    chosen = torch.tensor([0, 4096, 8191])
+    sliced = big[:, 7 : 7 + 8192]
+    lanes_strided = big[:, 7 : 7 + 8192].t().contiguous().t()
+    assert sliced.stride() == (9000, 1) and lanes_strided.stride() == (1, 3)
+    for x in (sliced, lanes_strided):
+        out = reduce_logprobs(x, chosen)
+        check_payload(out, x, 8192, chosen, 20, None, None)
