@@ -3,6 +3,7 @@ assembly shared by the torch paths (kernels/torch_backend.py, kernels/torch_shar
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
@@ -136,9 +137,19 @@ def reduce_logprobs(
         from kernels.torch_backend import reduce_torch
 
         return reduce_torch(logits, chosen, ids, counts, requested, k, vocab, out)
+    require_triton_device(logits.device)
     from kernels.triton_backend import reduce_triton
 
     return reduce_triton(logits, chosen, ids, counts, requested, k, vocab, out)
+
+
+def require_triton_device(device: torch.device | str) -> None:
+    """Triton kernels need a GPU, or the interpreter for CPU tensors (tests, debugging)."""
+    if torch.device(device).type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            "backend='triton' on CPU tensors needs TRITON_INTERPRET=1 set before triton is "
+            "imported; use backend='torch' for the CPU production path"
+        )
 
 
 def reduce_logprobs_sharded(

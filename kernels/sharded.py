@@ -24,6 +24,7 @@ import torch
 
 from collectives.exchange import WordExchange
 from collectives.groups import all_gather_object, group_size
+from kernels.api import require_triton_device
 from kernels.layout import EXCHANGE1_WORDS, EXCHANGE2_WORDS
 
 _CACHE_SIZE = 32
@@ -72,6 +73,8 @@ class PreparedShardedReduction:
         self.vocab_start = vocab_start
         self.local_valid = local_valid
         self.vocab_size = vocab_size
+        if backend == "triton":
+            require_triton_device(device)
         self.steps = step_functions(backend)
         self.world = group_size(group)
         mine = (*shard_bounds(vocab_start, local_valid, vocab_size), vocab_size, rows)
