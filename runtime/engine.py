@@ -11,7 +11,6 @@ import asyncio
 import math
 import secrets
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -139,7 +138,7 @@ class Engine:
             if not math.isfinite(bias):
                 raise RequestError("logit_bias", f"bias for token {t} must be finite")
         try:
-            row_sampling(self._spec(0, prompt_ids, params), position=0)
+            row_sampling(request_spec(info, 0, prompt_ids, params), position=0)
         except ValueError as exc:
             param, _, message = str(exc).partition(": ")
             raise RequestError(param, message or str(exc)) from exc
@@ -189,36 +188,13 @@ class Engine:
                 raise EngineError(f"engine is unhealthy: {self._failure}")
             self._ordinal += 1
             request = Request(self._ordinal, list(prompt_ids), params,
-                              self._spec(self._ordinal, prompt_ids, params), sink)
+                              request_spec(self.info, self._ordinal, prompt_ids, params), sink)
             if params.max_tokens == 0:
                 sink.put(Finished("length"))
                 return request
             self._incoming.append(request)
             self._lock.notify_all()
         return request
-
-    def _spec(self, ordinal: int, prompt_ids: list[int], params: SamplingParams) -> RequestSpec:
-        stops = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stops.update(self.info.eos_token_ids)
-        room = self.info.max_model_len - len(prompt_ids)
-        return RequestSpec(
-            ordinal=ordinal,
-            seed=params.seed if params.seed is not None else secrets.randbits(63),
-            max_tokens=max(1, min(params.max_tokens, room)),
-            temperature=params.temperature,
-            top_k=params.top_k,
-            top_p=params.top_p,
-            min_p=params.min_p,
-            presence_penalty=params.presence_penalty,
-            frequency_penalty=params.frequency_penalty,
-            repetition_penalty=params.repetition_penalty,
-            logit_bias=params.logit_bias,
-            allowed_token_ids=params.allowed_token_ids,
-            stop_token_ids=tuple(sorted(stops)),
-            logprobs=params.wants_logprobs,
-            logprob_token_ids=tuple(params.logprob_token_ids or ()),
-        )
 
     def _loop(self) -> None:
         try:
@@ -291,9 +267,28 @@ class Engine:
             self._lock.notify_all()
 
 
-def wait_idle(engine: Engine, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while engine.scheduler.has_work() and time.monotonic() < deadline:
-        time.sleep(0.01)
-
-
+def request_spec(
+    info: EngineInfo, ordinal: int, prompt_ids: list[int], params: SamplingParams
+) -> RequestSpec:
+    """What the ranks need to know about a request; the seed is drawn here when unset."""
+    stops = set(params.stop_token_ids)
+    if not params.ignore_eos:
+        stops.update(info.eos_token_ids)
+    room = info.max_model_len - len(prompt_ids)
+    return RequestSpec(
+        ordinal=ordinal,
+        seed=params.seed if params.seed is not None else secrets.randbits(63),
+        max_tokens=max(1, min(params.max_tokens, room)),
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p,
+        min_p=params.min_p,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
+        logit_bias=params.logit_bias,
+        allowed_token_ids=params.allowed_token_ids,
+        stop_token_ids=tuple(sorted(stops)),
+        logprobs=params.wants_logprobs,
+        logprob_token_ids=tuple(params.logprob_token_ids or ()),
+    )
