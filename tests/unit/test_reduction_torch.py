@@ -416,3 +416,14 @@ def test_strided_logits_views() -> None:
     for x in (sliced, lanes_strided):
         out = reduce_logprobs(x, chosen)
         check_payload(out, x, 8192, chosen, 20, None, None)
+
+
+@pytest.mark.parametrize("vocab", [7, 1031, 9000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reduction_never_writes_the_logits(vocab: int, dtype: torch.dtype) -> None:
+    x = (torch.randn(5, vocab) * 4).to(dtype)
+    before = x.clone()
+    reduce_logprobs(x, torch.arange(5) % vocab)
+    reduce_logprobs(x, torch.arange(5) % vocab, token_ids=[[0], [], [1], [], [vocab - 1]])
+    assert torch.equal(x.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                       before.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
