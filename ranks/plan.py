@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from collectives.codec import message
+from collectives.codec import message, register
 from kernels.layout import MAX_TOKEN_IDS
+from ranks.sampling_params import RowSampling
+
+register(RowSampling, "ranks.row_sampling")
 
 
 @message("ranks.request_spec")
@@ -14,17 +17,9 @@ class RequestSpec:
     """Sent once, with a request's first chunk; ranks keep it for the slot's epoch."""
 
     ordinal: int
-    seed: int
     max_tokens: int
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    allowed_token_ids: tuple[int, ...] | None = None
+    sampling: RowSampling
+    """Sampler parameters with the request's seed; ranks set the position per step."""
     stop_token_ids: tuple[int, ...] = ()
     """Token ids that end the request without an entry (EOS unless ignore_eos, stop ids)."""
     logprobs: bool = False

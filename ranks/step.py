@@ -6,7 +6,7 @@ and the reduction line up. Only the coordinator reads the frames afterwards.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -15,7 +15,7 @@ from kernels.sharded import PreparedShardedReduction
 from ranks.commit import RecordBatch, SlotState
 from ranks.completion import CompletionOutputs
 from ranks.plan import RequestSpec, StepPlan
-from ranks.sampler import RowSampling, ShardedSampler
+from ranks.sampler import ShardedSampler
 from ranks.upload import LaneRequest, LogprobUploader
 
 
@@ -126,11 +126,12 @@ class RankStep:
         if not sampling_work:
             batch.flush(records)
             return
+        states = [state for _, state in sampling_work]
         tokens = self.sampler.sample(
             logits,
-            [row_sampling(state.spec, len(state.output)) for _, state in sampling_work],
-            [state.prompt for _, state in sampling_work],
-            [state.output for _, state in sampling_work],
+            [replace(s.spec.sampling, position=len(s.output)) for s in states],
+            [s.prompt for s in states],
+            [s.output for s in states],
         )
         reduce_rows, reduce_slots = [], []
         for row, ((slot, state), token) in enumerate(zip(sampling_work, tokens.tolist(),
@@ -163,20 +164,3 @@ class RankStep:
             self.reduce_out,
         )
         self.outputs.completion_logprobs[frame, to_slots, 0] = self.reduce_out[to_slots]
-
-
-def row_sampling(spec: RequestSpec, position: int) -> RowSampling:
-    """The sampler's per-row parameters; constructing it validates them."""
-    return RowSampling(
-        temperature=spec.temperature,
-        top_k=spec.top_k,
-        top_p=spec.top_p,
-        min_p=spec.min_p,
-        seed=spec.seed,
-        position=position,
-        presence_penalty=spec.presence_penalty,
-        frequency_penalty=spec.frequency_penalty,
-        repetition_penalty=spec.repetition_penalty,
-        logit_bias=spec.logit_bias,
-        allowed_token_ids=spec.allowed_token_ids,
-    )

@@ -15,7 +15,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from ranks.plan import RequestSpec, StepPlan
-from ranks.step import RankStep, row_sampling
+from ranks.sampling_params import RowSampling
+from ranks.step import RankStep
 from runtime.engine_api import (
     EngineError,
     EngineInfo,
@@ -138,7 +139,7 @@ class Engine:
             if not math.isfinite(bias):
                 raise RequestError("logit_bias", f"bias for token {t} must be finite")
         try:
-            row_sampling(request_spec(info, 0, prompt_ids, params), position=0)
+            request_spec(info, 0, prompt_ids, params)
         except ValueError as exc:
             param, _, message = str(exc).partition(": ")
             raise RequestError(param, message or str(exc)) from exc
@@ -275,10 +276,9 @@ def request_spec(
     if not params.ignore_eos:
         stops.update(info.eos_token_ids)
     room = info.max_model_len - len(prompt_ids)
-    return RequestSpec(
-        ordinal=ordinal,
+    sampling = RowSampling(
         seed=params.seed if params.seed is not None else secrets.randbits(63),
-        max_tokens=max(1, min(params.max_tokens, room)),
+        position=0,
         temperature=params.temperature,
         top_k=params.top_k,
         top_p=params.top_p,
@@ -288,6 +288,11 @@ def request_spec(
         repetition_penalty=params.repetition_penalty,
         logit_bias=params.logit_bias,
         allowed_token_ids=params.allowed_token_ids,
+    )
+    return RequestSpec(
+        ordinal=ordinal,
+        max_tokens=max(1, min(params.max_tokens, room)),
+        sampling=sampling,
         stop_token_ids=tuple(sorted(stops)),
         logprobs=params.wants_logprobs,
         logprob_token_ids=tuple(params.logprob_token_ids or ()),
