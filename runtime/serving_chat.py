@@ -18,12 +18,9 @@ from runtime.serving import (
     check_choices,
     check_stops,
     choice_seed,
-    merge,
-    new_id,
-    now,
     resolve_max_tokens,
-    run_choice,
 )
+from runtime.serving_choices import check_request, collect, envelope, stream_chunks, wire_mode
 from runtime.wire import Position, WireMode, chat_logprobs
 
 RESERVED_TEMPLATE_KEYS = {"messages", "add_generation_prompt"}
@@ -87,11 +84,7 @@ def _render(req: ChatCompletionRequest, assets: ModelAssets) -> str:
 
 def prepare_chat(req: ChatCompletionRequest, engine: Engine, assets: ModelAssets) -> PreparedChat:
     """Everything refused before admission raises RequestError here (HTTP 400)."""
-    unsupported = req.chat_unsupported()
-    if unsupported:
-        raise RequestError(*unsupported)
-    if req.stream_options is not None and not req.stream:
-        raise RequestError("stream_options", "stream_options can only be set when stream=true")
+    check_request(req, req.chat_unsupported())
     top = _check_logprobs(req, engine)
     stops = req.stop_strings()
     check_stops(stops)
@@ -127,11 +120,7 @@ def prepare_chat(req: ChatCompletionRequest, engine: Engine, assets: ModelAssets
     echo = None
     if req.echo and req.messages[-1].role == role:
         echo = req.messages[-1].text() or ""
-    mode = None
-    if top is not None:
-        selected = req.logprob_token_ids is not None
-        mode = WireMode(selected, bool(req.return_tokens_as_token_ids))
-    return PreparedChat(req, jobs, role, echo, len(ids), mode)
+    return PreparedChat(req, jobs, role, echo, len(ids), wire_mode(req, top is not None))
 
 
 def _logprobs(prep: PreparedChat, items: list[Position], assets: ModelAssets):
@@ -140,38 +129,20 @@ def _logprobs(prep: PreparedChat, items: list[Position], assets: ModelAssets):
     return chat_logprobs(items, assets.token_bytes, prep.mode)
 
 
-def _streams(prep: PreparedChat, engine: Engine, assets: ModelAssets) -> list:
-    return [run_choice(engine, job, assets.token_bytes) for job in prep.jobs]
-
-
 async def chat(prep: PreparedChat, engine: Engine, assets: ModelAssets) -> dict:
     """The whole response; raises EngineError (or another error) after admission."""
-    n = len(prep.jobs)
-    texts: list[list[str]] = [[prep.echo or ""] for _ in range(n)]
-    items: list[list[Position]] = [[] for _ in range(n)]
-    ends: dict[int, Delta] = {}
     totals = Totals(prep.prompt_tokens)
-    async for index, delta in merge(_streams(prep, engine, assets)):
-        texts[index].append(delta.text)
-        items[index].extend(delta.positions)
-        totals.add(index, delta)
-        if delta.finish_reason is not None:
-            ends[index] = delta
-    choices = []
-    for index in range(n):
-        end = ends.get(index)
-        choices.append({
-            "index": index,
-            "message": {"role": prep.role, "content": "".join(texts[index]), "tool_calls": []},
-            "logprobs": _logprobs(prep, items[index], assets),
-            "finish_reason": end.finish_reason if end else None,
-            "stop_reason": end.stop_reason if end else None,
-        })
+    prefixes = dict.fromkeys(range(len(prep.jobs)), prep.echo or "")
+    outcomes = await collect(prep.jobs, engine, assets, totals, prefixes)
+    choices = [{
+        "index": out.index,
+        "message": {"role": prep.role, "content": out.text, "tool_calls": []},
+        "logprobs": _logprobs(prep, out.positions, assets),
+        "finish_reason": out.finish_reason,
+        "stop_reason": out.stop_reason,
+    } for out in outcomes]
     return {
-        "id": new_id("chatcmpl"),
-        "object": "chat.completion",
-        "created": now(),
-        "model": assets.served_model_name,
+        **envelope("chatcmpl", "chat.completion", assets),
         "choices": choices,
         "usage": totals.usage(),
         "system_fingerprint": None,
@@ -179,43 +150,32 @@ async def chat(prep: PreparedChat, engine: Engine, assets: ModelAssets) -> dict:
     }
 
 
-async def stream_chat(
+def stream_chat(
     prep: PreparedChat, engine: Engine, assets: ModelAssets
 ) -> AsyncIterator[dict[str, Any]]:
     """Chunk objects (the caller encodes them as SSE, adds errors and [DONE])."""
-    req = prep.request
-    head = {"id": new_id("chatcmpl"), "object": "chat.completion.chunk", "created": now(),
-            "model": assets.served_model_name}
-    options = req.stream_options
-    include_usage = bool(options and options.include_usage)
-    continuous = bool(options and options.continuous_usage_stats)
-    totals = Totals(prep.prompt_tokens)
-
-    def chunk(choice: dict[str, Any], index: int) -> dict[str, Any]:
-        out = {**head, "choices": [choice]}
-        if continuous:
-            out["usage"] = totals.usage(totals.per_choice.get(index, 0))
-        return out
-
+    opening = []
     for index in range(len(prep.jobs)):
         delta = {"role": prep.role, "content": ""}
-        yield chunk({"index": index, "delta": delta, "logprobs": None, "finish_reason": None},
-                    index)
+        opening.append({"index": index, "delta": delta, "logprobs": None, "finish_reason": None})
         if prep.echo:
-            yield chunk({"index": index, "delta": {"content": prep.echo}, "logprobs": None,
-                         "finish_reason": None}, index)
-    async for index, delta in merge(_streams(prep, engine, assets)):
-        totals.add(index, delta)
-        if not delta.text and not delta.positions and delta.finish_reason is None:
-            continue
-        choice = {
+            opening.append({"index": index, "delta": {"content": prep.echo}, "logprobs": None,
+                            "finish_reason": None})
+
+    def choice(index: int, text: str, delta: Delta) -> dict[str, Any]:
+        out = {
             "index": index,
-            "delta": {"content": delta.text},
+            "delta": {"content": text},
             "logprobs": _logprobs(prep, delta.positions, assets),
             "finish_reason": delta.finish_reason,
         }
         if delta.finish_reason is not None:
-            choice["stop_reason"] = delta.stop_reason
-        yield chunk(choice, index)
-    if include_usage:
-        yield {**head, "choices": [], "usage": totals.usage()}
+            out["stop_reason"] = delta.stop_reason
+        return out
+
+    return stream_chunks(
+        prep.jobs, engine, assets, id_prefix="chatcmpl", obj="chat.completion.chunk",
+        options=prep.request.stream_options, totals=Totals(prep.prompt_tokens),
+        prompt_tokens=dict.fromkeys(range(len(prep.jobs)), prep.prompt_tokens),
+        choice=choice, opening=opening,
+    )

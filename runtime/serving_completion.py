@@ -18,12 +18,9 @@ from runtime.serving import (
     check_choices,
     check_stops,
     choice_seed,
-    merge,
-    new_id,
-    now,
     resolve_max_tokens,
-    run_choice,
 )
+from runtime.serving_choices import check_request, collect, envelope, stream_chunks, wire_mode
 from runtime.wire import Position, WireMode, completion_logprobs
 
 DEFAULT_MAX_TOKENS = 16
@@ -88,13 +85,9 @@ def prepare_completion(
     req: CompletionRequest, engine: Engine, assets: ModelAssets
 ) -> PreparedCompletion:
     """Everything refused before admission raises RequestError here (HTTP 400)."""
-    unsupported = req.unsupported() or (
+    check_request(req, req.unsupported() or (
         ("suffix", "suffix is not supported by this server") if req.suffix else None
-    )
-    if unsupported:
-        raise RequestError(*unsupported)
-    if req.stream_options is not None and not req.stream:
-        raise RequestError("stream_options", "stream_options can only be set when stream=true")
+    ))
     _check_logprobs(req, engine)
     stops = req.stop_strings()
     check_stops(stops)
@@ -132,15 +125,8 @@ def prepare_completion(
             prompt_tokens[index] = len(ids)
             if echo is not None:
                 echo_texts[index] = echo
-    mode = None
-    if req.logprobs is not None:
-        selected = req.logprob_token_ids is not None
-        mode = WireMode(selected, bool(req.return_tokens_as_token_ids))
+    mode = wire_mode(req, req.logprobs is not None)
     return PreparedCompletion(req, jobs, echo_texts, prompt_tokens, total, mode)
-
-
-def _streams(prep: PreparedCompletion, engine: Engine, assets: ModelAssets) -> list:
-    return [run_choice(engine, job, assets.token_bytes) for job in prep.jobs]
 
 
 def _logprobs(prep: PreparedCompletion, items: list[Position], assets: ModelAssets):
@@ -151,74 +137,40 @@ def _logprobs(prep: PreparedCompletion, items: list[Position], assets: ModelAsse
 
 async def complete(prep: PreparedCompletion, engine: Engine, assets: ModelAssets) -> dict:
     """The whole response; raises EngineError (or another error) after admission."""
-    texts: dict[int, list[str]] = {job.index: [prep.echo_texts.get(job.index, "")]
-                                   for job in prep.jobs}
-    items: dict[int, list[Position]] = {job.index: [] for job in prep.jobs}
-    ends: dict[int, Delta] = {}
     totals = Totals(prep.total_prompt_tokens)
-    indices = [job.index for job in prep.jobs]
-    async for k, delta in merge(_streams(prep, engine, assets)):
-        index = indices[k]
-        texts[index].append(delta.text)
-        items[index].extend(delta.positions)
-        totals.add(index, delta)
-        if delta.finish_reason is not None:
-            ends[index] = delta
-    choices = []
-    for index in indices:
-        end = ends.get(index)
-        choices.append({
-            "index": index,
-            "text": "".join(texts[index]),
-            "logprobs": _logprobs(prep, items[index], assets),
-            "finish_reason": end.finish_reason if end else None,
-            "stop_reason": end.stop_reason if end else None,
-            "prompt_logprobs": None,
-        })
+    outcomes = await collect(prep.jobs, engine, assets, totals, prep.echo_texts)
+    choices = [{
+        "index": out.index,
+        "text": out.text,
+        "logprobs": _logprobs(prep, out.positions, assets),
+        "finish_reason": out.finish_reason,
+        "stop_reason": out.stop_reason,
+        "prompt_logprobs": None,
+    } for out in outcomes]
     return {
-        "id": new_id("cmpl"),
-        "object": "text_completion",
-        "created": now(),
-        "model": assets.served_model_name,
+        **envelope("cmpl", "text_completion", assets),
         "choices": choices,
         "usage": totals.usage(),
         "system_fingerprint": None,
     }
 
 
-async def stream_completion(
+def stream_completion(
     prep: PreparedCompletion, engine: Engine, assets: ModelAssets
 ) -> AsyncIterator[dict[str, Any]]:
     """Chunk objects (the caller encodes them as SSE, adds errors and [DONE])."""
-    req = prep.request
-    head = {"id": new_id("cmpl"), "object": "text_completion", "created": now(),
-            "model": assets.served_model_name}
-    options = req.stream_options
-    include_usage = bool(options and options.include_usage)
-    continuous = bool(options and options.continuous_usage_stats)
-    totals = Totals(prep.total_prompt_tokens)
-    indices = [job.index for job in prep.jobs]
-    echo = dict(prep.echo_texts)
-    async for k, delta in merge(_streams(prep, engine, assets)):
-        index = indices[k]
-        totals.add(index, delta)
-        text = echo.pop(index, "") + delta.text
-        if not text and not delta.positions and delta.finish_reason is None:
-            continue
-        choice = {
+
+    def choice(index: int, text: str, delta: Delta) -> dict[str, Any]:
+        return {
             "index": index,
             "text": text,
             "logprobs": _logprobs(prep, delta.positions, assets),
             "finish_reason": delta.finish_reason,
             "stop_reason": delta.stop_reason,
         }
-        chunk = {**head, "choices": [choice]}
-        if continuous:
-            prompt = prep.prompt_tokens[index]
-            done = totals.per_choice.get(index, 0)
-            chunk["usage"] = {"prompt_tokens": prompt, "completion_tokens": done,
-                              "total_tokens": prompt + done}
-        yield chunk
-    if include_usage:
-        yield {**head, "choices": [], "usage": totals.usage()}
 
+    return stream_chunks(
+        prep.jobs, engine, assets, id_prefix="cmpl", obj="text_completion",
+        options=prep.request.stream_options, totals=Totals(prep.total_prompt_tokens),
+        prompt_tokens=prep.prompt_tokens, choice=choice, prefixes=prep.echo_texts,
+    )
