@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -129,3 +130,17 @@ def watch_peers(channel, engine: Engine, grace_s: float = 2.0) -> None:
             time.sleep(grace_s)
             os._exit(1)
         time.sleep(0.5)
+
+
+def exit_process(code: int) -> None:
+    """End the process with ``code`` once our own cleanup is done.
+
+    Interpreter finalization would then destroy the C++ side of the process group and the
+    rank-0 TCPStore daemon in an unspecified order, which under load can abort the process
+    ("terminate called without an active exception") after a clean shutdown. Everything
+    this process owns is already flushed and closed, so it leaves without finalization.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)

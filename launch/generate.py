@@ -17,7 +17,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from launch.cluster import add_runtime_arguments, join
+from launch.cluster import add_runtime_arguments, exit_process, join
 from runtime.engine_api import EngineError, RequestError, SamplingParams
 
 
@@ -82,4 +82,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

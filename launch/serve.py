@@ -7,9 +7,8 @@ the engine and the HTTP server; every other rank runs the peer loop.
 from __future__ import annotations
 
 import argparse
-import sys
 
-from launch.cluster import add_runtime_arguments, join
+from launch.cluster import add_runtime_arguments, exit_process, join
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -38,4 +37,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())
