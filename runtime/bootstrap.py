@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,19 @@ class RuntimeConfig:
             raise ValueError(f"reduction_backend: torch or triton, not {self.reduction_backend}")
 
 
+def eos_token_ids(model_dir: Path, from_config: tuple[int, ...]) -> tuple[int, ...]:
+    """config.json's EOS ids plus generation_config.json's (chat models often add their
+    end-of-turn token there, e.g. Qwen2's <|im_end|>), in first-seen order."""
+    ids = list(from_config)
+    path = model_dir / "generation_config.json"
+    if path.is_file():
+        extra = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
+        for token in extra if isinstance(extra, list) else [extra]:
+            if isinstance(token, int) and token not in ids:
+                ids.append(token)
+    return tuple(ids)
+
+
 def load_rank(config: RuntimeConfig, group) -> RankStep:
     model = ShardedCausalLM.load(config.model_dir, group, device=torch.device(config.device))
     limit = config.max_model_len or min(model.config.max_position_embeddings, 4096)
@@ -62,7 +76,7 @@ def build_engine(
         max_model_len=step.config.max_seq_len,
         max_logprobs=caps.k,
         supports_token_ids=caps.supports_token_ids,
-        eos_token_ids=tuple(model.config.eos_token_ids),
+        eos_token_ids=eos_token_ids(Path(config.model_dir), model.config.eos_token_ids),
     )
     engine_config = EngineConfig(
         capacity=config.capacity,

@@ -174,3 +174,22 @@ def test_sampling_parameters_refused_before_they_reach_the_ranks(engine, params,
     assert err.value.param == param
     tokens, _ = engine.generate_sync([5, 6], SamplingParams(max_tokens=2, ignore_eos=True))
     assert len(tokens) == 2 and engine.healthy()
+
+
+def test_generation_config_eos_ids_also_stop(model_dir, tmp_path):
+    import json
+
+    chat = tmp_path / "chat"
+    chat.mkdir()
+    for f in model_dir.iterdir():
+        (chat / f.name).write_bytes(f.read_bytes())
+    (chat / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
+    config = RuntimeConfig(model_dir=chat, capacity=2, max_model_len=64)
+    engine = build_engine(config, load_rank(config, None)).start()
+    try:
+        assert engine.info.eos_token_ids == (2, 7)
+        tokens, finish = engine.generate_sync([5, 6], SamplingParams(
+            max_tokens=4, temperature=0.0, logit_bias=((7, 100.0),), logprobs=1))
+        assert tokens == [] and finish.stop_token_id == 7
+    finally:
+        engine.shutdown()
