@@ -16,7 +16,7 @@ from ranks.commit import RecordBatch, SlotState
 from ranks.completion import CompletionOutputs
 from ranks.plan import RequestSpec, StepPlan
 from ranks.sampler import ShardedSampler
-from ranks.upload import LaneRequest, LogprobUploader
+from ranks.upload import LaneRequest, LogprobUploader, UploadResult
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,8 @@ class RankStep:
         self.config = config
         self.device = torch.device(device)
         self.slots: dict[int, SlotState] = {}
+        self.upload = UploadResult(requesting_slots=(), copy_width=0)
+        """The last submission's upload: requesting slots and the copy width W."""
         cap = config.capacity
         model.allocate_cache(cap, config.max_seq_len)
         self.outputs = CompletionOutputs.allocate(cap, config.token_capacity, device=self.device)
@@ -115,7 +117,7 @@ class RankStep:
                     )
             else:
                 batch.admission(work.slot, state)
-        self.uploader.upload(lanes)
+        self.upload = self.uploader.upload(lanes)
         if not ids:
             batch.flush(records)
             return

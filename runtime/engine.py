@@ -230,12 +230,8 @@ class Engine:
         self.step.run(plan)
         sampled = {w.slot for w in plan.work if w.samples}
         sampling = [r for r in carried if r.slot in sampled]
-        requesting = [r for r in sampling if r.wants_logprobs]
-        host = self.executor.copy(
-            plan.frame,
-            [r.slot for r in requesting],
-            [len(r.spec.logprob_token_ids) for r in requesting],
-        )
+        upload = self.step.upload
+        host = self.executor.copy(plan.frame, list(upload.requesting_slots), upload.copy_width)
         outcomes = read_frame(host, sampling, self.info.vocab_size)
         for request in sampling:
             outcome = outcomes[request.ordinal]

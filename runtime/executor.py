@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.layout import EXPORT_K, FIRST_PAIR, MAX_TOKEN_IDS
+from kernels.layout import FIRST_PAIR
 from ranks.completion import CompletionOutputs
 
 
@@ -39,9 +39,8 @@ class ExecutorCounters:
 
 
 class FrameExecutor:
-    def __init__(self, outputs: CompletionOutputs, k: int = EXPORT_K) -> None:
+    def __init__(self, outputs: CompletionOutputs) -> None:
         self.outputs = outputs
-        self.k = k
         records = outputs.completion_records
         payload = outputs.completion_logprobs
         pin = records.is_cuda
@@ -50,12 +49,9 @@ class FrameExecutor:
         self.stream = torch.cuda.Stream() if pin else None
         self.counters = ExecutorCounters()
 
-    def copy_width(self, selected_counts: list[int]) -> int:
-        width = max([self.k, *selected_counts]) if selected_counts else self.k
-        return min(width, MAX_TOKEN_IDS)
-
-    def copy(self, frame: int, requesting: list[int], selected_counts: list[int]) -> HostFrame:
-        width = self.copy_width(selected_counts)
+    def copy(self, frame: int, requesting: list[int], width: int) -> HostFrame:
+        """Copy a frame: its records, and for ``requesting`` slots the chosen pair plus ``width``
+        pairs per position (the upload protocol's W)."""
         words = FIRST_PAIR + 2 * width
         records = self.host_records[frame]
         payload = self.host_payload[frame, :, :, :words]

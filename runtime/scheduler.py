@@ -39,13 +39,6 @@ class Request:
     def wants_logprobs(self) -> bool:
         return self.spec.logprobs
 
-    @property
-    def requested_width(self) -> int:
-        """Pairs this request needs from each packed position."""
-        if self.spec.logprob_token_ids:
-            return len(self.spec.logprob_token_ids)
-        return self.params.logprobs or 0
-
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
