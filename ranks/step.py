@@ -74,10 +74,6 @@ class RankStep:
             device=self.device,
         )
 
-    def release(self, slots: tuple[int, ...]) -> None:
-        for slot in slots:
-            self.slots.pop(slot, None)
-
     def _admit(self, slot: int, epoch: int, spec: RequestSpec) -> SlotState:
         if not 0 <= slot < self.config.capacity:
             raise ValueError(f"slot {slot} outside capacity {self.config.capacity}")
