@@ -55,11 +55,14 @@ async def run_streams(server, name: str) -> list[dict]:
                     out["chunks"] += 1
             return out
 
+        streams = await asyncio.gather(*(one(i) for i in range(STREAMS)))
+    # A fresh pool: connections idle past the server's keep-alive would be closed under it.
+    async with httpx.AsyncClient(base_url=server.url, timeout=300.0, limits=limits) as client:
+
         async def whole(i: int) -> dict:
             response = await client.post("/v1/completions", json=request(name, i, False))
             return strict_json(response.content)
 
-        streams = await asyncio.gather(*(one(i) for i in range(STREAMS)))
         wholes = await asyncio.gather(*(whole(i) for i in range(STREAMS)))
     return list(zip(streams, wholes, strict=True))
 
