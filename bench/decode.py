@@ -27,7 +27,7 @@ MODES = {"none": None, "K=0": 0, "K=20": 20}
 
 
 def time_batch(engine, batch: int, tokens: int, logprobs: int | None) -> float:
-    from runtime.engine_api import SamplingParams
+    from runtime.engine.client import SamplingParams
 
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True,
                             logprobs=logprobs)

@@ -39,7 +39,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 import torch
 
-from kernels import reduce_logprobs
+from kernels.api import reduce_logprobs
 
 K = 20
 

@@ -1,24 +1,19 @@
-"""Validation and dispatch for the public reduction entry points, and the packed-payload
-assembly shared by the torch paths (kernels/torch_backend.py, kernels/torch_sharded.py)."""
+"""The public reduction entry points: argument validation, then dispatch to a backend.
+
+- ``reduce_logprobs``: one rank holds the whole vocabulary row.
+- ``reduce_logprobs_sharded``: each rank holds a vocabulary shard; six launches, two
+  fixed-width exchanges (kernels/sharded.py).
+"""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch
 
-from kernels.layout import (
-    CHOSEN_BITS,
-    CHOSEN_ID,
-    EXPORT_K,
-    FIRST_PAIR,
-    MAX_TOKEN_IDS,
-    PAYLOAD_WORDS,
-)
-from kernels.sortkeys import EMPTY_KEY, float_bits, key_ids, key_values
-
-BACKENDS = ("reference", "torch", "triton")
+from kernels.backends import BACKENDS, SHARDED_BACKENDS, require_triton_device
+from kernels.layout import EXPORT_K, MAX_TOKEN_IDS, PAYLOAD_WORDS
+from kernels.rows import RowRequest
 
 
 def pack_token_ids(
@@ -112,7 +107,7 @@ def reduce_logprobs(
     ids). Natural values are decoded from the sort keys, so a reported -0.0 reads +0.0.
     Rows whose ``requested`` flag is 0 are neither read nor written; a fresh ``out`` is
     filled with -1. backend: "torch" (CPU production path), "reference" (slow oracle) or
-    "triton" (kernels/triton_backend.py, imported on first use).
+    "triton" (kernels/triton/backend.py, imported on first use).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
@@ -131,25 +126,16 @@ def reduce_logprobs(
             logits, chosen, k=k, token_ids=rows_ids, vocab_size=vocab, requested=requested,
             out=out,
         )
-    ids, counts = pack_token_ids(token_ids, logits.shape[0], vocab)
-    ids, counts = ids.to(logits.device), counts.to(logits.device)
+    request = row_request(chosen, token_ids, requested, k, vocab, logits.device)
     if backend == "torch":
         from kernels.torch_backend import reduce_torch
 
-        return reduce_torch(logits, chosen, ids, counts, requested, k, vocab, out)
+        return reduce_torch(logits, request, vocab, out)
     require_triton_device(logits.device)
-    from kernels.triton_backend import reduce_triton
+    from kernels.triton.backend import reduce_triton
 
-    return reduce_triton(logits, chosen, ids, counts, requested, k, vocab, out)
+    return reduce_triton(logits, request, vocab, out)
 
-
-def require_triton_device(device: torch.device | str) -> None:
-    """Triton kernels need a GPU, or the interpreter for CPU tensors (tests, debugging)."""
-    if torch.device(device).type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(
-            "backend='triton' on CPU tensors needs TRITON_INTERPRET=1 set before triton is "
-            "imported; use backend='torch' for the CPU production path"
-        )
 
 
 def reduce_logprobs_sharded(
@@ -173,84 +159,30 @@ def reduce_logprobs_sharded(
     call with the same rows, chosen, token_ids, requested, k and backend. Six launches and
     two fixed-width exchanges per call; prepared state is cached per configuration.
     """
-    if backend not in ("torch", "triton"):
-        raise ValueError(f"backend: expected 'torch' or 'triton', got {backend!r}")
+    if backend not in SHARDED_BACKENDS:
+        raise ValueError(f"backend: expected one of {SHARDED_BACKENDS}, got {backend!r}")
     requested, out = check_common(local_logits, chosen, k, vocab_size, requested, out)
     if vocab_start < 0:
         raise ValueError(f"vocab_start: expected >= 0, got {vocab_start}")
     check_chosen(chosen, requested, vocab_size)
     rows, width = local_logits.shape
-    ids, counts = pack_token_ids(token_ids, rows, vocab_size)
-    ids, counts = ids.to(local_logits.device), counts.to(local_logits.device)
+    request = row_request(chosen, token_ids, requested, k, vocab_size, local_logits.device)
     from kernels.sharded import prepared_reduction
 
     prepared = prepared_reduction(
         group, rows, width, vocab_start, vocab_size, backend, local_logits.device,
         local_logits.dtype,
     )
-    return prepared(local_logits, chosen, ids, counts, requested, k, out)
+    return prepared(local_logits, request, out)
 
 
-# Packed payload assembly (torch paths).
-
-
-def flagged_rows(flags: torch.Tensor) -> torch.Tensor | None:
-    """int64 indices of the True rows, or None when every row is flagged (slices then)."""
-    if bool(flags.all()):
-        return None
-    return flags.nonzero().flatten()
-
-
-def top_keys(candidates: torch.Tensor, k: int) -> torch.Tensor:
-    """[n, m] int64 keys -> [n, k] best keys, best first (EMPTY_KEY pads when m < k)."""
-    n, m = candidates.shape
-    best = candidates.topk(min(k, m), dim=1, sorted=True).values
-    if best.shape[1] < k:
-        pad = torch.full((n, k - best.shape[1]), EMPTY_KEY, dtype=torch.int64, device=best.device)
-        best = torch.cat((best, pad), dim=1)
-    return best
-
-
-def assemble_payload(
+def row_request(
     chosen: torch.Tensor,
-    chosen_values: torch.Tensor,
-    natural: torch.Tensor,
-    best: torch.Tensor | None,
-    picked: torch.Tensor,
-    sel: torch.Tensor,
-    sel_counts: torch.Tensor,
-    sel_values: torch.Tensor,
-) -> torch.Tensor:
-    """int32 [n, PAYLOAD_WORDS]: chosen id and FP32 bits, then (id, FP32 bits) pairs.
-
-    Rows ``natural`` get the keys ``best`` [len(natural), k], best first (an EMPTY_KEY slot,
-    vocabulary < K, gives -1, -1; values are decoded from the keys, so -0.0 reads +0.0).
-    Rows ``picked`` get ids ``sel`` [len(picked), 128] with ``sel_values``, in caller order,
-    -1 beyond each of ``sel_counts``. Every other word is -1.
-    """
-    n = chosen.numel()
-    payload = torch.full((n, PAYLOAD_WORDS), -1, dtype=torch.int32, device=chosen.device)
-    payload[:, CHOSEN_ID] = chosen.to(torch.int32)
-    payload[:, CHOSEN_BITS] = float_bits(chosen_values)
-    pairs = payload[:, FIRST_PAIR:].view(n, MAX_TOKEN_IDS, 2)
-    if best is not None and best.shape[1]:
-        k, empty = best.shape[1], best == EMPTY_KEY
-        pairs[natural, :k, 0] = torch.where(empty, -1, key_ids(best)).to(torch.int32)
-        pairs[natural, :k, 1] = torch.where(empty, -1, float_bits(key_values(best)))
-    if picked.numel():
-        live = torch.arange(MAX_TOKEN_IDS, device=sel.device) < sel_counts.unsqueeze(1)
-        pairs[picked, :, 0] = torch.where(live, sel.to(torch.int32), -1)
-        pairs[picked, :, 1] = torch.where(live, float_bits(sel_values), -1)
-    return payload
-
-
-def write_rows(out: torch.Tensor, rows: torch.Tensor | None, payload: torch.Tensor) -> None:
-    if rows is None:
-        out.copy_(payload)
-    else:
-        out.index_copy_(0, rows, payload)
-
-
-def pick_rows(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-    """The flagged rows of a per-row tensor (itself when every row is flagged)."""
-    return t if rows is None else t.index_select(0, rows)
+    token_ids: Sequence[Sequence[int]] | None,
+    requested: torch.Tensor,
+    k: int,
+    vocab_size: int,
+    device: torch.device,
+) -> RowRequest:
+    ids, counts = pack_token_ids(token_ids, chosen.shape[0], vocab_size)
+    return RowRequest(chosen, ids.to(device), counts.to(device), requested, k)

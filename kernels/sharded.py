@@ -18,30 +18,17 @@ which the first local_valid lanes are real vocabulary (the rest is padding). Per
 from __future__ import annotations
 
 from collections import OrderedDict
-from types import ModuleType
 
 import torch
 
 from collectives.exchange import WordExchange
 from collectives.groups import all_gather_object, group_size
-from kernels.api import require_triton_device
+from kernels.backends import require_triton_device, shard_steps
 from kernels.layout import EXCHANGE1_WORDS, EXCHANGE2_WORDS
+from kernels.rows import RowRequest
 
 _CACHE_SIZE = 32
 _cache: OrderedDict[tuple, PreparedShardedReduction] = OrderedDict()
-
-
-def step_functions(backend: str) -> ModuleType:
-    """The module implementing shard_stats / shard_candidates / final_merge for a backend."""
-    if backend == "torch":
-        from kernels import torch_sharded
-
-        return torch_sharded
-    if backend == "triton":
-        from kernels import triton_sharded
-
-        return triton_sharded
-    raise ValueError(f"sharded backend: expected 'torch' or 'triton', got {backend!r}")
 
 
 def shard_bounds(vocab_start: int, local_valid: int, vocab_size: int) -> tuple[int, int]:
@@ -75,7 +62,7 @@ class PreparedShardedReduction:
         self.vocab_size = vocab_size
         if backend == "triton":
             require_triton_device(device)
-        self.steps = step_functions(backend)
+        self.steps = shard_steps(backend)
         self.world = group_size(group)
         mine = (*shard_bounds(vocab_start, local_valid, vocab_size), vocab_size, rows)
         bounds = [tuple(b) for b in all_gather_object(mine, group)]
@@ -106,30 +93,19 @@ class PreparedShardedReduction:
         return self.exchange1.bytes_sent + self.exchange2.bytes_sent
 
     def __call__(
-        self,
-        logits: torch.Tensor,
-        chosen: torch.Tensor,
-        ids: torch.Tensor,
-        counts: torch.Tensor,
-        requested: torch.Tensor,
-        k: int,
-        out: torch.Tensor,
+        self, logits: torch.Tensor, request: RowRequest, out: torch.Tensor
     ) -> torch.Tensor:
         if logits.shape != (self.rows, self.width):
             raise ValueError(f"logits: expected {(self.rows, self.width)}, got {logits.shape}")
         steps = self.steps
-        send1 = self.exchange1.send
-        steps.shard_stats(logits, requested, self.local_valid, send1)
+        steps.shard_stats(logits, request, self.local_valid, self.exchange1.send)
         e1_all = self.exchange1.gather()
-        send2 = self.exchange2.send
         steps.shard_candidates(
-            logits, chosen, ids, counts, requested, e1_all, self.vocab_start,
-            self.local_valid, self.lse, send2,
+            logits, request, e1_all, self.vocab_start, self.local_valid, self.lse,
+            self.exchange2.send,
         )
         e2_all = self.exchange2.gather()
-        steps.final_merge(
-            e2_all, self.lse, chosen, ids, counts, requested, k, self.shard_starts, out
-        )
+        steps.final_merge(e2_all, self.lse, request, self.shard_starts, out)
         return out
 
 

@@ -22,9 +22,10 @@ from typing import NamedTuple
 
 import torch
 
-from kernels.api import assemble_payload, flagged_rows, pick_rows, top_keys, write_rows
 from kernels.layout import MAX_TOKEN_IDS
 from kernels.layout import TILE_CANDIDATES as TOP
+from kernels.payload import assemble_payload, flagged_rows, pick_rows, top_keys, write_rows
+from kernels.rows import RowRequest
 from kernels.sortkeys import EMPTY_KEY, make_keys
 
 TILE_LANES = 4096
@@ -368,18 +369,15 @@ def final_merge(
 
 def reduce_torch(
     logits: torch.Tensor,
-    chosen: torch.Tensor,
-    ids: torch.Tensor,
-    counts: torch.Tensor,
-    requested: torch.Tensor,
-    k: int,
+    request: RowRequest,
     vocab_size: int,
     out: torch.Tensor,
     *,
     tile: int = TILE_LANES,
 ) -> torch.Tensor:
     """The four launches on the flagged rows of a full-vocabulary [rows, width] block."""
-    rows = flagged_rows(requested != 0)
+    chosen, ids, counts, k = request.chosen, request.ids, request.counts, request.k
+    rows = flagged_rows(request.requested != 0)
     n = count_rows(rows, logits.shape[0])
     if n == 0:
         return out

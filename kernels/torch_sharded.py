@@ -6,15 +6,16 @@ The backend-agnostic driver (kernels/sharded.py) calls, per position block:
                    launch 4: tiles' best 32 keys (global ids) or owned selected raw logits;
                    launch 5: shard merge -> exchange 2 words
   final_merge      launch 6: the gathered candidates -> the packed payload, same on every rank
-kernels/triton_sharded.py implements the same three functions with the same signatures.
+kernels/triton/sharded.py implements the same three functions (kernels.backends.ShardSteps).
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels.api import assemble_payload, flagged_rows, pick_rows, top_keys, write_rows
 from kernels.layout import MAX_TOKEN_IDS, TILE_CANDIDATES
+from kernels.payload import assemble_payload, flagged_rows, pick_rows, top_keys, write_rows
+from kernels.rows import RowRequest
 from kernels.sortkeys import EMPTY_KEY, bits_to_float, float_bits, keys_to_words, words_to_keys
 from kernels.torch_backend import (
     CHUNK_LANES,
@@ -61,14 +62,14 @@ def chunk_maxima(
 
 
 def shard_stats(
-    logits: torch.Tensor, requested: torch.Tensor, local_valid: int, e1_out: torch.Tensor
+    logits: torch.Tensor, request: RowRequest, local_valid: int, e1_out: torch.Tensor
 ) -> None:
     """Launches 1-2 on this shard. e1_out int32 [rows, 2] (exchange 1 send words):
     word 0 = the shard's FP32 max bits, word 1 = its exp mass relative to that max (bits).
     A shard with no valid lanes, and every unflagged row, reports (-inf, 0)."""
     e1_out[:, 0] = _NEG_INF_BITS
     e1_out[:, 1] = 0
-    rows = flagged_rows(requested != 0)
+    rows = flagged_rows(request.requested != 0)
     if local_valid <= 0 or (rows is not None and rows.numel() == 0):
         return
     stats = tile_stats(logits, rows, local_valid)
@@ -92,10 +93,7 @@ def global_lse(e1_all: torch.Tensor) -> torch.Tensor:
 
 def shard_candidates(
     logits: torch.Tensor,
-    chosen: torch.Tensor,
-    ids: torch.Tensor,
-    counts: torch.Tensor,
-    requested: torch.Tensor,
+    request: RowRequest,
     e1_all: torch.Tensor,
     vocab_start: int,
     local_valid: int,
@@ -111,9 +109,10 @@ def shard_candidates(
     lse_out.copy_(global_lse(e1_all))
     e2_out.zero_()
     dev = logits.device
-    live = requested != 0
+    ids, counts = request.ids, request.counts
+    live = request.requested != 0
     end = vocab_start + local_valid
-    c = chosen.to(torch.int64)
+    c = request.chosen.to(torch.int64)
     own = (live & (c >= vocab_start) & (c < end)).nonzero().flatten()
     if own.numel():
         raw = logits[own, c[own] - vocab_start].to(torch.float32)
@@ -145,16 +144,12 @@ def shard_candidates(
 def final_merge(
     e2_all: torch.Tensor,
     lse: torch.Tensor,
-    chosen: torch.Tensor,
-    ids: torch.Tensor,
-    counts: torch.Tensor,
-    requested: torch.Tensor,
-    k: int,
+    request: RowRequest,
     shard_starts: list[int],
     out: torch.Tensor,
 ) -> None:
     """Launch 6: exchange 2 [world, rows, 129] -> packed rows of out (flagged rows only)."""
-    rows = flagged_rows(requested != 0)
+    rows = flagged_rows(request.requested != 0)
     total = out.shape[0]
     dev = out.device
     r = _rows_index(rows, total, dev)
@@ -165,17 +160,18 @@ def final_merge(
     bounds = torch.tensor(shard_starts[1:world], dtype=torch.int64, device=dev)
     # 4. Owner of id = the rank r with starts[r] <= id < starts[r + 1]; empty shards have
     #    equal bounds, and right=True skips them.
-    c = pick_rows(chosen, rows).to(torch.int64)
+    c = pick_rows(request.chosen, rows).to(torch.int64)
     owner = torch.bucketize(c, bounds, right=True)
     chosen_values = bits_to_float(e2_all[owner, r, 0]) - lse[r]
-    cnt = pick_rows(counts, rows)
+    cnt = pick_rows(request.counts, rows)
     natural = (cnt == 0).nonzero().flatten()
     best = None
+    k = request.k
     if k > 0 and natural.numel():
         keys = words_to_keys(e2_all[:, r[natural], 1 : 1 + KEY_WORDS])  # [world, m, 32]
         best = top_keys(keys.transpose(0, 1).flatten(1), k)
     picked = (cnt > 0).nonzero().flatten()
-    sel = pick_rows(ids, rows)[picked].to(torch.int64)
+    sel = pick_rows(request.ids, rows)[picked].to(torch.int64)
     who = torch.bucketize(sel, bounds, right=True)
     word = torch.arange(1, 1 + MAX_TOKEN_IDS, device=dev).expand_as(sel)
     values = bits_to_float(e2_all[who, r[picked].unsqueeze(1), word]) - lse[r[picked]].unsqueeze(1)

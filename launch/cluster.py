@@ -17,8 +17,8 @@ from collectives.control import ControlConfig, open_control
 from collectives.groups import barrier, destroy, init_from_env, world_group
 from ranks.step import RankStep
 from ranks.worker import run_peer
-from runtime.bootstrap import RuntimeConfig, build_engine, load_rank
-from runtime.engine import Engine
+from runtime.engine.bootstrap import RuntimeConfig, build_engine, load_rank
+from runtime.engine.engine import Engine
 
 log = logging.getLogger("launch")
 

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from launch.cluster import add_runtime_arguments, exit_process, join
-from runtime.engine_api import EngineError, RequestError, SamplingParams
+from runtime.engine.client import EngineError, RequestError, SamplingParams
 
 
 def _value(x: float) -> float:

@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     if not cluster.is_coordinator:
         return cluster.run_peer()
     engine = cluster.engine()
-    from runtime.server import create_app, serve
+    from runtime.http.server import create_app, serve
 
     app = create_app(engine, cluster.config.model_dir, engine.info.model_name)
     try:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kernels.layout import EXPORT_K, PAYLOAD_WORDS
+from kernels.rows import RowRequest
 from kernels.sharded import PreparedShardedReduction
 from ranks.commit import RecordBatch, SlotState
 from ranks.completion import CompletionOutputs
@@ -152,13 +153,12 @@ class RankStep:
         self.chosen[to_slots] = tokens[to_rows]
         self.reduce_requested[to_slots] = 1
         self.reduce_requested.mul_(self.outputs.logprob_requested)
-        self.reduction(
-            self.logit_rows,
+        request = RowRequest(
             self.chosen,
             self.outputs.logprob_token_ids,
             self.outputs.logprob_token_id_counts,
             self.reduce_requested,
             EXPORT_K,
-            self.reduce_out,
         )
+        self.reduction(self.logit_rows, request, self.reduce_out)
         self.outputs.completion_logprobs[frame, to_slots, 0] = self.reduce_out[to_slots]

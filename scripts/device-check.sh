@@ -106,8 +106,8 @@ import torch
 from triton.testing import do_bench
 
 from kernels.layout import MAX_TOKEN_IDS, PAYLOAD_WORDS
-from kernels.triton_backend import PreparedReduction
-from kernels.triton_common import SELECT_EXTRACT, SELECT_TOPK
+from kernels.triton.backend import PreparedReduction
+from kernels.triton.common import SELECT_EXTRACT, SELECT_TOPK
 
 rows, vocab = 256, 151_936
 dev = torch.device("cuda")

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from kernels import reduce_logprobs
+from kernels.api import reduce_logprobs
 from kernels.layout import EXCHANGE1_WORDS, EXCHANGE2_WORDS, PAYLOAD_WORDS
 from tests.distributed.harness import run_ranks
 from tests.unit.test_reduction_torch import check_payload, row_tolerance
@@ -26,7 +26,7 @@ BYTES_PER_POSITION = (EXCHANGE1_WORDS + EXCHANGE2_WORDS) * 4
 def sharded_worker(backend: str, cases: list[dict]) -> list[dict]:
     """Runs on every rank: this rank's shard of each case, twice (bytes, determinism)."""
     from collectives.groups import group_rank, world_group
-    from kernels import reduce_logprobs_sharded
+    from kernels.api import reduce_logprobs_sharded
     from kernels.sharded import prepared_reduction
 
     group = world_group()
@@ -211,7 +211,7 @@ def test_shard_bounds_must_tile_the_vocabulary() -> None:
 
 def test_no_group_runs_in_process_and_matches_unsharded() -> None:
     case = make_case(30, 423, [430], selected=True, requested=[1, 1, 0, 1])
-    from kernels import reduce_logprobs_sharded
+    from kernels.api import reduce_logprobs_sharded
 
     out = torch.full((4, PAYLOAD_WORDS), SENTINEL, dtype=torch.int32)
     reduce_logprobs_sharded(

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from collectives.groups import group_rank, group_size, world_group
-from kernels import reduce_logprobs_sharded
+from kernels.api import reduce_logprobs_sharded
 from tests.distributed.harness import run_ranks
 from tests.unit.test_triton_reduction import (
     assert_matches_reference,

@@ -15,9 +15,9 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-from kernels.triton_backend import PreparedReduction, prepared_reduction  # noqa: E402
-from kernels.triton_common import SELECT_EXTRACT, SELECT_TOPK  # noqa: E402
-from kernels.triton_sharded import PreparedShardedReduction  # noqa: E402
+from kernels.triton.backend import PreparedReduction, prepared_reduction  # noqa: E402
+from kernels.triton.common import SELECT_EXTRACT, SELECT_TOPK  # noqa: E402
+from kernels.triton.sharded import PreparedShardedReduction  # noqa: E402
 from tests.unit.test_triton_reduction import (  # noqa: E402
     assert_matches_reference,
     exact_expected,

@@ -331,7 +331,7 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 def vocab_bytes(model_dir: Path) -> dict[int, bytes]:
-    """Each id's true bytes, derived independently of runtime/token_bytes.py."""
+    """Each id's true bytes, derived independently of runtime/text/token_bytes.py."""
     import tokenizers
 
     tok = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))

@@ -10,10 +10,10 @@ import math
 import httpx
 import pytest
 
-from runtime.chat_template import ChatTemplate, ChatTemplateError
-from runtime.engine import Engine as RealEngine
-from runtime.engine_api import EngineError, EngineInfo, Finished, GeneratedToken, TokenLogprob
-from runtime.server import create_app
+from runtime.text.chat_template import ChatTemplate, ChatTemplateError
+from runtime.engine.engine import Engine as RealEngine
+from runtime.engine.client import EngineError, EngineInfo, Finished, GeneratedToken, TokenLogprob
+from runtime.http.server import create_app
 from tests.server.conftest import strict_json
 
 

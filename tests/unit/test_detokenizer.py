@@ -5,8 +5,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders
 
-from runtime.detokenizer import Detokenizer, Utf8Stream, detokenize
-from runtime.token_bytes import TokenBytes
+from runtime.text.detokenizer import Detokenizer, Utf8Stream, detokenize
+from runtime.text.token_bytes import TokenBytes
 from tests.unit.tokenizer_fixtures import (
     TEXTS,
     TRICKY,

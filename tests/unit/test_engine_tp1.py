@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kernels.layout import EXPORT_K, FIRST_PAIR
-from runtime.bootstrap import RuntimeConfig, build_engine, load_rank
-from runtime.engine_api import EngineError, RequestError, SamplingParams
+from runtime.engine.bootstrap import RuntimeConfig, build_engine, load_rank
+from runtime.engine.client import EngineError, RequestError, SamplingParams
 from tests.checkpoints import hf_logprobs, write_llama
 
 

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from kernels import reduce_logprobs, reduce_logprobs_sharded
-from kernels.api import pack_token_ids
+from kernels.api import pack_token_ids, reduce_logprobs, reduce_logprobs_sharded
+from kernels.rows import RowRequest
 from kernels.torch_backend import reduce_torch
 
 WORDS = 258
@@ -110,7 +110,7 @@ def run_all(logits, chosen, *, k, vocab, token_ids, requested, tile):
     ids, counts = pack_token_ids(token_ids, logits.shape[0], vocab)
     flags = torch.ones(logits.shape[0], dtype=torch.int32) if requested is None else requested
     tiled = torch.full((logits.shape[0], WORDS), -1, dtype=torch.int32)
-    reduce_torch(logits, chosen, ids, counts, flags, k, vocab, tiled, tile=tile)
+    reduce_torch(logits, RowRequest(chosen, ids, counts, flags, k), vocab, tiled, tile=tile)
     return ref, api, tiled
 
 
@@ -394,11 +394,10 @@ def test_stale_ids_beyond_the_count_are_ignored() -> None:
     flags = torch.ones(3, dtype=torch.int32)
     want = reduce_logprobs(x, chosen, token_ids=[[7, 5], [], [299]], backend="reference")
     direct = torch.full((3, WORDS), -1, dtype=torch.int32)
-    reduce_torch(x, chosen, ids, counts, flags, 20, 300, direct)
+    request = RowRequest(chosen, ids, counts, flags, 20)
+    reduce_torch(x, request, 300, direct)
     sharded = torch.full((3, WORDS), -1, dtype=torch.int32)
-    PreparedShardedReduction(None, 3, 300, 0, 300, 300, "torch", "cpu")(
-        x, chosen, ids, counts, flags, 20, sharded
-    )
+    PreparedShardedReduction(None, 3, 300, 0, 300, 300, "torch", "cpu")(x, request, sharded)
     for out in (direct, sharded):
         assert torch.equal(out[:, 0::2], want[:, 0::2])
         check_payload(out, x, 300, chosen, 20, [[7, 5], [], [299]], None)

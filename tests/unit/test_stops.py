@@ -4,10 +4,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runtime.detokenizer import Detokenizer, TokenStart
-from runtime.engine_api import Finished, GeneratedToken, TokenLogprob
-from runtime.stops import OutputStream, StopFilter
-from runtime.token_bytes import TokenBytes
+from runtime.text.detokenizer import Detokenizer, TokenStart
+from runtime.engine.client import Finished, GeneratedToken, TokenLogprob
+from runtime.text.stops import OutputStream, StopFilter
+from runtime.text.token_bytes import TokenBytes
 from tests.unit.tokenizer_fixtures import (
     byte_fallback_tokenizer,
     byte_level_tokenizer,
@@ -59,7 +59,7 @@ def run(tb: TokenBytes, tokens: list[GeneratedToken], stops=(), **kwargs):
 
 
 def offsets_of(tb: TokenBytes, ids: list[int]) -> list[int]:
-    from runtime.detokenizer import detokenize
+    from runtime.text.detokenizer import detokenize
 
     return detokenize(tb, ids, at_start=False)[1]
 
@@ -93,7 +93,7 @@ def test_stop_at_the_very_first_token(level) -> None:
 
 
 def test_stop_on_a_split_character(fallback) -> None:
-    from runtime.detokenizer import detokenize
+    from runtime.text.detokenizer import detokenize
 
     tok, tb = fallback
     ids = tok.encode("ab 語x").ids

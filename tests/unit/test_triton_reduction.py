@@ -1,4 +1,4 @@
-"""Triton reductions (kernels/triton_backend.py, kernels/triton_sharded.py) against the
+"""Triton reductions (kernels/triton/backend.py, kernels/triton/sharded.py) against the
 reference, on CPU through the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1
 before triton is imported when no GPU is present).
 
@@ -28,9 +28,10 @@ import triton.language as tl
 
 from kernels.layout import EXCHANGE1_WORDS, EXCHANGE2_WORDS, MAX_TOKEN_IDS, PAYLOAD_WORDS
 from kernels.reference import reduce_reference, reference_ranking
+from kernels.rows import RowRequest
 from kernels.sortkeys import EMPTY_KEY, float_bits, keys_to_words, make_keys
-from kernels.triton_backend import PreparedReduction, prepared_reduction, reduce_triton
-from kernels.triton_common import (
+from kernels.triton.backend import PreparedReduction, prepared_reduction, reduce_triton
+from kernels.triton.common import (
     SELECT_EXTRACT,
     SELECT_RANK,
     SELECT_TOPK,
@@ -41,7 +42,7 @@ from kernels.triton_common import (
     sort_key,
     words_to_key,
 )
-from kernels.triton_sharded import (
+from kernels.triton.sharded import (
     PreparedShardedReduction,
     final_merge,
     shard_candidates,
@@ -548,8 +549,9 @@ def test_prepared_reduction_reuses_its_workspaces():
     ids, counts = pack(token_ids, 4)
     logits, chosen, ids, counts, requested = to_device(logits, chosen, ids, counts, requested)
     out = sentinel_out(4).to(DEVICE)
-    reduce_triton(logits, chosen, ids, counts, requested, 20, 90, out)
-    reduce_triton(logits, chosen, ids, counts, requested, 20, 90, out)
+    request = RowRequest(chosen, ids, counts, requested, 20)
+    reduce_triton(logits, request, 90, out)
+    reduce_triton(logits, request, 90, out)
     assert prepared_reduction(4, 96, torch.float32, DEVICE) is prepared
     assert ptrs == [t.data_ptr() for t in (prepared.tile_max, prepared.tile_mass,
                                            prepared.lse, prepared.cand)]
@@ -615,9 +617,19 @@ def simulate_world(logits, starts, width, chosen, token_ids, requested, k, *, pr
     chosen, ids, counts, requested = to_device(chosen, ids, counts, requested)
     shards = [(local.to(DEVICE), start, n) for local, start, n in
               split_shards(logits, starts, width)]
-    stats = prepared.stats if prepared is not None else shard_stats
-    cands = prepared.candidates if prepared is not None else shard_candidates
-    final = prepared.final if prepared is not None else final_merge
+    if prepared is not None:
+        stats, cands, final = prepared.stats, prepared.candidates, prepared.final
+    else:
+        # The module-level shard steps take one RowRequest (kernels.backends.ShardSteps).
+        def stats(local, req, n, e1_out):
+            return shard_stats(local, RowRequest(chosen, ids, counts, req, k), n, e1_out)
+
+        def cands(local, c, i, n_ids, req, e1_all, start, n, lse, e2_out):
+            request = RowRequest(c, i, n_ids, req, k)
+            return shard_candidates(local, request, e1_all, start, n, lse, e2_out)
+
+        def final(e2_all, lse, c, i, n_ids, req, kk, starts_arg, out):
+            return final_merge(e2_all, lse, RowRequest(c, i, n_ids, req, kk), starts_arg, out)
     e1 = []
     for local, _, n in shards:
         e1_out = torch.full((rows, EXCHANGE1_WORDS), 77, dtype=torch.int32, device=DEVICE)
@@ -769,7 +781,7 @@ SM90_SCRIPT = textwrap.dedent(
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from kernels import triton_backend as B, triton_common as C, triton_sharded as S
+    from kernels.triton import backend as B, common as C, sharded as S
 
     CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
 

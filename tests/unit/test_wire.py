@@ -9,11 +9,11 @@ from openai.types.chat import ChatCompletionTokenLogprob
 from openai.types.chat.chat_completion import ChoiceLogprobs
 from openai.types.completion_choice import Logprobs
 
-from runtime.detokenizer import detokenize
-from runtime.engine_api import GeneratedToken, SamplingParams, TokenLogprob
-from runtime.stops import OutputStream
-from runtime.token_bytes import TokenBytes
-from runtime.wire import (
+from runtime.text.detokenizer import detokenize
+from runtime.engine.client import GeneratedToken, SamplingParams, TokenLogprob
+from runtime.text.stops import OutputStream
+from runtime.text.token_bytes import TokenBytes
+from runtime.http.wire import (
     NonFiniteLogprob,
     Position,
     WireMode,

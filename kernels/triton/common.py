@@ -1,9 +1,9 @@
 """Shared ``@triton.jit`` helpers for the Triton logprob reductions.
 
-Used by ``kernels/triton_backend.py`` (one rank holds the whole row, four launches) and
-``kernels/triton_sharded.py`` (vocabulary shards, six launches). Everything here is a device
+Used by ``kernels/triton/backend.py`` (one rank holds the whole row, four launches) and
+``kernels/triton/sharded.py`` (vocabulary shards, six launches). Everything here is a device
 function or a launch-independent kernel; the launchers live in those two modules, their
-shared geometry, workspaces and shape/dtype/stride checks in ``kernels/triton_prepared.py``.
+shared geometry, workspaces and shape/dtype/stride checks in ``kernels/triton/prepared.py``.
 
 Sort keys (DESIGN.md, kernels/sortkeys.py): a 64-bit integer, larger is better. High 32 bits
 = order-preserving map of the reported FP32 value's bits (-0.0 normalized to +0.0), low 32

@@ -6,7 +6,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ranks.plan import RequestSpec, SlotWork, StepPlan
-from runtime.engine_api import SamplingParams
+from runtime.engine.client import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,7 @@ class Request:
     params: SamplingParams
     spec: RequestSpec
     sink: object
-    """Receives this request's events (see runtime.engine)."""
+    """Receives this request's events (see runtime.engine.engine)."""
     slot: int = -1
     epoch: int = 0
     prefilled: int = 0

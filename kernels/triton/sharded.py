@@ -21,8 +21,8 @@ lane < local_valid; later lanes are padding and never read. The backend-agnostic
 
 A zero ``requested`` flag makes every launch return before reading the vocabulary, sorting
 or writing: that row of e1_out, e2_out, lse_out and out stays untouched. Kernels 2, 3, 5 and 6
-live in kernels/triton_sharded_kernels.py; the shared geometry, workspaces and argument
-checks in kernels/triton_prepared.py.
+live in kernels/triton/sharded_kernels.py; the shared geometry, workspaces and argument
+checks in kernels/triton/prepared.py.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ from kernels.layout import (
     PAYLOAD_WORDS,
     TILE_CANDIDATES,
 )
-from kernels.triton_prepared import (
+from kernels.rows import RowRequest
+from kernels.triton.prepared import (
     FLAG_DTYPES,
     PreparedWorkspaces,
     check_k,
@@ -47,7 +48,7 @@ from kernels.triton_prepared import (
     check_request,
     check_vector,
 )
-from kernels.triton_sharded_kernels import (
+from kernels.triton.sharded_kernels import (
     _global_lse_kernel,
     _shard_merge_kernel,
     _shard_stats_kernel,
@@ -258,22 +259,16 @@ def _any_prepared(rows: int, device: torch.device) -> PreparedShardedReduction |
 
 
 def shard_stats(
-    logits: torch.Tensor,
-    requested: torch.Tensor,
-    local_valid: int,
-    e1_out: torch.Tensor,
+    logits: torch.Tensor, request: RowRequest, local_valid: int, e1_out: torch.Tensor
 ) -> torch.Tensor:
     """Launches 1-2: e1_out int32 [rows, 2] = (shard max, shard exp mass) as FP32 bits."""
     prepared = PreparedShardedReduction.cached_for(_PREPARED, logits)
-    return prepared.stats(logits, requested, local_valid, e1_out)
+    return prepared.stats(logits, request.requested, local_valid, e1_out)
 
 
 def shard_candidates(
     logits: torch.Tensor,
-    chosen: torch.Tensor,
-    ids: torch.Tensor | None,
-    counts: torch.Tensor | None,
-    requested: torch.Tensor,
+    request: RowRequest,
     e1_all: torch.Tensor,
     vocab_start: int,
     local_valid: int,
@@ -283,18 +278,15 @@ def shard_candidates(
     """Launches 3-5: lse_out fp32 [rows] (bit-identical on every rank) and e2_out int32
     [rows, 129] (layout in _shard_merge_kernel) from e1_all int32 [world, rows, 2]."""
     prepared = PreparedShardedReduction.cached_for(_PREPARED, logits)
-    return prepared.candidates(logits, chosen, ids, counts, requested, e1_all, vocab_start,
-                               local_valid, lse_out, e2_out)
+    return prepared.candidates(logits, request.chosen, request.ids, request.counts,
+                               request.requested, e1_all, vocab_start, local_valid, lse_out,
+                               e2_out)
 
 
 def final_merge(
     e2_all: torch.Tensor,
     lse: torch.Tensor,
-    chosen: torch.Tensor,
-    ids: torch.Tensor | None,
-    counts: torch.Tensor | None,
-    requested: torch.Tensor,
-    k: int,
+    request: RowRequest,
     shard_starts: torch.Tensor | Sequence[int],
     out: torch.Tensor,
 ) -> torch.Tensor:
@@ -306,4 +298,5 @@ def final_merge(
     prepared = _any_prepared(rows, lse.device)
     if prepared is None:
         prepared = prepared_sharded(max(rows, 1), TILE_CANDIDATES, torch.float32, lse.device)
-    return prepared.final(e2_all, lse, chosen, ids, counts, requested, k, shard_starts, out)
+    return prepared.final(e2_all, lse, request.chosen, request.ids, request.counts,
+                          request.requested, request.k, shard_starts, out)

@@ -2,7 +2,7 @@
 
 Unknown fields are ignored (as vLLM does). Known fields that this runtime cannot honour are
 refused with HTTP 400 naming them (see `unsupported`). Responses are plain dicts built in
-runtime/serving_completion.py and runtime/serving_chat.py; their shapes are in docs/api.md.
+runtime/http/completions.py and runtime/http/chat.py; their shapes are in docs/api.md.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Triton logprob reduction, one rank holding the whole vocabulary row: four prepared launches.
 
-1. ``tile_stats_kernel`` (kernels/triton_common.py), grid (rows, tiles): per vocabulary tile
+1. ``tile_stats_kernel`` (kernels/triton/common.py), grid (rows, tiles): per vocabulary tile
    the FP32 maximum and exponential mass relative to it.
 2. ``_row_lse_kernel``, grid (rows,): the tiles' statistics -> the row's normalization
    lse = M + log(S) (FP32).
-3. ``tile_keys_kernel`` (kernels/triton_common.py), grid (rows, tiles): per tile the best 32
+3. ``tile_keys_kernel`` (kernels/triton/common.py), grid (rows, tiles): per tile the best 32
    int64 sort keys of the reported values float32(x) - lse.
 4. ``_final_merge_kernel``, grid (rows,): the chosen pair, then either the best K keys of all
    tiles or the caller's selected IDs, into the packed int32 [rows, 258] payload.
@@ -23,7 +23,8 @@ import triton
 import triton.language as tl
 
 from kernels.layout import MAX_TOKEN_IDS, PAYLOAD_WORDS, TILE_CANDIDATES
-from kernels.triton_common import (
+from kernels.rows import RowRequest
+from kernels.triton.common import (
     canonical_nan,
     combine_tile_stats,
     fill_pairs,
@@ -32,7 +33,7 @@ from kernels.triton_common import (
     prepared_kernel,
     store_natural_pairs,
 )
-from kernels.triton_prepared import (
+from kernels.triton.prepared import (
     DEFAULT_BLOCK_SIZE,
     FLAG_DTYPES,
     GPU_MERGE_BLOCK,
@@ -58,7 +59,7 @@ __all__ = [
     "PreparedReduction",
     "prepared_reduction",
     "reduce_triton",
-    # Host-side helpers that lived here before kernels/triton_prepared.py (still importable
+    # Host-side helpers that lived here before kernels/triton/prepared.py (still importable
     # from this module; tests read GPU_MERGE_BLOCK from it).
     "DEFAULT_BLOCK_SIZE",
     "FLAG_DTYPES",
@@ -273,21 +274,12 @@ def prepared_reduction(
 
 
 def reduce_triton(
-    logits: torch.Tensor,
-    chosen: torch.Tensor,
-    ids: torch.Tensor | None,
-    counts: torch.Tensor | None,
-    requested: torch.Tensor,
-    k: int,
-    vocab_size: int,
-    out: torch.Tensor,
+    logits: torch.Tensor, request: RowRequest, vocab_size: int, out: torch.Tensor
 ) -> torch.Tensor:
-    """Packed logprob payload for ``logits`` [rows, width] (whole vocabulary on this rank).
-
-    chosen int32/int64 [rows]; ids int32 [rows, 128] and counts int32 [rows] (or both None:
-    natural alternatives only); requested int32 [rows] (0 = leave the row untouched);
-    0 <= k <= 32 natural alternatives; vocab_size <= width (later lanes are padding);
+    """Packed logprob payload for ``logits`` [rows, width] (whole vocabulary on this rank):
+    ``request`` per row (kernels.rows), vocab_size <= width (later lanes are padding),
     out int32 [rows, 258]. Returns ``out``.
     """
     prepared = PreparedReduction.cached_for(_PREPARED, logits)
-    return prepared(logits, chosen, ids, counts, requested, k, vocab_size, out)
+    return prepared(logits, request.chosen, request.ids, request.counts, request.requested,
+                    request.k, vocab_size, out)

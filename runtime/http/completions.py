@@ -6,10 +6,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from runtime.detokenizer import detokenize
-from runtime.engine_api import Engine, RequestError
-from runtime.protocol import CompletionRequest
-from runtime.serving import (
+from runtime.text.detokenizer import detokenize
+from runtime.engine.client import Engine, RequestError
+from runtime.http.protocol import CompletionRequest
+from runtime.http.serving import (
     ChoiceJob,
     Delta,
     ModelAssets,
@@ -20,8 +20,8 @@ from runtime.serving import (
     choice_seed,
     resolve_max_tokens,
 )
-from runtime.serving_choices import check_request, collect, envelope, stream_chunks, wire_mode
-from runtime.wire import Position, WireMode, completion_logprobs
+from runtime.http.choices import check_request, collect, envelope, stream_chunks, wire_mode
+from runtime.http.wire import Position, WireMode, completion_logprobs
 
 DEFAULT_MAX_TOKENS = 16
 

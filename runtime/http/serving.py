@@ -20,8 +20,8 @@ from typing import Any
 
 import tokenizers
 
-from runtime.chat_template import ChatTemplate
-from runtime.engine_api import (
+from runtime.text.chat_template import ChatTemplate
+from runtime.engine.client import (
     Engine,
     EngineError,
     Finished,
@@ -29,18 +29,18 @@ from runtime.engine_api import (
     RequestError,
     SamplingParams,
 )
-from runtime.protocol import (
+from runtime.http.protocol import (
     MAX_CHOICES,
     MAX_STOP_LENGTH,
     MAX_STOP_STRINGS,
     SamplingFields,
     error_body,
 )
-from runtime.stops import OutputStream
-from runtime.token_bytes import TokenBytes
-from runtime.wire import NonFiniteLogprob, Position, positions
+from runtime.text.stops import OutputStream
+from runtime.text.token_bytes import TokenBytes
+from runtime.http.wire import NonFiniteLogprob, Position, positions
 
-log = logging.getLogger("runtime.serving")
+log = logging.getLogger("runtime.http.serving")
 LOGIT_BIAS_LIMIT = 100.0
 MERGE_QUEUE = 32
 

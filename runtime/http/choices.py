@@ -7,10 +7,10 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from runtime.engine_api import Engine, RequestError
-from runtime.protocol import SamplingFields, StreamOptions
-from runtime.serving import ChoiceJob, Delta, ModelAssets, Totals, merge, new_id, now, run_choice
-from runtime.wire import Position, WireMode
+from runtime.engine.client import Engine, RequestError
+from runtime.http.protocol import SamplingFields, StreamOptions
+from runtime.http.serving import ChoiceJob, Delta, ModelAssets, Totals, merge, new_id, now, run_choice
+from runtime.http.wire import Position, WireMode
 
 
 def check_request(req: SamplingFields, unsupported: tuple[str, str] | None) -> None:

@@ -21,7 +21,7 @@ from ranks.abi6 import (
     SUBMISSION,
     Kind,
 )
-from runtime.engine_api import EngineError
+from runtime.engine.client import EngineError
 
 
 class DecodeError(EngineError):

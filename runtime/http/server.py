@@ -20,13 +20,13 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ranks.upload import UploadError
-from runtime.engine_api import Engine, RequestError
-from runtime.protocol import ChatCompletionRequest, CompletionRequest, error_body
-from runtime.serving import ModelAssets, dumps, failure_message, now, sse_stream
-from runtime.serving_chat import chat, prepare_chat, stream_chat
-from runtime.serving_completion import complete, prepare_completion, stream_completion
+from runtime.engine.client import Engine, RequestError
+from runtime.http.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from runtime.http.serving import ModelAssets, dumps, failure_message, now, sse_stream
+from runtime.http.chat import chat, prepare_chat, stream_chat
+from runtime.http.completions import complete, prepare_completion, stream_completion
 
-log = logging.getLogger("runtime.server")
+log = logging.getLogger("runtime.http.server")
 REFUSALS = (RequestError, UploadError)
 """Refusals before admission: HTTP 400 naming `param`."""
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

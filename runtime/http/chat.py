@@ -6,10 +6,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from runtime.chat_template import ChatTemplateError
-from runtime.engine_api import Engine, RequestError
-from runtime.protocol import ChatCompletionRequest
-from runtime.serving import (
+from runtime.text.chat_template import ChatTemplateError
+from runtime.engine.client import Engine, RequestError
+from runtime.http.protocol import ChatCompletionRequest
+from runtime.http.serving import (
     ChoiceJob,
     Delta,
     ModelAssets,
@@ -20,8 +20,8 @@ from runtime.serving import (
     choice_seed,
     resolve_max_tokens,
 )
-from runtime.serving_choices import check_request, collect, envelope, stream_chunks, wire_mode
-from runtime.wire import Position, WireMode, chat_logprobs
+from runtime.http.choices import check_request, collect, envelope, stream_chunks, wire_mode
+from runtime.http.wire import Position, WireMode, chat_logprobs
 
 RESERVED_TEMPLATE_KEYS = {"messages", "add_generation_prompt"}
 

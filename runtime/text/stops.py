@@ -25,9 +25,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from runtime.detokenizer import Detokenizer, DetokStep, TokenStart
-from runtime.engine_api import Finished, GeneratedToken
-from runtime.token_bytes import TokenBytes
+from runtime.text.detokenizer import Detokenizer, DetokStep, TokenStart
+from runtime.engine.client import Finished, GeneratedToken
+from runtime.text.token_bytes import TokenBytes
 
 T = TypeVar("T")
 

@@ -1,6 +1,6 @@
 """The ``@triton.jit`` kernels of the sharded Triton reduction: launches 2, 3, 5 and 6 as
-kernels/triton_sharded.py numbers and launches them (launches 1 and 4 are
-``tile_stats_kernel`` and ``tile_keys_kernel`` from kernels/triton_common.py). A zero
+kernels/triton/sharded.py numbers and launches them (launches 1 and 4 are
+``tile_stats_kernel`` and ``tile_keys_kernel`` from kernels/triton/common.py). A zero
 ``requested`` flag makes every kernel return before it reads, sorts or writes.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import triton.language as tl
 
-from kernels.triton_common import (
+from kernels.triton.common import (
     EMPTY_KEY,
     NCAND,
     canonical_nan,

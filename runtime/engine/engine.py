@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from ranks.plan import RequestSpec, StepPlan
 from ranks.sampling_params import RowSampling
 from ranks.step import RankStep
-from runtime.engine_api import (
+from runtime.engine.client import (
     EngineError,
     EngineInfo,
     Finished,
@@ -25,9 +25,9 @@ from runtime.engine_api import (
     RequestError,
     SamplingParams,
 )
-from runtime.executor import FrameExecutor
-from runtime.frame_reader import read_frame
-from runtime.scheduler import Request, Scheduler, SchedulerConfig
+from runtime.engine.executor import FrameExecutor
+from runtime.engine.frame_reader import read_frame
+from runtime.engine.scheduler import Request, Scheduler, SchedulerConfig
 
 
 @dataclass(frozen=True)

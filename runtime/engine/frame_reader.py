@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ranks import abi6
-from runtime.decode import LaneExpectation, decode_frame
-from runtime.engine_api import Finished, GeneratedToken, TokenLogprob
-from runtime.executor import HostFrame
-from runtime.scheduler import Request
+from runtime.engine.decode import LaneExpectation, decode_frame
+from runtime.engine.client import Finished, GeneratedToken, TokenLogprob
+from runtime.engine.executor import HostFrame
+from runtime.engine.scheduler import Request
 
 FINISH_NAMES = {
     abi6.FinishReason.LENGTH: "length",

@@ -36,7 +36,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from runtime.token_bytes import TokenBytes
+from runtime.text.token_bytes import TokenBytes
 
 
 @dataclass(frozen=True)

@@ -34,8 +34,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from runtime.engine_api import GeneratedToken, SamplingParams, TokenLogprob
-from runtime.token_bytes import TokenBytes, token_id_string
+from runtime.engine.client import GeneratedToken, SamplingParams, TokenLogprob
+from runtime.text.token_bytes import TokenBytes, token_id_string
 
 WIRE_FLOOR = -9999.0
 

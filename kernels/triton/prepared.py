@@ -1,11 +1,11 @@
 """Host-side geometry, workspaces and argument checks shared by the Triton launchers.
 
-``kernels/triton_backend.py`` (``PreparedReduction``, one rank holds the whole row) and
-``kernels/triton_sharded.py`` (``PreparedShardedReduction``, vocabulary shards) both derive
+``kernels/triton/backend.py`` (``PreparedReduction``, one rank holds the whole row) and
+``kernels/triton/sharded.py`` (``PreparedShardedReduction``, vocabulary shards) both derive
 from ``PreparedWorkspaces``: the block size, tile count and merge block for a (rows, width,
 dtype, device, select) configuration, the tile-statistics and candidate-key workspaces, the
 "no selected IDs" buffers, the warm-up loop and the launches of the two shared tile kernels
-(kernels/triton_common.py). Nothing here is a ``@triton.jit`` function.
+(kernels/triton/common.py). Nothing here is a ``@triton.jit`` function.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 import triton
 
 from kernels.layout import MAX_TOKEN_IDS, TILE_CANDIDATES
-from kernels.triton_common import (
+from kernels.triton.common import (
     RANK_MAX_BLOCK,
     SELECT_RANK,
     SELECTS,

@@ -13,8 +13,8 @@ from ranks.core import capabilities
 from ranks.model import ShardedCausalLM
 from ranks.plan import StepPlan
 from ranks.step import RankStep, StepConfig
-from runtime.engine import Engine, EngineConfig
-from runtime.engine_api import EngineInfo
+from runtime.engine.engine import Engine, EngineConfig
+from runtime.engine.client import EngineInfo
 
 
 @dataclass(frozen=True)

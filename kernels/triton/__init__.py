@@ -1,0 +1,1 @@
+"""Triton kernels and their launchers: the only modules that import triton (optional)."""

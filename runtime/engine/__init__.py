@@ -1,0 +1,1 @@
+"""The coordinator's engine: scheduler, executor with frame copies, payload decoding, configuration."""

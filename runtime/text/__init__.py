@@ -1,0 +1,1 @@
+"""Text presentation: token bytes, incremental detokenizer, stop strings, chat templates."""
