@@ -17,26 +17,40 @@ from collectives.control import ControlConfig, open_control
 from collectives.groups import barrier, destroy, init_from_env, world_group
 from ranks.step import RankStep
 from ranks.worker import run_peer
-from runtime.engine.bootstrap import RuntimeConfig, build_engine, load_rank
+from runtime.engine.bootstrap import build_engine, load_rank
+from runtime.engine.config import RuntimeConfig
 from runtime.engine.engine import Engine
 
 log = logging.getLogger("launch")
 
 
 def add_runtime_arguments(p: argparse.ArgumentParser) -> None:
+    """Serving options; every default is RuntimeConfig's (runtime/engine/config.py)."""
+    d = RuntimeConfig.default
     p.add_argument("--model", type=Path, default=None,
                    help="local Hugging Face directory; default: the embedded tiny model")
     p.add_argument("--served-model-name", default=None)
-    p.add_argument("--capacity", type=int, default=16, help="physical request slots")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--chunk-size", type=int, default=256, help="prefill chunk in tokens")
+    p.add_argument("--capacity", type=int, default=d("capacity"), help="physical request slots")
+    p.add_argument("--max-model-len", type=int, default=d("max_model_len"),
+                   help="default: the checkpoint's max_position_embeddings, at most 4096")
+    p.add_argument("--chunk-size", type=int, default=d("chunk_size"),
+                   help="prefill chunk in tokens")
+    p.add_argument("--max-batched-tokens", type=int, default=d("max_batched_tokens"),
+                   help="tokens per step; default: twice the larger of chunk size and capacity")
     p.add_argument("--no-logprobs", action="store_true",
                    help="export a core without logprob buffers (K=0)")
+    p.add_argument("--max-logprobs", type=int, default=d("max_logprobs"),
+                   help="K natural alternatives the core exports (1..20); below 20 the core "
+                        "declares no token-ID inputs and refuses logprob_token_ids")
+    p.add_argument("--completion-token-capacity", type=int,
+                   default=d("completion_token_capacity"),
+                   help="T token slots per completion record; 0 means 8")
     p.add_argument("--reduction-backend", choices=("torch", "triton"), default=None,
                    help="default: triton on CUDA, torch on CPU")
-    p.add_argument("--collective-timeout", type=float, default=20.0,
+    p.add_argument("--collective-timeout", type=float, default=d("collective_timeout_s"),
                    help="seconds before a silent peer fails a collective")
-    p.add_argument("--heartbeat-timeout", type=float, default=5.0)
+    p.add_argument("--heartbeat-timeout", type=float, default=d("heartbeat_timeout_s"),
+                   help="seconds without a heartbeat before a rank counts as lost")
     p.add_argument("--log-level", default="WARNING")
 
 
@@ -49,13 +63,18 @@ def runtime_config(args: argparse.Namespace, device: str) -> RuntimeConfig:
     backend = args.reduction_backend or ("triton" if device == "cuda" else "torch")
     return RuntimeConfig(
         model_dir=Path(model_dir),
+        served_model_name=args.served_model_name,
+        device=device,
         capacity=args.capacity,
         max_model_len=args.max_model_len,
         chunk_size=args.chunk_size,
+        max_batched_tokens=args.max_batched_tokens,
         logprobs=not args.no_logprobs,
+        max_logprobs=args.max_logprobs,
+        completion_token_capacity=args.completion_token_capacity,
         reduction_backend=backend,
-        served_model_name=args.served_model_name,
-        device=device,
+        collective_timeout_s=args.collective_timeout,
+        heartbeat_timeout_s=args.heartbeat_timeout,
     )
 
 
@@ -115,7 +134,7 @@ def join(args: argparse.Namespace) -> Cluster:
         barrier(group)
     config = runtime_config(args, "cuda" if cuda else "cpu")
     step = load_rank(config, group)
-    control = ControlConfig(heartbeat_timeout_s=args.heartbeat_timeout)
+    control = ControlConfig(heartbeat_timeout_s=config.heartbeat_timeout_s)
     channel = open_control(rank, world, config=control) if world > 1 else None
     return Cluster(rank, world, group, config, step, channel)
 

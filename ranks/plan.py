@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from collectives.codec import message, register
 from kernels.layout import MAX_TOKEN_IDS
+from ranks.requests import RequestError
 from ranks.sampling_params import RowSampling
 
 register(RowSampling, "ranks.row_sampling")
@@ -27,11 +28,11 @@ class RequestSpec:
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1 when sampling, got {self.max_tokens}")
+            raise RequestError("max_tokens", f"must be >= 1 when sampling, got {self.max_tokens}")
         if len(self.logprob_token_ids) > MAX_TOKEN_IDS:
-            raise ValueError(f"logprob_token_ids: at most {MAX_TOKEN_IDS} ids")
+            raise RequestError("logprob_token_ids", f"at most {MAX_TOKEN_IDS} ids")
         if self.logprob_token_ids and not self.logprobs:
-            raise ValueError("logprob_token_ids requires the logprob flag")
+            raise RequestError("logprob_token_ids", "requires the logprob flag")
 
 
 @message("ranks.slot_work")

@@ -6,6 +6,8 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from ranks.requests import RequestError
+
 GREEDY_EPS = 1e-5
 """Temperatures below this sample greedily (vLLM's _SAMPLING_EPS)."""
 
@@ -16,13 +18,13 @@ POSITION_MAX = 2**32
 
 def _finite(name: str, value: float) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ValueError(f"{name}: expected a finite number, got {value!r}")
+        raise RequestError(name, f"expected a finite number, got {value!r}")
     return float(value)
 
 
 def _token_id(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name}: expected a token id >= 0, got {value!r}")
+        raise RequestError(name, f"expected a token id >= 0, got {value!r}")
     return value
 
 
@@ -51,28 +53,30 @@ class RowSampling:
     def __post_init__(self) -> None:
         for name in ("seed", "position", "top_k"):
             if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int):
-                raise ValueError(f"{name}: expected an int, got {getattr(self, name)!r}")
+                raise RequestError(name, f"expected an int, got {getattr(self, name)!r}")
         if not SEED_MIN <= self.seed < SEED_MAX:
-            raise ValueError(f"seed: expected a 64-bit integer, got {self.seed}")
+            raise RequestError("seed", f"expected a 64-bit integer, got {self.seed}")
         if not 0 <= self.position < POSITION_MAX:
-            raise ValueError(f"position: expected 0 <= position < 2**32, got {self.position}")
+            raise RequestError("position", f"expected 0 <= position < 2**32, got {self.position}")
         if _finite("temperature", self.temperature) < 0:
-            raise ValueError(f"temperature: expected >= 0, got {self.temperature}")
+            raise RequestError("temperature", f"expected >= 0, got {self.temperature}")
         if self.top_k < -1:
-            raise ValueError(f"top_k: expected -1, 0 (off) or a positive count, got {self.top_k}")
+            raise RequestError(
+                "top_k", f"expected -1, 0 (off) or a positive count, got {self.top_k}"
+            )
         if not 0 < _finite("top_p", self.top_p) <= 1:
-            raise ValueError(f"top_p: expected 0 < top_p <= 1, got {self.top_p}")
+            raise RequestError("top_p", f"expected 0 < top_p <= 1, got {self.top_p}")
         if not 0 <= _finite("min_p", self.min_p) <= 1:
-            raise ValueError(f"min_p: expected 0 <= min_p <= 1, got {self.min_p}")
+            raise RequestError("min_p", f"expected 0 <= min_p <= 1, got {self.min_p}")
         _finite("presence_penalty", self.presence_penalty)
         _finite("frequency_penalty", self.frequency_penalty)
         if _finite("repetition_penalty", self.repetition_penalty) <= 0:
-            raise ValueError(f"repetition_penalty: expected > 0, got {self.repetition_penalty}")
+            raise RequestError("repetition_penalty", f"expected > 0, got {self.repetition_penalty}")
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         if self.allowed_token_ids is not None:
             allowed = tuple(_token_id("allowed_token_ids", t) for t in self.allowed_token_ids)
             if not allowed or len(set(allowed)) != len(allowed):
-                raise ValueError("allowed_token_ids: expected distinct ids, at least one")
+                raise RequestError("allowed_token_ids", "expected distinct ids, at least one")
             object.__setattr__(self, "allowed_token_ids", allowed)
 
     @property
@@ -107,5 +111,5 @@ def _bias_pairs(
     items = value.items() if isinstance(value, Mapping) else value
     pairs = tuple((_token_id("logit_bias", t), _finite("logit_bias", b)) for t, b in items)
     if len({t for t, _ in pairs}) != len(pairs):
-        raise ValueError("logit_bias: token ids must be distinct")
+        raise RequestError("logit_bias", "token ids must be distinct")
     return pairs

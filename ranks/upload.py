@@ -7,20 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.layout import EXPORT_K, MAX_TOKEN_IDS
+from kernels.layout import EXPORT_K
 from ranks.completion import CompletionOutputs
-
-LOGPROBS_PARAM = "logprobs"
-TOKEN_IDS_PARAM = "logprob_token_ids"
-
-
-class UploadError(ValueError):
-    """A logprob request the core cannot serve; the server answers HTTP 400 naming `param`."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(f"{param}: {message}")
-        self.param = param
-        self.message = message
+from ranks.requests import check_logprob_request
 
 
 @dataclass(frozen=True)
@@ -43,51 +32,6 @@ class LaneRequest:
     @property
     def selected_count(self) -> int:
         return len(self.token_ids) if self.token_ids is not None else 0
-
-
-def check_request(
-    logprobs: int | None,
-    token_ids: Sequence[int] | None,
-    vocab_size: int,
-    k: int,
-    supports_token_ids: bool,
-) -> None:
-    """Refuse what the core cannot serve, before admission (UploadError -> HTTP 400)."""
-    if k == 0:
-        for param, value in ((LOGPROBS_PARAM, logprobs), (TOKEN_IDS_PARAM, token_ids)):
-            if value is not None:
-                raise UploadError(
-                    param, "this model's core declares no logprob outputs (allow_logprobs: false)"
-                )
-        return
-    if logprobs is not None:
-        if isinstance(logprobs, bool) or not isinstance(logprobs, int):
-            raise UploadError(LOGPROBS_PARAM, f"must be an integer in [0, {k}], got {logprobs!r}")
-        if not 0 <= logprobs <= k:
-            raise UploadError(LOGPROBS_PARAM, f"must be in [0, {k}], got {logprobs}")
-    if token_ids is None:
-        return
-    if not supports_token_ids:
-        raise UploadError(
-            TOKEN_IDS_PARAM,
-            "not supported: this model's core declares no token-id inputs "
-            "(it serves natural alternatives only)",
-        )
-    if not 1 <= len(token_ids) <= MAX_TOKEN_IDS:
-        raise UploadError(
-            TOKEN_IDS_PARAM, f"must hold 1..{MAX_TOKEN_IDS} ids, got {len(token_ids)}"
-        )
-    not_ints = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, int)]
-    if not_ints:
-        raise UploadError(TOKEN_IDS_PARAM, f"ids must be integers, got {not_ints[:8]}")
-    repeated = sorted({t for t in token_ids if token_ids.count(t) > 1})
-    if repeated:
-        raise UploadError(TOKEN_IDS_PARAM, f"ids must be distinct, repeated: {repeated[:8]}")
-    outside = [t for t in token_ids if not 0 <= t < vocab_size]
-    if outside:
-        raise UploadError(
-            TOKEN_IDS_PARAM, f"ids {outside[:8]} outside the vocabulary [0, {vocab_size})"
-        )
 
 
 @dataclass(frozen=True)
@@ -127,7 +71,7 @@ class LogprobUploader:
         self.supports_token_ids = supports_token_ids
 
     def check(self, lane: LaneRequest) -> None:
-        check_request(
+        check_logprob_request(
             lane.logprobs, lane.token_ids, self.vocab_size, self.k, self.supports_token_ids
         )
 

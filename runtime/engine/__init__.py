@@ -1,1 +1,1 @@
-"""The coordinator's engine: scheduler, executor with frame copies, payload decoding, configuration."""
+"""The coordinator's engine: scheduler, executor and frame copies, payload decoding, config."""

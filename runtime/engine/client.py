@@ -1,4 +1,4 @@
-"""What the HTTP server needs from the engine: parameters in, tokens with logprobs out."""
+"""What clients of the engine see: parameters in, tokens with logprobs out (EngineClient)."""
 
 from __future__ import annotations
 
@@ -6,16 +6,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
-from kernels.layout import EXPORT_K, MAX_TOKEN_IDS
-
-
-class RequestError(ValueError):
-    """Bad request input, detected before admission (the server answers HTTP 400)."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(f"{param}: {message}")
-        self.param = param
-        self.message = message
+from ranks.requests import RequestError
 
 
 class EngineError(RuntimeError):
@@ -44,30 +35,10 @@ class SamplingParams:
     """Up to 128 distinct ids reported at every position in this order (no natural ones)."""
 
     def __post_init__(self) -> None:
+        # Everything else is checked once, by the engine's check (ranks.requests and the
+        # RowSampling / RequestSpec the ranks receive).
         if self.max_tokens < 0:
             raise RequestError("max_tokens", f"must be >= 0, got {self.max_tokens}")
-        if not self.temperature >= 0.0:
-            raise RequestError("temperature", f"must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise RequestError("top_p", f"must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise RequestError("top_k", f"must be -1, 0 or positive, got {self.top_k}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise RequestError("min_p", f"must be in [0, 1], got {self.min_p}")
-        if not self.repetition_penalty > 0.0:
-            raise RequestError(
-                "repetition_penalty", f"must be > 0, got {self.repetition_penalty}"
-            )
-        if self.logprobs is not None and not 0 <= self.logprobs <= EXPORT_K:
-            raise RequestError("logprobs", f"must be in [0, {EXPORT_K}], got {self.logprobs}")
-        ids = self.logprob_token_ids
-        if ids is not None:
-            if not 1 <= len(ids) <= MAX_TOKEN_IDS:
-                raise RequestError(
-                    "logprob_token_ids", f"must hold 1..{MAX_TOKEN_IDS} ids, got {len(ids)}"
-                )
-            if len(set(ids)) != len(ids):
-                raise RequestError("logprob_token_ids", "ids must be distinct")
 
     @property
     def wants_logprobs(self) -> bool:
@@ -115,7 +86,9 @@ class EngineInfo:
         return self.max_logprobs > 0
 
 
-class Engine(Protocol):
+class EngineClient(Protocol):
+    """The engine as the HTTP server and the offline generator see it."""
+
     info: EngineInfo
 
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:

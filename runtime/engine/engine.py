@@ -8,13 +8,12 @@ scripts and tests. Every rank runs the same plan: the coordinator sends it to it
 from __future__ import annotations
 
 import asyncio
-import math
 import secrets
 import threading
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 
 from ranks.plan import RequestSpec, StepPlan
+from ranks.requests import RequestError, check_logprob_request, check_token_ids
 from ranks.sampling_params import RowSampling
 from ranks.step import RankStep
 from runtime.engine.client import (
@@ -22,24 +21,11 @@ from runtime.engine.client import (
     EngineInfo,
     Finished,
     GeneratedToken,
-    RequestError,
     SamplingParams,
 )
 from runtime.engine.executor import FrameExecutor
 from runtime.engine.frame_reader import read_frame
 from runtime.engine.scheduler import Request, Scheduler, SchedulerConfig
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    capacity: int = 16
-    max_seq_len: int = 1024
-    chunk_size: int = 256
-    max_batched_tokens: int = 1024
-
-    def __post_init__(self) -> None:
-        if self.capacity < 1:
-            raise ValueError(f"capacity must be >= 1, got {self.capacity}")
 
 
 class _Sink:
@@ -65,17 +51,14 @@ class Engine:
         self,
         step: RankStep,
         info: EngineInfo,
-        config: EngineConfig,
+        config: SchedulerConfig,
         broadcast: Callable[[StepPlan], None] | None = None,
     ) -> None:
         self.step = step
         self.info = info
         self.config = config
         self.broadcast = broadcast or (lambda plan: None)
-        self.scheduler = Scheduler(
-            SchedulerConfig(config.capacity, config.max_seq_len, config.chunk_size,
-                            config.max_batched_tokens)
-        )
+        self.scheduler = Scheduler(config)
         self.executor = FrameExecutor(step.outputs)
         self._lock = threading.Condition()
         self._incoming: list[Request] = []
@@ -101,48 +84,25 @@ class Engine:
             self._thread.join(timeout=30)
 
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Everything refused before admission, as RequestError naming the parameter."""
         info = self.info
         if not prompt_ids:
             raise RequestError("prompt", "the prompt must contain at least one token")
-        bad = [t for t in prompt_ids if not 0 <= t < info.vocab_size]
-        if bad:
-            raise RequestError("prompt", f"token ids {bad[:5]} outside [0, {info.vocab_size})")
+        check_token_ids("prompt", prompt_ids, info.vocab_size)
         if len(prompt_ids) >= info.max_model_len:
             raise RequestError(
                 "prompt",
                 f"{len(prompt_ids)} prompt tokens leave no room in the maximum context length "
                 f"of {info.max_model_len} tokens",
             )
-        if params.wants_logprobs and not info.allow_logprobs:
-            raise RequestError("logprobs", "this model was loaded without logprob outputs")
-        if params.logprobs is not None and params.logprobs > info.max_logprobs:
-            raise RequestError(
-                "logprobs", f"must be at most {info.max_logprobs}, got {params.logprobs}"
-            )
-        if params.logprob_token_ids is not None:
-            if not info.supports_token_ids:
-                raise RequestError(
-                    "logprob_token_ids", "this model's core does not declare the token-ID inputs"
-                )
-            bad = [t for t in params.logprob_token_ids if not 0 <= t < info.vocab_size]
-            if bad:
-                raise RequestError(
-                    "logprob_token_ids", f"ids {bad[:5]} outside [0, {info.vocab_size})"
-                )
-        for name, ids in (("stop_token_ids", params.stop_token_ids),
-                          ("allowed_token_ids", params.allowed_token_ids or ()),
-                          ("logit_bias", [t for t, _ in params.logit_bias])):
-            bad = [t for t in ids if not 0 <= t < info.vocab_size]
-            if bad:
-                raise RequestError(name, f"token ids {bad[:5]} outside [0, {info.vocab_size})")
-        for t, bias in params.logit_bias:
-            if not math.isfinite(bias):
-                raise RequestError("logit_bias", f"bias for token {t} must be finite")
-        try:
-            request_spec(info, 0, prompt_ids, params)
-        except ValueError as exc:
-            param, _, message = str(exc).partition(": ")
-            raise RequestError(param, message or str(exc)) from exc
+        check_logprob_request(
+            params.logprobs, params.logprob_token_ids, info.vocab_size, info.max_logprobs,
+            info.supports_token_ids,
+        )
+        check_token_ids("stop_token_ids", params.stop_token_ids, info.vocab_size)
+        check_token_ids("allowed_token_ids", params.allowed_token_ids or (), info.vocab_size)
+        check_token_ids("logit_bias", [t for t, _ in params.logit_bias], info.vocab_size)
+        request_spec(info, 0, prompt_ids, params)
 
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams

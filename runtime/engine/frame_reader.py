@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ranks import abi6
-from runtime.engine.decode import LaneExpectation, decode_frame
 from runtime.engine.client import Finished, GeneratedToken, TokenLogprob
+from runtime.engine.decode import LaneExpectation, decode_frame
 from runtime.engine.executor import HostFrame
 from runtime.engine.scheduler import Request
 
@@ -18,7 +18,7 @@ FINISH_NAMES = {
 
 
 @dataclass
-class Outcome:
+class SlotOutcome:
     tokens: list[GeneratedToken] = field(default_factory=list)
     finish: Finished | None = None
     error: str | None = None
@@ -34,7 +34,9 @@ def expectation(request: Request) -> LaneExpectation:
     )
 
 
-def read_frame(host: HostFrame, requests: list[Request], vocab_size: int) -> dict[int, Outcome]:
+def read_frame(
+    host: HostFrame, requests: list[Request], vocab_size: int
+) -> dict[int, SlotOutcome]:
     """Outcomes keyed by request ordinal for the requests that sampled in this frame.
 
     Emitted tokens come from the records; logprob entries from the decoder, which checks each
@@ -42,10 +44,10 @@ def read_frame(host: HostFrame, requests: list[Request], vocab_size: int) -> dic
     """
     requesting = {r.slot: expectation(r) for r in requests if r.wants_logprobs}
     decoded = decode_frame(host.records, host.payload, requesting, vocab_size) if requesting else {}
-    outcomes: dict[int, Outcome] = {}
+    outcomes: dict[int, SlotOutcome] = {}
     for request in requests:
         record = host.records[request.slot].tolist()
-        outcome = outcomes[request.ordinal] = Outcome()
+        outcome = outcomes[request.ordinal] = SlotOutcome()
         if record[abi6.EPOCH] != request.epoch or record[abi6.SLOT] != request.slot:
             outcome.error = f"slot {request.slot}: record does not belong to this request"
             continue

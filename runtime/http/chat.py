@@ -6,22 +6,22 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from runtime.text.chat_template import ChatTemplateError
-from runtime.engine.client import Engine, RequestError
-from runtime.http.protocol import ChatCompletionRequest
-from runtime.http.serving import (
-    ChoiceJob,
-    Delta,
-    ModelAssets,
-    Totals,
+from ranks.requests import RequestError
+from runtime.engine.client import EngineClient
+from runtime.http.assets import ModelAssets
+from runtime.http.choices import ChoiceJob, Delta, Totals, collect, envelope, stream_chunks
+from runtime.http.params import (
     build_params,
     check_choices,
+    check_request,
     check_stops,
     choice_seed,
     resolve_max_tokens,
+    wire_mode,
 )
-from runtime.http.choices import check_request, collect, envelope, stream_chunks, wire_mode
+from runtime.http.protocol import ChatCompletionRequest
 from runtime.http.wire import Position, WireMode, chat_logprobs
+from runtime.text.chat_template import ChatTemplateError
 
 RESERVED_TEMPLATE_KEYS = {"messages", "add_generation_prompt"}
 
@@ -36,26 +36,16 @@ class PreparedChat:
     mode: WireMode | None
 
 
-def _check_logprobs(req: ChatCompletionRequest, engine: Engine) -> int | None:
-    """The number of natural alternatives (None: no logprobs)."""
-    info = engine.info
-    top = req.top_logprobs
-    if req.logprobs and not info.allow_logprobs:
-        raise RequestError(
-            "logprobs", "this model's core has no logprob outputs (K=0): logprobs are refused"
-        )
-    if top is not None:
-        if not 0 <= top <= info.max_logprobs:
-            raise RequestError("top_logprobs", f"must be in [0, {info.max_logprobs}], got {top}")
-        if top > 0 and not req.logprobs:
-            raise RequestError(
-                "top_logprobs", "when using top_logprobs, logprobs must be set to true"
-            )
+def _check_logprobs(req: ChatCompletionRequest) -> int | None:
+    """Chat's own pairing rules; the number of natural alternatives (None: no logprobs).
+    Ranges and what the core serves are checked once, by the engine."""
+    if req.top_logprobs and not req.logprobs:
+        raise RequestError("top_logprobs", "when using top_logprobs, logprobs must be set to true")
     if req.logprob_token_ids is not None and not req.logprobs:
         raise RequestError(
             "logprob_token_ids", "when using logprob_token_ids, logprobs must be set to true"
         )
-    return (top or 0) if req.logprobs else None
+    return (req.top_logprobs or 0) if req.logprobs else None
 
 
 def _render(req: ChatCompletionRequest, assets: ModelAssets) -> str:
@@ -82,10 +72,12 @@ def _render(req: ChatCompletionRequest, assets: ModelAssets) -> str:
         raise RequestError("messages", str(exc)) from exc
 
 
-def prepare_chat(req: ChatCompletionRequest, engine: Engine, assets: ModelAssets) -> PreparedChat:
+def prepare_chat(
+    req: ChatCompletionRequest, engine: EngineClient, assets: ModelAssets
+) -> PreparedChat:
     """Everything refused before admission raises RequestError here (HTTP 400)."""
     check_request(req, req.chat_unsupported())
-    top = _check_logprobs(req, engine)
+    top = _check_logprobs(req)
     stops = req.stop_strings()
     check_stops(stops)
     check_choices(req.n, 1)
@@ -108,12 +100,13 @@ def prepare_chat(req: ChatCompletionRequest, engine: Engine, assets: ModelAssets
             seed=choice_seed(req.seed, i),
         )
         if i == 0:
+            names = {"prompt": "messages"}
+            if req.top_logprobs is not None:
+                names["logprobs"] = "top_logprobs"
             try:
                 engine.check(ids, params)
             except RequestError as exc:
-                if exc.param == "prompt":
-                    raise RequestError("messages", exc.message) from exc
-                raise
+                raise exc.renamed(names) from exc
         jobs.append(ChoiceJob(i, ids, params, stops, req.include_stop_str_in_output,
                               req.skip_special_tokens))
     role = "assistant" if req.add_generation_prompt else req.messages[-1].role
@@ -129,7 +122,7 @@ def _logprobs(prep: PreparedChat, items: list[Position], assets: ModelAssets):
     return chat_logprobs(items, assets.token_bytes, prep.mode)
 
 
-async def chat(prep: PreparedChat, engine: Engine, assets: ModelAssets) -> dict:
+async def chat(prep: PreparedChat, engine: EngineClient, assets: ModelAssets) -> dict:
     """The whole response; raises EngineError (or another error) after admission."""
     totals = Totals(prep.prompt_tokens)
     prefixes = dict.fromkeys(range(len(prep.jobs)), prep.echo or "")
@@ -151,7 +144,7 @@ async def chat(prep: PreparedChat, engine: Engine, assets: ModelAssets) -> dict:
 
 
 def stream_chat(
-    prep: PreparedChat, engine: Engine, assets: ModelAssets
+    prep: PreparedChat, engine: EngineClient, assets: ModelAssets
 ) -> AsyncIterator[dict[str, Any]]:
     """Chunk objects (the caller encodes them as SSE, adds errors and [DONE])."""
     opening = []

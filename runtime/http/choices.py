@@ -1,30 +1,152 @@
-"""What both endpoints do with their choices: the checks they open with, the response envelope,
-the merged choices collected into whole outcomes or turned into streamed chunk objects."""
+"""One engine request per choice: engine events -> detokenizer + stop filter -> Deltas; the
+choices merged through a bounded queue, collected into whole outcomes or streamed as chunks.
+
+Nothing here keeps a response history: a choice's stream holds only what the detokenizer and
+the stop filter cannot release yet, and merged choices pass through a bounded queue.
+"""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from contextlib import aclosing
+from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.engine.client import Engine, RequestError
-from runtime.http.protocol import SamplingFields, StreamOptions
-from runtime.http.serving import ChoiceJob, Delta, ModelAssets, Totals, merge, new_id, now, run_choice
-from runtime.http.wire import Position, WireMode
+from runtime.engine.client import EngineClient, Finished, GeneratedToken, SamplingParams
+from runtime.http.assets import ModelAssets
+from runtime.http.protocol import StreamOptions
+from runtime.http.responses import new_id, now
+from runtime.http.wire import Position, positions
+from runtime.text.stops import OutputStream
+from runtime.text.token_bytes import TokenBytes
+
+MERGE_QUEUE = 32
 
 
-def check_request(req: SamplingFields, unsupported: tuple[str, str] | None) -> None:
-    if unsupported:
-        raise RequestError(*unsupported)
-    if req.stream_options is not None and not req.stream:
-        raise RequestError("stream_options", "stream_options can only be set when stream=true")
+@dataclass
+class ChoiceJob:
+    """One choice: one engine request."""
+
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    stops: list[str]
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    offset_base: int = 0
+    """Added to every text offset (the echoed prompt's length in characters)."""
 
 
-def wire_mode(req: SamplingFields, enabled: bool) -> WireMode | None:
-    """None: no logprobs requested."""
-    if not enabled:
+@dataclass
+class Delta:
+    text: str
+    positions: list[Position]
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    tokens: int = 0
+    """Generated tokens this delta accounts for (usage), terminating stop tokens included."""
+
+
+@dataclass
+class Totals:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    per_choice: dict[int, int] = field(default_factory=dict)
+
+    def add(self, index: int, delta: Delta) -> None:
+        self.completion_tokens += delta.tokens
+        self.per_choice[index] = self.per_choice.get(index, 0) + delta.tokens
+
+    def usage(self, completion_tokens: int | None = None) -> dict[str, int]:
+        done = self.completion_tokens if completion_tokens is None else completion_tokens
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": done,
+            "total_tokens": self.prompt_tokens + done,
+        }
+
+
+def stop_reason_of(
+    finished: Finished, params: SamplingParams, eos_ids: Sequence[int]
+) -> int | None:
+    """vLLM's stop_reason for a token stop: the id for stop_token_ids, None for EOS."""
+    token = finished.stop_token_id
+    if token is None or token not in params.stop_token_ids:
         return None
-    return WireMode(req.logprob_token_ids is not None, bool(req.return_tokens_as_token_ids))
+    if token in eos_ids and not params.ignore_eos:
+        return None
+    return token
+
+
+async def run_choice(engine: EngineClient, job: ChoiceJob, tb: TokenBytes) -> AsyncIterator[Delta]:
+    """Engine events -> deltas; ends the engine request early when a stop string matches."""
+    stream = OutputStream(
+        tb,
+        job.stops,
+        include_stop_str_in_output=job.include_stop_str_in_output,
+        skip_special_tokens=job.skip_special_tokens,
+        prompt_ids=job.prompt_ids,
+    )
+    eos_ids = engine.info.eos_token_ids
+    async with aclosing(engine.generate(job.prompt_ids, job.params)) as events:
+        async for event in events:
+            if isinstance(event, GeneratedToken):
+                chunk = stream.push(event)
+                delta = Delta(chunk.text, positions(chunk.entries, job.offset_base), tokens=1)
+                if chunk.stop is not None:
+                    delta.finish_reason, delta.stop_reason = "stop", chunk.stop
+                    yield delta
+                    return
+                yield delta
+            else:
+                chunk = stream.finish(event)
+                yield Delta(
+                    chunk.text,
+                    positions(chunk.entries, job.offset_base),
+                    finish_reason=event.reason,
+                    stop_reason=stop_reason_of(event, job.params, eos_ids),
+                    tokens=0 if event.stop_token_id is None else 1,
+                )
+                return
+
+
+_END = object()
+
+
+async def merge(streams: list[AsyncIterator[Delta]]) -> AsyncIterator[tuple[int, Delta]]:
+    """Interleave the choices' deltas through a bounded queue; errors propagate."""
+    if len(streams) == 1:
+        async with aclosing(streams[0]) as only:
+            async for delta in only:
+                yield 0, delta
+        return
+    queue: asyncio.Queue = asyncio.Queue(MERGE_QUEUE)
+
+    async def pump(index: int, stream: AsyncIterator[Delta]) -> None:
+        try:
+            async with aclosing(stream) as source:
+                async for delta in source:
+                    await queue.put((index, delta))
+            await queue.put((index, _END))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer
+            await queue.put((index, exc))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is _END:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def envelope(id_prefix: str, obj: str, assets: ModelAssets) -> dict[str, Any]:
@@ -32,12 +154,12 @@ def envelope(id_prefix: str, obj: str, assets: ModelAssets) -> dict[str, Any]:
             "model": assets.served_model_name}
 
 
-def _streams(jobs: list[ChoiceJob], engine: Engine, assets: ModelAssets) -> list:
+def _streams(jobs: list[ChoiceJob], engine: EngineClient, assets: ModelAssets) -> list:
     return [run_choice(engine, job, assets.token_bytes) for job in jobs]
 
 
 @dataclass
-class Outcome:
+class ChoiceOutcome:
     """One choice's whole output."""
 
     index: int
@@ -56,11 +178,11 @@ class Outcome:
 
 async def collect(
     jobs: list[ChoiceJob],
-    engine: Engine,
+    engine: EngineClient,
     assets: ModelAssets,
     totals: Totals,
     prefixes: Mapping[int, str],
-) -> list[Outcome]:
+) -> list[ChoiceOutcome]:
     """Every choice run to its end, in job order; `prefixes` start a choice's text (echo)."""
     texts = {job.index: [prefixes.get(job.index, "")] for job in jobs}
     items: dict[int, list[Position]] = {job.index: [] for job in jobs}
@@ -73,12 +195,12 @@ async def collect(
         totals.add(index, delta)
         if delta.finish_reason is not None:
             ends[index] = delta
-    return [Outcome(i, "".join(texts[i]), items[i], ends.get(i)) for i in indices]
+    return [ChoiceOutcome(i, "".join(texts[i]), items[i], ends.get(i)) for i in indices]
 
 
 async def stream_chunks(
     jobs: list[ChoiceJob],
-    engine: Engine,
+    engine: EngineClient,
     assets: ModelAssets,
     *,
     id_prefix: str,

@@ -6,22 +6,22 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from runtime.text.detokenizer import detokenize
-from runtime.engine.client import Engine, RequestError
-from runtime.http.protocol import CompletionRequest
-from runtime.http.serving import (
-    ChoiceJob,
-    Delta,
-    ModelAssets,
-    Totals,
+from ranks.requests import RequestError
+from runtime.engine.client import EngineClient
+from runtime.http.assets import ModelAssets
+from runtime.http.choices import ChoiceJob, Delta, Totals, collect, envelope, stream_chunks
+from runtime.http.params import (
     build_params,
     check_choices,
+    check_request,
     check_stops,
     choice_seed,
     resolve_max_tokens,
+    wire_mode,
 )
-from runtime.http.choices import check_request, collect, envelope, stream_chunks, wire_mode
+from runtime.http.protocol import CompletionRequest
 from runtime.http.wire import Position, WireMode, completion_logprobs
+from runtime.text.detokenizer import detokenize
 
 DEFAULT_MAX_TOKENS = 16
 
@@ -38,15 +38,9 @@ class PreparedCompletion:
     """None: no logprobs requested."""
 
 
-def _check_logprobs(req: CompletionRequest, engine: Engine) -> None:
-    info = engine.info
-    if req.logprobs is not None or req.logprob_token_ids is not None:
-        if not info.allow_logprobs:
-            raise RequestError(
-                "logprobs", "this model's core has no logprob outputs (K=0): logprobs are refused"
-            )
-    if req.logprobs is not None and not 0 <= req.logprobs <= info.max_logprobs:
-        raise RequestError("logprobs", f"must be in [0, {info.max_logprobs}], got {req.logprobs}")
+def _check_logprobs(req: CompletionRequest) -> None:
+    """The endpoint's own pairing rules; ranges and what the core serves are checked once,
+    by the engine."""
     if req.logprob_token_ids is not None and req.logprobs is None:
         raise RequestError(
             "logprob_token_ids", "when using logprob_token_ids, logprobs must be set"
@@ -82,13 +76,13 @@ def _prompts(req: CompletionRequest, assets: ModelAssets) -> list[tuple[str | No
 
 
 def prepare_completion(
-    req: CompletionRequest, engine: Engine, assets: ModelAssets
+    req: CompletionRequest, engine: EngineClient, assets: ModelAssets
 ) -> PreparedCompletion:
     """Everything refused before admission raises RequestError here (HTTP 400)."""
     check_request(req, req.unsupported() or (
         ("suffix", "suffix is not supported by this server") if req.suffix else None
     ))
-    _check_logprobs(req, engine)
+    _check_logprobs(req)
     stops = req.stop_strings()
     check_stops(stops)
     prompts = _prompts(req, assets)
@@ -135,7 +129,7 @@ def _logprobs(prep: PreparedCompletion, items: list[Position], assets: ModelAsse
     return completion_logprobs(items, assets.token_bytes, prep.mode)
 
 
-async def complete(prep: PreparedCompletion, engine: Engine, assets: ModelAssets) -> dict:
+async def complete(prep: PreparedCompletion, engine: EngineClient, assets: ModelAssets) -> dict:
     """The whole response; raises EngineError (or another error) after admission."""
     totals = Totals(prep.total_prompt_tokens)
     outcomes = await collect(prep.jobs, engine, assets, totals, prep.echo_texts)
@@ -156,7 +150,7 @@ async def complete(prep: PreparedCompletion, engine: Engine, assets: ModelAssets
 
 
 def stream_completion(
-    prep: PreparedCompletion, engine: Engine, assets: ModelAssets
+    prep: PreparedCompletion, engine: EngineClient, assets: ModelAssets
 ) -> AsyncIterator[dict[str, Any]]:
     """Chunk objects (the caller encodes them as SSE, adds errors and [DONE])."""
 

@@ -19,30 +19,23 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ranks.upload import UploadError
-from runtime.engine.client import Engine, RequestError
-from runtime.http.protocol import ChatCompletionRequest, CompletionRequest, error_body
-from runtime.http.serving import ModelAssets, dumps, failure_message, now, sse_stream
+from ranks.requests import RequestError
+from runtime.engine.client import EngineClient
+from runtime.http.assets import ModelAssets
 from runtime.http.chat import chat, prepare_chat, stream_chat
 from runtime.http.completions import complete, prepare_completion, stream_completion
+from runtime.http.protocol import ChatCompletionRequest, CompletionRequest
+from runtime.http.responses import (
+    error_response,
+    failure_message,
+    json_response,
+    now,
+    request_error_response,
+    sse_stream,
+)
 
 log = logging.getLogger("runtime.http.server")
-REFUSALS = (RequestError, UploadError)
-"""Refusals before admission: HTTP 400 naming `param`."""
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-def json_response(obj: Any, status: int = 200) -> Response:
-    return Response(dumps(obj), status_code=status, media_type="application/json")
-
-
-def error_response(message: str, param: str | None, status: int = 400) -> Response:
-    return json_response(error_body(message, param, status), status)
-
-
-def request_error_response(exc: RequestError | UploadError) -> Response:
-    message = exc.message if exc.param in exc.message else f"{exc.param}: {exc.message}"
-    return error_response(message, exc.param)
 
 
 def _reject_constant(name: str) -> float:
@@ -73,7 +66,7 @@ async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel | Re
         return _validation_error(exc)
 
 
-def model_card(engine: Engine, assets: ModelAssets, created: int) -> dict[str, Any]:
+def model_card(engine: EngineClient, assets: ModelAssets, created: int) -> dict[str, Any]:
     """vLLM's model card, with the permission entry that advertises allow_logprobs."""
     name = assets.served_model_name
     return {
@@ -101,7 +94,7 @@ def model_card(engine: Engine, assets: ModelAssets, created: int) -> dict[str, A
     }
 
 
-def create_app(engine: Engine, model_dir: str | Path, served_model_name: str) -> FastAPI:
+def create_app(engine: EngineClient, model_dir: str | Path, served_model_name: str) -> FastAPI:
     assets = ModelAssets(model_dir, served_model_name, engine.info.vocab_size)
     app = FastAPI(title="helios", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine = engine
@@ -113,8 +106,7 @@ def create_app(engine: Engine, model_dir: str | Path, served_model_name: str) ->
         return _validation_error(exc)
 
     @app.exception_handler(RequestError)
-    @app.exception_handler(UploadError)
-    async def on_request_error(_: Request, exc: RequestError | UploadError) -> Response:
+    async def on_request_error(_: Request, exc: RequestError) -> Response:
         return request_error_response(exc)
 
     @app.exception_handler(StarletteHTTPException)
@@ -152,7 +144,7 @@ def create_app(engine: Engine, model_dir: str | Path, served_model_name: str) ->
             return refused
         try:
             prepared = prepare(req, engine, assets)
-        except REFUSALS as exc:
+        except RequestError as exc:
             return request_error_response(exc)
         if req.stream:
             return StreamingResponse(
@@ -162,7 +154,7 @@ def create_app(engine: Engine, model_dir: str | Path, served_model_name: str) ->
             )
         try:
             return json_response(await whole(prepared, engine, assets))
-        except REFUSALS as exc:
+        except RequestError as exc:
             return request_error_response(exc)
         except Exception as exc:  # noqa: BLE001 - failure after admission
             log.warning("request failed: %s", exc)

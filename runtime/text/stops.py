@@ -25,8 +25,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from runtime.text.detokenizer import Detokenizer, DetokStep, TokenStart
 from runtime.engine.client import Finished, GeneratedToken
+from runtime.text.detokenizer import Detokenizer, DetokStep, TokenStart
 from runtime.text.token_bytes import TokenBytes
 
 T = TypeVar("T")

@@ -10,8 +10,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kernels.layout import EXPORT_K, FIRST_PAIR
-from runtime.engine.bootstrap import RuntimeConfig, build_engine, load_rank
+from runtime.engine.bootstrap import build_engine, load_rank
 from runtime.engine.client import EngineError, RequestError, SamplingParams
+from runtime.engine.config import RuntimeConfig
 from tests.checkpoints import hf_logprobs, write_llama
 
 

@@ -1,0 +1,81 @@
+"""The one validation path for what a request asks of the core, and its typed error.
+
+The engine and both HTTP endpoints call these checks; every refusal is a ``RequestError``
+carrying the parameter's name (the server answers HTTP 400 naming it, before admission).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from kernels.layout import MAX_TOKEN_IDS
+
+LOGPROBS = "logprobs"
+TOKEN_IDS = "logprob_token_ids"
+
+
+class RequestError(ValueError):
+    """A request the core refuses before admission; ``param`` names the offending field."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+        self.message = message
+
+    def renamed(self, names: dict[str, str]) -> RequestError:
+        """The same refusal under an endpoint's own field name (chat's ``top_logprobs``)."""
+        param = names.get(self.param)
+        if param is None:
+            return self
+        message = self.message.replace(self.param, param)
+        return RequestError(param, message)
+
+
+def check_token_ids(param: str, ids: Iterable[object], vocab_size: int) -> None:
+    """Token ids must be ints (not bool) inside [0, vocab_size)."""
+    ids = list(ids)
+    not_ints = [t for t in ids if isinstance(t, bool) or not isinstance(t, int)]
+    if not_ints:
+        raise RequestError(param, f"token ids must be integers, got {not_ints[:8]}")
+    outside = [t for t in ids if not 0 <= t < vocab_size]
+    if outside:
+        raise RequestError(
+            param, f"token ids {outside[:8]} outside the vocabulary [0, {vocab_size})"
+        )
+
+
+def check_logprob_request(
+    logprobs: int | None,
+    token_ids: Sequence[int] | None,
+    vocab_size: int,
+    k: int,
+    supports_token_ids: bool,
+) -> None:
+    """Refuse what the core cannot serve: K=0 cores refuse all logprobs; 0 <= logprobs <= K;
+    selected ids need the ID inputs and are 1..128 distinct vocabulary ids."""
+    if k == 0:
+        for param, value in ((LOGPROBS, logprobs), (TOKEN_IDS, token_ids)):
+            if value is not None:
+                raise RequestError(
+                    param, "this model's core declares no logprob outputs (allow_logprobs: false)"
+                )
+        return
+    if logprobs is not None:
+        if isinstance(logprobs, bool) or not isinstance(logprobs, int):
+            raise RequestError(LOGPROBS, f"must be an integer in [0, {k}], got {logprobs!r}")
+        if not 0 <= logprobs <= k:
+            raise RequestError(LOGPROBS, f"must be in [0, {k}], got {logprobs}")
+    if token_ids is None:
+        return
+    if not supports_token_ids:
+        raise RequestError(
+            TOKEN_IDS,
+            "not supported: this model's core declares no token-id inputs "
+            "(it serves natural alternatives only)",
+        )
+    if not 1 <= len(token_ids) <= MAX_TOKEN_IDS:
+        raise RequestError(TOKEN_IDS, f"must hold 1..{MAX_TOKEN_IDS} ids, got {len(token_ids)}")
+    check_token_ids(TOKEN_IDS, token_ids, vocab_size)
+    repeated = sorted({t for t in token_ids if token_ids.count(t) > 1})
+    if repeated:
+        raise RequestError(TOKEN_IDS, f"ids must be distinct, repeated: {repeated[:8]}")

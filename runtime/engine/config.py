@@ -1,0 +1,91 @@
+"""The one serving configuration: every setting and its default, checked once, resolved once.
+
+``launch/`` builds it from the command line (argparse defaults are read from here); the
+scheduler and the rank step receive the parts they need, derived below.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from kernels.layout import EXPORT_K
+from ranks.step import StepConfig
+from runtime.engine.scheduler import SchedulerConfig
+
+BACKENDS = ("torch", "triton")
+MAX_MODEL_LEN_CAP = 4096
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    model_dir: Path
+    served_model_name: str | None = None
+    """None: the model directory's name."""
+    device: str = "cpu"
+    capacity: int = 16
+    """Physical request slots (the completion bundle's capacity)."""
+    max_model_len: int | None = None
+    """None: the checkpoint's max_position_embeddings, capped at 4096."""
+    chunk_size: int = 256
+    """Prefill chunk in tokens."""
+    max_batched_tokens: int | None = None
+    """Tokens per submission; None: twice the larger of chunk_size and capacity."""
+    logprobs: bool = True
+    """False exports a core without logprob buffers (K=0): logprob requests get HTTP 400."""
+    max_logprobs: int = EXPORT_K
+    """K, natural alternatives the core exports (vLLM's --max-logprobs). K < 20 declares no
+    token-ID inputs, so logprob_token_ids is refused."""
+    completion_token_capacity: int = 0
+    """T, token slots per completion record; 0 means eight."""
+    reduction_backend: str = "torch"
+    collective_timeout_s: float = 20.0
+    """Seconds before a silent peer fails a collective."""
+    heartbeat_timeout_s: float = 5.0
+    """Seconds without a heartbeat before a peer (or the coordinator) counts as lost."""
+
+    def __post_init__(self) -> None:
+        positive = ("capacity", "chunk_size", "collective_timeout_s", "heartbeat_timeout_s")
+        for name in positive:
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.max_batched_tokens is not None and self.max_batched_tokens < 1:
+            raise ValueError(f"max_batched_tokens must be >= 1, got {self.max_batched_tokens}")
+        if not 1 <= self.max_logprobs <= EXPORT_K:
+            raise ValueError(
+                f"max_logprobs must be in [1, {EXPORT_K}], got {self.max_logprobs} "
+                "(serve without logprob outputs with logprobs=False / --no-logprobs)"
+            )
+        if self.completion_token_capacity < 0:
+            raise ValueError(
+                f"completion_token_capacity must be >= 0, got {self.completion_token_capacity}"
+            )
+        if self.reduction_backend not in BACKENDS:
+            raise ValueError(f"reduction_backend must be one of {BACKENDS}, "
+                             f"got {self.reduction_backend!r}")
+
+    @classmethod
+    def default(cls, name: str) -> object:
+        """A field's default (the command line shows the same values)."""
+        return next(f.default for f in fields(cls) if f.name == name)
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model_dir).name
+
+    def resolve_max_model_len(self, max_position_embeddings: int) -> int:
+        return self.max_model_len or min(max_position_embeddings, MAX_MODEL_LEN_CAP)
+
+    def step_config(self, max_seq_len: int) -> StepConfig:
+        return StepConfig(
+            capacity=self.capacity,
+            max_seq_len=max_seq_len,
+            token_capacity=self.completion_token_capacity,
+            reduction_backend=self.reduction_backend,
+        )
+
+    def scheduler_config(self, max_seq_len: int) -> SchedulerConfig:
+        batched = self.max_batched_tokens or 2 * max(self.chunk_size, self.capacity)
+        return SchedulerConfig(self.capacity, max_seq_len, self.chunk_size, batched)

@@ -1,0 +1,121 @@
+"""Request fields -> one SamplingParams per choice, and the endpoint-level checks that open
+each request (every refusal is a RequestError naming the field: HTTP 400 before admission)."""
+
+from __future__ import annotations
+
+from ranks.requests import RequestError
+from runtime.engine.client import SamplingParams
+from runtime.http.protocol import MAX_CHOICES, MAX_STOP_LENGTH, MAX_STOP_STRINGS, SamplingFields
+from runtime.http.wire import WireMode
+
+LOGIT_BIAS_LIMIT = 100.0
+
+
+def parse_logit_bias(raw: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    if not raw:
+        return ()
+    pairs: dict[int, float] = {}
+    for key, bias in raw.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise RequestError("logit_bias", f"key {key!r} is not a token id") from None
+        if token_id in pairs:
+            raise RequestError("logit_bias", f"token id {token_id} appears more than once")
+        pairs[token_id] = min(max(float(bias), -LOGIT_BIAS_LIMIT), LOGIT_BIAS_LIMIT)
+    return tuple(pairs.items())
+
+
+def check_stops(stops: list[str]) -> None:
+    if len(stops) > MAX_STOP_STRINGS:
+        raise RequestError("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
+    for stop in stops:
+        if len(stop) > MAX_STOP_LENGTH:
+            raise RequestError("stop", f"stop strings are limited to {MAX_STOP_LENGTH} characters")
+
+
+def check_choices(n: int, prompts: int) -> None:
+    if n * prompts > MAX_CHOICES:
+        raise RequestError("n", f"n times the number of prompts must be at most {MAX_CHOICES}")
+
+
+def build_params(
+    req: SamplingFields,
+    *,
+    max_tokens: int,
+    logprobs: int | None,
+    logprob_token_ids: list[int] | None,
+    seed: int | None,
+) -> SamplingParams:
+    """SamplingParams for one choice (its __post_init__ raises RequestError naming the field)."""
+    allowed = None
+    if req.allowed_token_ids is not None:
+        allowed = tuple(dict.fromkeys(req.allowed_token_ids))
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=0 if req.top_k is None else req.top_k,
+        min_p=0.0 if req.min_p is None else req.min_p,
+        seed=seed,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        logit_bias=parse_logit_bias(req.logit_bias),
+        allowed_token_ids=allowed,
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        ignore_eos=req.ignore_eos,
+        logprobs=None if logprob_token_ids is not None else logprobs,
+        logprob_token_ids=None if logprob_token_ids is None else tuple(logprob_token_ids),
+    )
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """Choice i of a seeded request uses seed + i (so n > 1 choices differ)."""
+    return None if seed is None else seed + index
+
+
+def resolve_max_tokens(
+    requested: int | None,
+    prompt_len: int,
+    max_model_len: int,
+    param: str,
+    *,
+    default: int | None = None,
+    allow_zero: bool = False,
+    prompt_param: str = "prompt",
+) -> int:
+    """The request's max_tokens; 400 when it does not fit the context (vLLM's rule). Without
+    one: `default` (clipped to the room left), else all of the room left."""
+    room = max_model_len - prompt_len
+    if room < 1:
+        raise RequestError(
+            prompt_param,
+            f"{prompt_len} prompt tokens leave no room in the maximum context length of "
+            f"{max_model_len} tokens",
+        )
+    if requested is None:
+        return room if default is None else min(default, room)
+    if requested < (0 if allow_zero else 1):
+        raise RequestError(param, f"must be at least {0 if allow_zero else 1}, got {requested}")
+    if requested > room:
+        raise RequestError(
+            param,
+            f"this model's maximum context length is {max_model_len} tokens; the prompt has "
+            f"{prompt_len} tokens, leaving room for at most {room}, but {requested} were requested",
+        )
+    return requested
+
+
+def check_request(req: SamplingFields, unsupported: tuple[str, str] | None) -> None:
+    if unsupported:
+        raise RequestError(*unsupported)
+    if req.stream_options is not None and not req.stream:
+        raise RequestError("stream_options", "stream_options can only be set when stream=true")
+
+
+def wire_mode(req: SamplingFields, enabled: bool) -> WireMode | None:
+    """None: no logprobs requested."""
+    if not enabled:
+        return None
+    return WireMode(req.logprob_token_ids is not None, bool(req.return_tokens_as_token_ids))

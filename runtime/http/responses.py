@@ -1,0 +1,73 @@
+"""Response encoding: strict JSON (NaN or Infinity is a bug), SSE events, error bodies."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+from fastapi.responses import Response
+
+from ranks.requests import RequestError
+from runtime.engine.client import EngineError
+from runtime.http.protocol import error_body
+from runtime.http.wire import NonFiniteLogprob
+
+log = logging.getLogger("runtime.http")
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def dumps(obj: Any) -> str:
+    """Strict JSON: NaN or Infinity anywhere is a bug and raises ValueError."""
+    return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
+def sse(obj: Any) -> str:
+    return f"data: {dumps(obj)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+async def sse_stream(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+    """SSE lines for chunk objects; a failure after admission becomes an error event; [DONE]."""
+    try:
+        async with aclosing(chunks) as source:
+            async for chunk in source:
+                yield sse(chunk)
+    except Exception as exc:  # noqa: BLE001 - reported to the client, then [DONE]
+        log.warning("streamed request failed: %s", exc)
+        yield sse(error_body(failure_message(exc), None, 500))
+    yield SSE_DONE
+
+
+def failure_message(exc: BaseException) -> str:
+    if isinstance(exc, NonFiniteLogprob):
+        return f"request failed: {exc}"
+    if isinstance(exc, EngineError):
+        return str(exc) or "request failed in the engine"
+    return f"request failed: {type(exc).__name__}: {exc}"
+
+
+def json_response(obj: Any, status: int = 200) -> Response:
+    return Response(dumps(obj), status_code=status, media_type="application/json")
+
+
+def error_response(message: str, param: str | None, status: int = 400) -> Response:
+    return json_response(error_body(message, param, status), status)
+
+
+def request_error_response(exc: RequestError) -> Response:
+    message = exc.message if exc.param in exc.message else f"{exc.param}: {exc.message}"
+    return error_response(message, exc.param)
