@@ -22,25 +22,17 @@ class RequestError(ValueError):
         self.param = param
         self.message = message
 
-    def renamed(self, names: dict[str, str]) -> RequestError:
-        """The same refusal under an endpoint's own field name (chat's ``top_logprobs``)."""
-        param = names.get(self.param)
-        if param is None:
-            return self
-        message = self.message.replace(self.param, param)
-        return RequestError(param, message)
-
 
 def check_token_ids(param: str, ids: Iterable[object], vocab_size: int) -> None:
     """Token ids must be ints (not bool) inside [0, vocab_size)."""
     ids = list(ids)
     not_ints = [t for t in ids if isinstance(t, bool) or not isinstance(t, int)]
     if not_ints:
-        raise RequestError(param, f"token ids must be integers, got {not_ints[:8]}")
+        raise RequestError(param, f"ids must be integers, got {not_ints[:8]}")
     outside = [t for t in ids if not 0 <= t < vocab_size]
     if outside:
         raise RequestError(
-            param, f"token ids {outside[:8]} outside the vocabulary [0, {vocab_size})"
+            param, f"ids {outside[:8]} outside the vocabulary [0, {vocab_size})"
         )
 
 
@@ -50,9 +42,12 @@ def check_logprob_request(
     vocab_size: int,
     k: int,
     supports_token_ids: bool,
+    *,
+    count_param: str = LOGPROBS,
 ) -> None:
     """Refuse what the core cannot serve: K=0 cores refuse all logprobs; 0 <= logprobs <= K;
-    selected ids need the ID inputs and are 1..128 distinct vocabulary ids."""
+    selected ids need the ID inputs and are 1..128 distinct vocabulary ids. ``count_param``
+    names the field that carries the count (chat's ``top_logprobs``)."""
     if k == 0:
         for param, value in ((LOGPROBS, logprobs), (TOKEN_IDS, token_ids)):
             if value is not None:
@@ -62,9 +57,9 @@ def check_logprob_request(
         return
     if logprobs is not None:
         if isinstance(logprobs, bool) or not isinstance(logprobs, int):
-            raise RequestError(LOGPROBS, f"must be an integer in [0, {k}], got {logprobs!r}")
+            raise RequestError(count_param, f"must be an integer in [0, {k}], got {logprobs!r}")
         if not 0 <= logprobs <= k:
-            raise RequestError(LOGPROBS, f"must be in [0, {k}], got {logprobs}")
+            raise RequestError(count_param, f"must be in [0, {k}], got {logprobs}")
     if token_ids is None:
         return
     if not supports_token_ids:

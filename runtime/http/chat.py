@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from ranks.requests import RequestError
+from ranks.requests import RequestError, check_logprob_request
 from runtime.engine.client import EngineClient
 from runtime.http.assets import ModelAssets
 from runtime.http.choices import ChoiceJob, Delta, Totals, collect, envelope, stream_chunks
@@ -100,13 +100,17 @@ def prepare_chat(
             seed=choice_seed(req.seed, i),
         )
         if i == 0:
-            names = {"prompt": "messages"}
-            if req.top_logprobs is not None:
-                names["logprobs"] = "top_logprobs"
+            info = engine.info
+            check_logprob_request(
+                params.logprobs, params.logprob_token_ids, info.vocab_size, info.max_logprobs,
+                info.supports_token_ids, count_param="top_logprobs",
+            )
             try:
                 engine.check(ids, params)
             except RequestError as exc:
-                raise exc.renamed(names) from exc
+                if exc.param != "prompt":
+                    raise
+                raise RequestError("messages", exc.message) from exc
         jobs.append(ChoiceJob(i, ids, params, stops, req.include_stop_str_in_output,
                               req.skip_special_tokens))
     role = "assistant" if req.add_generation_prompt else req.messages[-1].role

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-from functools import cache
-from pathlib import Path
-
 import httpx
 import pytest
-import tokenizers
 
-from tests.server.conftest import (
+from tests.server.helpers import (
     TOLERANCE,
+    chat_prompt_ids,
     check_natural,
+    encoder,
     hf_rows,
+    natural_from_dict,
     post,
     same,
     served_name,
@@ -25,36 +24,6 @@ pytestmark = pytest.mark.slow
 
 PROMPTS = ["Hello world, the café is", "中文 and 日本語 mixed", "emoji 🙂 party 🎉 and"]
 IDS = {"return_tokens_as_token_ids": True}
-
-
-@cache
-def encoder(model_dir: Path) -> tokenizers.Tokenizer:
-    return tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-
-
-@cache
-def hf_tokenizer(model_dir: Path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
-
-
-def chat_prompt_ids(model_dir: Path, messages: list[dict]) -> list[int]:
-    tok = hf_tokenizer(model_dir)
-    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return tok.encode(text, add_special_tokens=False)
-
-
-def natural_from_dict(top: dict[str, float], chosen: int, n: int) -> list[tuple[int, float]]:
-    """Completions dict: chosen first, then the natural top-n without repeating the chosen."""
-    pairs = [(token_id_of(k), v) for k, v in top.items()]
-    assert pairs[0][0] == chosen
-    if len(pairs) == n + 1:
-        return pairs[1:]
-    assert len(pairs) == n
-    rest, (_, value) = pairs[1:], pairs[0]
-    at = next((i for i, (t, v) in enumerate(rest) if (value, -chosen) > (v, -t)), len(rest))
-    return [*rest[:at], pairs[0], *rest[at:]]
 
 
 def check_completion(server, prompt_ids: list[int], n: int, **extra) -> None:
@@ -118,6 +87,7 @@ def test_logprob_token_ids_report_caller_order(server):
     assert raw.status_code == 200, raw.text
     lp = strict_json(raw.content)["choices"][0]["logprobs"]
     generated = [token_id_of(t) for t in lp["tokens"]]
+    assert len(generated) == len(lp["top_logprobs"]) == len(lp["token_logprobs"]) == 4
     rows = hf_rows(server.model_dir, prompt_ids, generated)
     for j, top in enumerate(lp["top_logprobs"]):
         assert [token_id_of(k) for k in top] == selected
@@ -131,8 +101,11 @@ def test_logprob_token_ids_report_caller_order(server):
     )
     chat_ids = chat_prompt_ids(server.model_dir, messages)
     content = response.choices[0].logprobs.content
-    rows = hf_rows(server.model_dir, chat_ids, [token_id_of(c.token) for c in content])
+    assert len(content) == response.usage.completion_tokens == 3
+    generated = [token_id_of(c.token) for c in content]
+    rows = hf_rows(server.model_dir, chat_ids, generated)
     for j, item in enumerate(content):
+        assert abs(item.logprob - float(rows[j, generated[j]])) <= TOLERANCE
         assert [token_id_of(a.token) for a in item.top_logprobs] == selected[:6]
         for alt in item.top_logprobs:
             assert abs(alt.logprob - float(rows[j, token_id_of(alt.token)])) <= TOLERANCE

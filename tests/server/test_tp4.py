@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import pytest
 
-from tests.server.conftest import (
+from tests.server.helpers import (
     TOLERANCE,
+    chat_prompt_ids,
     check_natural,
+    encoder,
     expected_offsets,
     hf_rows,
+    natural_from_dict,
     post,
     served_name,
     strict_json,
     token_id_of,
     vocab_bytes,
 )
-from tests.server.test_logprobs import chat_prompt_ids, encoder, natural_from_dict
 
 pytestmark = pytest.mark.slow
 
@@ -61,7 +63,12 @@ def test_tp4_completion_and_chat_logprobs(tp4_server):
         extra_body={"ignore_eos": True, "logprob_token_ids": selected},
     )
     content = response.choices[0].logprobs.content
+    assert len(content) == response.usage.completion_tokens == 3
+    generated = [token_id_of(c.token) for c in content]
+    rows = hf_rows(server.model_dir, chat_ids, generated)
     for j, item in enumerate(content):
+        assert abs(item.logprob - float(rows[j, generated[j]])) <= TOLERANCE
+        assert [token_id_of(a.token) for a in item.top_logprobs] == selected
         assert [a.logprob for a in item.top_logprobs] == pytest.approx(
             [float(rows[j, t]) for t in selected], abs=TOLERANCE
         )

@@ -12,6 +12,14 @@ import httpx
 
 from launch.tiny_model import ensure_tiny_model
 from tests.distributed.launcher import ROOT, free_port
+from tests.server.helpers import (
+    TOLERANCE,
+    check_natural,
+    encoder,
+    hf_rows,
+    natural_from_dict,
+    token_id_of,
+)
 
 
 def test_helios_serve_wrapper_runs_two_ranks(tmp_path):
@@ -36,12 +44,20 @@ def test_helios_serve_wrapper_runs_two_ranks(tmp_path):
                 pass
             assert time.monotonic() < deadline, "server never became healthy"
             time.sleep(0.5)
-        body = {"model": model_dir.name, "prompt": "The garden", "max_tokens": 3,
-                "temperature": 0.0, "logprobs": 2}
+        prompt_ids = encoder(model_dir).encode("The garden").ids
+        body = {"model": model_dir.name, "prompt": prompt_ids, "max_tokens": 3,
+                "temperature": 0.0, "logprobs": 2, "ignore_eos": True,
+                "return_tokens_as_token_ids": True}
         out = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
         lp = out["choices"][0]["logprobs"]
-        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == 3
-        assert all(v <= 0.0 for v in lp["token_logprobs"])
+        generated = [token_id_of(t) for t in lp["tokens"]]
+        assert len(generated) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 3
+        # The TP2 job's values against transformers on the same checkpoint.
+        rows = hf_rows(model_dir, prompt_ids, generated)
+        for j, token_id in enumerate(generated):
+            assert abs(lp["token_logprobs"][j] - float(rows[j, token_id])) <= TOLERANCE
+            assert float(rows[j, token_id]) >= float(rows[j].max()) - TOLERANCE  # greedy
+            check_natural(natural_from_dict(lp["top_logprobs"][j], token_id, 2), rows[j], 2)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
