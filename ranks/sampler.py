@@ -1,12 +1,15 @@
 """The sharded sampler: picks one token per logit row without gathering vocabulary rows.
 
 Each rank holds ``logits[rows, local_width]`` for global ids ``vocab_start + lane``; lanes at
-or beyond ``local_valid`` are padding and never sampled. Transformations, in vLLM's order:
-repetition/presence/frequency penalties, logit_bias, allowed_token_ids (grammar mask),
-temperature, top-k, top-p, min-p; then greedy argmax or a Gumbel-max whose Philox noise is
-keyed by (seed, position, global id), so a seeded row samples the same token at every TP
-degree. The raw logits are never modified: all work happens in a scratch buffer, which
-``processed`` exposes for target verification. NaN logits count as -inf.
+or beyond ``local_valid`` are padding and never sampled. Transformations, in vLLM v1's order
+(vllm/v1/sample/sampler.py, ``Sampler.apply_logits_processors`` then ``Sampler.sample``; each
+step is cited in tests/sampler_oracle.py and docs/api.md, "Sampling order"):
+allowed_token_ids (grammar mask), logit_bias, repetition/frequency/presence penalties; greedy
+rows take the argmax here; then temperature, min-p, top-k, top-p (its mass is over what min-p
+and top-k kept), and a Gumbel-max whose Philox noise is keyed by (seed, position, global id),
+so a seeded row samples the same token at every TP degree. The raw logits are never
+modified: all work happens in a scratch buffer, which ``processed`` exposes for target
+verification. NaN logits count as -inf.
 
 Exchanges (all fixed-width int32 all-gathers, skipped for a size-1 group):
 - greedy and temperature-only rows: only the final pick, 3 words per row.
@@ -122,18 +125,19 @@ class ShardedSampler:
         x.copy_(logits[:, : self.local_valid])
         x.nan_to_num_(nan=NEG_INF, posinf=float("inf"), neginf=NEG_INF)
         for i, r in enumerate(rows):
-            if r.penalized:
-                self._penalize(x[i], r, prompt_ids[i], output_ids[i])
-            if r.logit_bias:
-                lanes, bias = self._local(
-                    [t for t, _ in r.logit_bias], [b for _, b in r.logit_bias]
-                )
-                x[i].index_add_(0, lanes, bias)
             if r.allowed_token_ids is not None:
                 lanes, _ = self._local(r.allowed_token_ids)
                 blocked = torch.ones(self.local_valid, dtype=torch.bool, device=self.device)
                 blocked[lanes] = False
                 x[i].masked_fill_(blocked, NEG_INF)
+            if r.logit_bias:
+                lanes, bias = self._local(
+                    [t for t, _ in r.logit_bias], [b for _, b in r.logit_bias]
+                )
+                x[i].index_add_(0, lanes, bias)
+            # After logit_bias, as in vLLM: the repetition penalty scales the biased logit.
+            if r.penalized:
+                self._penalize(x[i], r, prompt_ids[i], output_ids[i])
         temps = [1.0 if r.greedy else r.temperature for r in rows]
         if any(t != 1.0 for t in temps):
             x.div_(torch.tensor(temps, dtype=torch.float32, device=self.device).unsqueeze(1))
@@ -150,12 +154,22 @@ class ShardedSampler:
         block = x if len(filtered) == x.shape[0] else x[self._index(filtered)]
         max_key, kth = max_and_topk(block, self._index(ks), self.filter_exchange)
         maxima = dict(zip(filtered, key_values(max_key).unbind(0), strict=True))
-        if any(small):
-            kept = torch.where(torch.tensor(small, device=self.device), key_values(kth), NEG_INF)
-            self._remove(x, filtered, lambda b: b < kept.unsqueeze(1))
 
         def row_max(which: list[int]) -> torch.Tensor:
             return torch.stack([maxima[i] for i in which])
+
+        # min-p first, as vLLM runs it (before top-k and top-p). It keeps exp(x - max) >=
+        # min_p, and the max survives every filter, so its set does not depend on where it
+        # runs; but top-p below then measures mass over what min-p kept.
+        min_p = [i for i in filtered if rows[i].min_p > 0]
+        if min_p:
+            floors = self._float64([rows[i].min_p for i in min_p]).unsqueeze(1)
+            self._remove(x, min_p, lambda b: relative_probs(b, row_max(min_p)) < floors)
+        # The k-th largest values were exchanged before min-p; that is the same cut, because
+        # min-p only drops values below every value it keeps.
+        if any(small):
+            kept = torch.where(torch.tensor(small, device=self.device), key_values(kth), NEG_INF)
+            self._remove(x, filtered, lambda b: b < kept.unsqueeze(1))
 
         def radix_cut(which: list[int], block: torch.Tensor, top_p: bool) -> torch.Tensor:
             keys = value_keys(block)
@@ -173,11 +187,8 @@ class ShardedSampler:
             self._remove(x, large, lambda b: radix_cut(large, b, False))
         top_p = [i for i in filtered if rows[i].top_p < 1]
         if top_p:
+            # Lanes already at -inf (min-p, top-k) weigh 0: top-p's mass is over the rest.
             self._remove(x, top_p, lambda b: radix_cut(top_p, b, True))
-        min_p = [i for i in filtered if rows[i].min_p > 0]
-        if min_p:
-            floors = self._float64([rows[i].min_p for i in min_p]).unsqueeze(1)
-            self._remove(x, min_p, lambda b: relative_probs(b, row_max(min_p)) < floors)
 
     def _remove(
         self, x: torch.Tensor, which: list[int], removed: Callable[[torch.Tensor], torch.Tensor]

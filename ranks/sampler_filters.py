@@ -6,13 +6,15 @@ layouts compute identically and on integer or exact-order reductions, so the res
 depend on the shard layout. (The one caveat: exp and log are elementwise, but a SIMD lane and
 a scalar tail may round them 1 ulp apart; that can only matter at an exact tie.)
 
-Tie rules (TP-invariant because they use values and global ids only, never lane order):
+Filters run in vLLM's order: min-p, top-k, top-p (see ranks/sampler.py). Tie rules
+(TP-invariant because they use values and global ids only, never lane order):
+- min-p: a lane is kept when exp(x - max) >= min_p (vLLM: softmax prob >= min_p * max prob).
 - top-k: the threshold is the k-th largest value counted with multiplicity; every lane whose
-  value equals the threshold is kept (so ties can keep more than k tokens).
-- top-p: lanes are grouped by value; a value is kept when the probability mass of strictly
-  larger values is < top_p of the total, so a tie at the boundary is kept whole. Masses are
-  integers (exp(x - max) in fixed point), whose sums do not depend on order.
-- min-p: a lane is kept when exp(x - max) >= min_p.
+  value equals the threshold is kept (so ties can keep more than k tokens), as in vLLM.
+- top-p: over the lanes min-p and top-k kept, grouped by value; a value is kept when the
+  probability mass of strictly larger values is < top_p of the total, so a tie at the
+  boundary is kept whole (vLLM breaks it by sort order). Masses are integers (exp(x - max)
+  in fixed point), whose sums do not depend on order; lanes already at -inf weigh 0.
 - the pick: the largest score wins; equal scores pick the smallest global id.
 """
 

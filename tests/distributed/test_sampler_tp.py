@@ -8,12 +8,14 @@ import torch
 from collectives.groups import group_rank, group_size, world_group
 from ranks.sampler import ShardedSampler
 from ranks.sampling_params import RowSampling
+from tests import sampler_oracle as oracle
 from tests.distributed.harness import run_ranks
 
 VOCAB = 301
 STEPS = 6
 TIMEOUT_S = 120.0
 PAD_VALUE = 1e30
+ROWS = 18
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +28,9 @@ def shard(world: int, rank: int) -> tuple[int, int, int]:
 
 def scenario(step: int) -> tuple[torch.Tensor, list[RowSampling], list[list[int]], list[list[int]]]:
     """Mixed rows: greedy with ties across shards, temperature, top-k (small, tied, radix),
-    top-p (tied), min-p, combinations, penalties, logit_bias and a grammar mask."""
+    top-p (tied), min-p, combinations, penalties, logit_bias and a grammar mask. Row 16 is
+    greedy where vLLM's order (logit_bias, then the repetition penalty) changes the token;
+    row 17 has min-p cut the tail that radix top-k and top-p then see."""
     gen = torch.Generator().manual_seed(100 + step)
     params = [
         dict(temperature=0.0),
@@ -50,6 +54,8 @@ def scenario(step: int) -> tuple[torch.Tensor, list[RowSampling], list[list[int]
         dict(allowed_token_ids=(3, 150, 151, 225, 300), top_p=0.9, temperature=4.0),
         dict(seed=-(2**40), top_k=290, top_p=0.3),
         dict(temperature=0.05, min_p=0.5),
+        dict(temperature=0.0, repetition_penalty=2.0, logit_bias={208: 4.0}),
+        dict(top_k=280, top_p=0.6, min_p=0.03, temperature=1.5),
     ]
     rows = [
         RowSampling(**({"seed": 7 * i + 1, "position": step} | p)) for i, p in enumerate(params)
@@ -60,6 +66,7 @@ def scenario(step: int) -> tuple[torch.Tensor, list[RowSampling], list[list[int]
     logits[6, [10, 160, 230, 299]] = 12.0
     logits[9, [70, 151, 152, 300]] = 6.0
     logits[12] = logits[12].round()
+    logits[16, [208, 260]] = torch.tensor([20.0, 13.0])  # 208 is in the prompt: (20 + 4) / 2
     prompt = [[(13 * i + 7 * j) % VOCAB for j in range(6)] for i in range(len(rows))]
     output = [[(29 * i + 151 * j) % VOCAB for j in range(step + 3)] for i in range(len(rows))]
     return logits, rows, prompt, output
@@ -90,22 +97,32 @@ def run_steps(sampler: ShardedSampler, start: int, width: int, valid: int) -> di
 def _rank_main() -> dict:
     group = world_group()
     start, width, valid = shard(group_size(group), group_rank(group))
-    sampler = ShardedSampler(group, start, valid, width, VOCAB, max_rows=16)
+    sampler = ShardedSampler(group, start, valid, width, VOCAB, max_rows=ROWS)
     return run_steps(sampler, start, width, valid)
 
 
 @pytest.fixture(scope="module")
 def tp1() -> dict:
-    return run_steps(ShardedSampler(None, 0, VOCAB, VOCAB, VOCAB, max_rows=16), 0, VOCAB, VOCAB)
+    return run_steps(ShardedSampler(None, 0, VOCAB, VOCAB, VOCAB, max_rows=ROWS), 0, VOCAB, VOCAB)
 
 
 def test_tp1_scenario_is_not_trivial(tp1: dict):
     first = tp1["ids"][0].tolist()
     assert first[1] == 151 and first[2] == 5
     assert first[6] in (10, 160, 230, 299)
+    assert first[16] == 260
     kept = (tp1["processed"][0] > float("-inf")).sum(1).tolist()
     assert kept[6] == 4 and kept[7] == 280 and kept[0] == VOCAB
     assert len({tuple(ids.tolist()) for ids in tp1["ids"]}) == STEPS
+
+
+def test_tp1_matches_the_oracle(tp1: dict):
+    for step in range(STEPS):
+        full, rows, prompt, output = scenario(step)
+        for i, r in enumerate(rows):
+            expected = oracle.final(full[i], r, prompt[i], output[i])
+            assert torch.equal(tp1["processed"][step][i], expected), (step, i)
+            assert int(tp1["ids"][step][i]) == oracle.sample(full[i], r, prompt[i], output[i])
 
 
 @pytest.mark.parametrize("world", [2, 4])

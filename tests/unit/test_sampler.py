@@ -11,6 +11,7 @@ from kernels.philox import gumbel_noise
 from ranks.sampler import ShardedSampler
 from ranks.sampler_filters import gumbel_best, key_values, score_keys, value_keys
 from ranks.sampling_params import RowSampling
+from tests import sampler_oracle as oracle
 
 NEG_INF = float("-inf")
 
@@ -19,47 +20,8 @@ def make_sampler(vocab: int, rows: int, pad: int = 0) -> ShardedSampler:
     return ShardedSampler(None, 0, vocab, vocab + pad, vocab, rows)
 
 
-def reference_processed(logits: torch.Tensor, r: RowSampling, prompt, output) -> torch.Tensor:
-    """Full-row float32 transformations written out plainly (vLLM order), before temperature."""
-    x = logits.to(torch.float32).clone()
-    x[torch.isnan(x)] = NEG_INF
-    v = x.numel()
-    counts = torch.bincount(torch.tensor(output, dtype=torch.int64), minlength=v)
-    if r.repetition_penalty != 1:
-        seen = torch.zeros(v, dtype=torch.bool)
-        seen[list(prompt) + list(output)] = True
-        rep = torch.tensor(r.repetition_penalty, dtype=torch.float32)
-        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
-    if r.frequency_penalty != 0:
-        x = torch.where(counts > 0, x - torch.tensor(r.frequency_penalty) * counts, x)
-    if r.presence_penalty != 0:
-        x = torch.where(counts > 0, x - torch.tensor(r.presence_penalty), x)
-    for token, bias in r.logit_bias:
-        x[token] += torch.tensor(bias, dtype=torch.float32)
-    if r.allowed_token_ids is not None:
-        keep = torch.zeros(v, dtype=torch.bool)
-        keep[list(r.allowed_token_ids)] = True
-        x[~keep] = NEG_INF
-    return x
-
-
-def reference_kept(y: torch.Tensor, r: RowSampling) -> set[int]:
-    """Ids kept by top-k, top-p, min-p on the temperature-scaled row y (ties kept whole)."""
-    y = y.to(torch.float64)
-    keep = torch.ones_like(y, dtype=torch.bool)
-    if 0 < r.top_k < y.numel():
-        keep &= y >= torch.sort(y, descending=True).values[r.top_k - 1]
-    z = torch.where(keep, y, NEG_INF)
-    probs = torch.softmax(z, 0)
-    if r.top_p < 1:
-        for value in torch.unique(z[keep]).tolist():
-            above = float(probs[z > value].sum())
-            assert abs(above - r.top_p) > 1e-9, "boundary too close to call"
-            if above >= r.top_p:
-                keep &= z != value
-    if r.min_p > 0:
-        keep &= probs / probs.max() >= r.min_p
-    return set(torch.nonzero(keep).flatten().tolist())
+def kept_ids(y: torch.Tensor, r: RowSampling) -> set[int]:
+    return set(torch.nonzero(oracle.kept(y, r)).flatten().tolist())
 
 
 def test_greedy_is_argmax_with_smallest_id_on_ties():
@@ -114,13 +76,99 @@ def test_penalties_bias_and_allowed_ids_match_reference():
     got = make_sampler(v, 5).processed(logits, rows, prompt, output)
     assert torch.equal(logits, before)
     for i, r in enumerate(rows):
-        expected = reference_processed(logits[i], r, prompt[i], output[i])
-        if not r.greedy:
-            expected = expected / torch.tensor(r.temperature, dtype=torch.float32)
+        expected = oracle.scaled(oracle.processed(logits[i], r, prompt[i], output[i]), r)
         assert torch.equal(got[i], expected), i
     greedy = make_sampler(v, 5).sample(logits, rows, prompt, output)
-    assert int(greedy[3]) == int(reference_processed(logits[3], rows[3], [], []).argmax())
+    assert int(greedy[3]) == int(oracle.processed(logits[3], rows[3], [], []).argmax())
     assert int(greedy[3]) in (9, 40, 41)
+
+
+def test_repetition_penalty_scales_the_biased_logit():
+    """vLLM adds logit_bias before the penalties: (x + b) / p, not x / p + b."""
+    logits = torch.full((2, 8), -1.0)
+    logits[0, [2, 5]] = torch.tensor([2.0, 2.5])  # 2: (2 + 2) / 2 = 2.0 < 2.5 (not 3.0)
+    logits[1, [3, 6]] = torch.tensor([-2.0, 0.0])  # 3: (-2 + 3) / 2 = 0.5 > 0 (not -1.0)
+    rows = [
+        RowSampling(
+            seed=0, position=0, temperature=0.0, repetition_penalty=2.0, logit_bias={2: 2.0}
+        ),
+        RowSampling(
+            seed=0, position=0, temperature=0.0, repetition_penalty=2.0, logit_bias={3: 3.0}
+        ),
+    ]
+    prompt, output = [[2, 7], [1]], [[7], [3, 3]]
+    sampler = make_sampler(8, 2)
+    got = sampler.processed(logits, rows, prompt, output)
+    assert got[0, 2] == 2.0 and got[1, 3] == 0.5
+    for i, r in enumerate(rows):
+        assert torch.equal(got[i], oracle.final(logits[i], r, prompt[i], output[i]))
+    assert sampler.sample(logits, rows, prompt, output).tolist() == [5, 3]
+
+
+def test_top_p_measures_mass_after_min_p():
+    """vLLM runs min-p before top-k/top-p, so top-p renormalises over what min-p kept."""
+    perm = [3, 0, 4, 1, 2]
+    logits_row = torch.empty(5)
+    logits_row[perm] = torch.tensor([0.5, 0.3, 0.1, 0.05, 0.05]).log()
+    params = dict(min_p=0.15, top_p=0.85)
+    r = RowSampling(seed=0, position=0, **params)
+    # min-p drops the two 0.05s; of the remaining 0.9, 0.8 / 0.9 >= 0.85 lies above the 0.1,
+    # so top-p drops it too (top-p first would keep it: 0.8 < 0.85).
+    assert kept_ids(logits_row, r) == {3, 0}
+    got = make_sampler(5, 1).processed(logits_row.unsqueeze(0), [r], [[]], [[]])
+    assert torch.nonzero(got[0] > NEG_INF).flatten().tolist() == [0, 3]
+    counts = sample_many(logits_row, params, 500)
+    assert set(counts) == {0, 3}
+
+
+def test_min_p_uses_temperature_scaled_probabilities():
+    logits = torch.tensor([[0.0, -1.0, -2.0, -3.0]])
+    r = RowSampling(seed=0, position=0, temperature=2.0, min_p=0.3)
+    got = make_sampler(4, 1).processed(logits, [r], [[]], [[]])
+    # exp(-1 / 2) = 0.61 and exp(-2 / 2) = 0.37 pass 0.3; unscaled, exp(-2) = 0.14 would not.
+    assert torch.nonzero(got[0] > NEG_INF).flatten().tolist() == [0, 1, 2]
+
+
+ORDER_ROWS = [
+    dict(temperature=0.0, repetition_penalty=1.7, logit_bias={4: 1.5, 9: -0.5, 200: 2.0}),
+    dict(temperature=0.9, repetition_penalty=1.4, logit_bias={4: 2.0, 17: 3.0, 250: -1.0}),
+    dict(temperature=0.7, repetition_penalty=0.7, frequency_penalty=0.3, logit_bias={9: 1.0}),
+    dict(min_p=0.05, top_p=0.7, temperature=1.3),
+    dict(min_p=0.2, top_p=0.95, top_k=20),
+    dict(top_k=280, top_p=0.6, min_p=0.02, temperature=2.0),
+    dict(
+        allowed_token_ids=tuple(range(0, 300, 7)),
+        logit_bias={7: 2.0, 14: -3.0},
+        repetition_penalty=1.3,
+        presence_penalty=0.4,
+        top_p=0.8,
+        temperature=1.5,
+    ),
+    dict(
+        temperature=0.0,
+        allowed_token_ids=(4, 9, 17, 200),
+        repetition_penalty=3.0,
+        logit_bias={4: 4.0},
+    ),
+]
+
+
+@pytest.mark.parametrize("step", range(4))
+def test_sampled_tokens_match_the_oracle(step):
+    v, pad = 300, 4
+    gen = torch.Generator().manual_seed(50 + step)
+    logits = torch.randn(len(ORDER_ROWS), v + pad, generator=gen) * 2.5
+    logits[:, [4, 9, 17, 200]] += 3.0
+    rows = [RowSampling(seed=31 * i + 2, position=step, **p) for i, p in enumerate(ORDER_ROWS)]
+    prompt = [[4, 9, 17, 200, (11 * i) % v] for i in range(len(rows))]
+    output = [[4, 17, 17, (23 * i + step) % v][: step + 1] for i in range(len(rows))]
+    sampler = make_sampler(v, len(rows), pad=pad)
+    tokens = sampler.sample(logits, rows, prompt, output).tolist()
+    expected = [oracle.sample(logits[i, :v], r, prompt[i], output[i]) for i, r in enumerate(rows)]
+    assert tokens == expected
+    got = sampler.processed(logits, rows, prompt, output)
+    for i, r in enumerate(rows):
+        assert torch.equal(got[i], oracle.final(logits[i, :v], r, prompt[i], output[i])), i
 
 
 FILTER_ROWS = [
@@ -147,7 +195,7 @@ def test_filters_keep_exactly_the_expected_set(seed, shift):
     for i, r in enumerate(rows):
         y = logits[i] / torch.tensor(r.temperature, dtype=torch.float32)
         kept = set(torch.nonzero(got[i] > NEG_INF).flatten().tolist())
-        assert kept == reference_kept(y, r), FILTER_ROWS[i]
+        assert kept == kept_ids(y, r), FILTER_ROWS[i]
         assert torch.equal(got[i][got[i] > NEG_INF], y[got[i] > NEG_INF])
 
 
@@ -186,7 +234,7 @@ def test_sampled_ids_cover_exactly_the_kept_set(params):
     logits_row = torch.empty(50)
     logits_row[perm] = -0.3 * torch.arange(50, dtype=torch.float32)
     r = RowSampling(seed=0, position=0, **params)
-    expected = reference_kept(logits_row / torch.tensor(r.temperature), r)
+    expected = kept_ids(oracle.scaled(logits_row, r), r)
     assert 4 <= len(expected) <= 10
     counts = sample_many(logits_row, params, 2000)
     assert set(counts) == expected
