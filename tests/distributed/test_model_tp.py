@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 
 from collectives.groups import destroy, init_from_env, world_group
 from ranks.model import ShardedCausalLM
-from tests.unit.test_model_tp1 import (
+from tests.oracles import (
     TOLERANCE,
     build_checkpoint,
     expected_rows,

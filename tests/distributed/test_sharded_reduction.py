@@ -16,7 +16,7 @@ import torch
 from kernels.api import reduce_logprobs
 from kernels.layout import EXCHANGE1_WORDS, EXCHANGE2_WORDS, PAYLOAD_WORDS
 from tests.distributed.harness import run_ranks
-from tests.unit.test_reduction_torch import check_payload, row_tolerance
+from tests.oracles import check_payload, row_tolerance
 
 BACKENDS = ["torch"]
 SENTINEL = 0x5A5A5A5A

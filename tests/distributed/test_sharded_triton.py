@@ -15,7 +15,7 @@ import torch
 from collectives.groups import group_rank, group_size, world_group
 from kernels.api import reduce_logprobs_sharded
 from tests.distributed.harness import run_ranks
-from tests.unit.test_triton_reduction import (
+from tests.reduction_cases import (
     assert_matches_reference,
     random_case,
     sentinel_out,

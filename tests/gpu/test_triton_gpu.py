@@ -18,7 +18,7 @@ pytestmark = [
 from kernels.triton.backend import PreparedReduction, prepared_reduction  # noqa: E402
 from kernels.triton.common import SELECT_EXTRACT, SELECT_TOPK  # noqa: E402
 from kernels.triton.sharded import PreparedShardedReduction  # noqa: E402
-from tests.unit.test_triton_reduction import (  # noqa: E402
+from tests.reduction_cases import (  # noqa: E402
     assert_matches_reference,
     exact_expected,
     first_difference,

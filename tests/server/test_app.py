@@ -10,11 +10,11 @@ import math
 import httpx
 import pytest
 
-from runtime.text.chat_template import ChatTemplate, ChatTemplateError
-from runtime.engine.engine import Engine as RealEngine
 from runtime.engine.client import EngineError, EngineInfo, Finished, GeneratedToken, TokenLogprob
+from runtime.engine.engine import Engine as RealEngine
 from runtime.http.server import create_app
-from tests.server.conftest import strict_json
+from runtime.text.chat_template import ChatTemplate, ChatTemplateError
+from tests.server.helpers import strict_json
 
 
 class ScriptedEngine:

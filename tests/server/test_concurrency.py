@@ -7,7 +7,7 @@ import asyncio
 import httpx
 import pytest
 
-from tests.server.conftest import (
+from tests.server.helpers import (
     TOLERANCE,
     served_name,
     special_ids,

@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import post, served_name, strict_json
+from tests.server.helpers import post, served_name, strict_json
 
 pytestmark = pytest.mark.slow
 

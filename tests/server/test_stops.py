@@ -6,7 +6,7 @@ from functools import cache
 
 import pytest
 
-from tests.server.conftest import (
+from tests.server.helpers import (
     TOLERANCE,
     hf_rows,
     post,

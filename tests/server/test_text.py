@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.server.conftest import (
+from tests.server.helpers import (
     expected_offsets,
     post,
     served_name,

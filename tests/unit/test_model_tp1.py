@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -17,137 +16,16 @@ from ranks.model import (
     shard_layout,
     vocab_shard,
 )
-
-TOLERANCE = 1e-4
-SEQUENCES = {"a": (2, 6, 4), "b": (0, 9, 4), "c": (2, 3, 2)}
-"""name -> (slot, prompt length, decode steps). "c" reuses "a"'s slot after "a" ends."""
-
-
-def llama_kwargs() -> dict:
-    return dict(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=24,
-        rope_theta=5000.0,
-        rms_norm_eps=1e-5,
-        attention_bias=True,
-        mlp_bias=True,
-        tie_word_embeddings=False,
-        max_position_embeddings=128,
-    )
-
-
-def qwen2_kwargs() -> dict:
-    return dict(
-        vocab_size=301,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-        max_position_embeddings=128,
-    )
-
-
-def build_checkpoint(path: Path, family: str, max_shard_size: str | None = None) -> Path:
-    """Random tiny checkpoint saved with transformers; every parameter (biases too) is random."""
-    import transformers
-
-    if family == "llama":
-        config = transformers.LlamaConfig(**llama_kwargs())
-        model_cls = transformers.LlamaForCausalLM
-    else:
-        config = transformers.Qwen2Config(**qwen2_kwargs())
-        model_cls = transformers.Qwen2ForCausalLM
-    torch.manual_seed(0)
-    model = model_cls(config).eval()
-    gen = torch.Generator().manual_seed(1234)
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):
-            noise = torch.randn(param.shape, generator=gen)
-            param.copy_(1.0 + 0.2 * noise if name.endswith("norm.weight") else 0.1 * noise)
-    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
-    model.save_pretrained(path, **kwargs)
-    return path
-
-
-def sequence_tokens(vocab_size: int) -> dict[str, list[int]]:
-    gen = torch.Generator().manual_seed(7)
-    return {
-        name: torch.randint(0, vocab_size, (prompt + decode,), generator=gen).tolist()
-        for name, (_, prompt, decode) in SEQUENCES.items()
-    }
-
-
-def reference_logits(model_dir: Path, tokens: dict[str, list[int]]) -> dict[str, torch.Tensor]:
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.eval()
-    with torch.no_grad():
-        return {name: model(torch.tensor([ids])).logits[0].float() for name, ids in tokens.items()}
-
-
-@dataclass(frozen=True)
-class Step:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    slots: torch.Tensor
-    logit_indices: torch.Tensor
-    expected: list[tuple[str, int]]
-
-
-def schedule(tokens: dict[str, list[int]]) -> list[Step]:
-    """Mixed prefill/decode steps: whole prefill, two-chunk prefill, interleaved decodes."""
-    segments: list[list[tuple[str, int, int]]] = [
-        [("a", 0, 6), ("b", 0, 5)],
-        [("b", 5, 9), ("a", 6, 7)],
-        [("a", 7, 8), ("b", 9, 10)],
-        [("b", 10, 11), ("a", 8, 9)],
-        [("a", 9, 10), ("b", 11, 12)],
-        [("c", 0, 3), ("b", 12, 13)],
-        [("c", 3, 4)],
-        [("c", 4, 5)],
-    ]
-    steps = []
-    for number, parts in enumerate(segments):
-        ids, pos, slots, rows = [], [], [], []
-        for name, start, end in parts:
-            ids += tokens[name][start:end]
-            pos += list(range(start, end))
-            slots += [SEQUENCES[name][0]] * (end - start)
-            rows += [(name, p) for p in range(start, end)]
-        order = list(range(len(ids)))
-        if number % 2:
-            order = order[::-1][: max(1, len(order) - 1)]
-        steps.append(
-            Step(
-                input_ids=torch.tensor(ids, dtype=torch.int64),
-                positions=torch.tensor(pos, dtype=torch.int64),
-                slots=torch.tensor(slots, dtype=torch.int64),
-                logit_indices=torch.tensor(order, dtype=torch.int64),
-                expected=[rows[i] for i in order],
-            )
-        )
-    return steps
-
-
-def run_schedule(model: ShardedCausalLM, tokens: dict[str, list[int]]) -> list[torch.Tensor]:
-    model.allocate_cache(capacity=3, max_seq_len=32)
-    return [
-        model.forward(s.input_ids, s.positions, s.slots, s.logit_indices) for s in schedule(tokens)
-    ]
-
-
-def expected_rows(step: Step, reference: dict[str, torch.Tensor]) -> torch.Tensor:
-    return torch.stack([reference[name][pos] for name, pos in step.expected])
+from tests.oracles import (
+    TOLERANCE,
+    build_checkpoint,
+    expected_rows,
+    llama_kwargs,
+    reference_logits,
+    run_schedule,
+    schedule,
+    sequence_tokens,
+)
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,6 @@
 """The torch backend and the reference against an independent float64 oracle, and each other.
 
-Oracle (written here, shares no code with kernels/): float64 log-softmax of the FP32 logits
+Oracle (tests/oracles.py, shares no code with kernels/): float64 log-softmax of the FP32 logits
 over the real vocabulary, ranked by (value desc, id asc). FP32 results must match it within
 a per-row tolerance; ids must match exactly where the oracle's gaps exceed the tolerance,
 and within the output equal values must come in ascending id order.
@@ -20,86 +20,7 @@ from torch.utils._pytree import tree_flatten
 from kernels.api import pack_token_ids, reduce_logprobs, reduce_logprobs_sharded
 from kernels.rows import RowRequest
 from kernels.torch_backend import reduce_torch
-
-WORDS = 258
-EPS32 = 2.0**-23
-
-
-def oracle(x: torch.Tensor, vocab: int) -> tuple[torch.Tensor, float] | None:
-    """float64 reported values of one row, and its lse; None when the lse is not finite."""
-    v = x[:vocab].to(torch.float64)
-    if bool(torch.isnan(v).any()) or bool((v == math.inf).any()) or bool((v == -math.inf).all()):
-        return None
-    lse = float(torch.logsumexp(v, 0))
-    return v - lse, lse
-
-
-def row_tolerance(x: torch.Tensor, vocab: int, lse: float) -> float:
-    finite = x[:vocab].to(torch.float64)
-    finite = finite[torch.isfinite(finite)]
-    big = float(finite.abs().max()) if finite.numel() else 0.0
-    return 16 * EPS32 * (1.0 + abs(lse) + big)
-
-
-def _f32(bits: list[int]) -> list[float]:
-    return torch.tensor(bits, dtype=torch.int32).view(torch.float32).tolist()
-
-
-def check_row(
-    words: torch.Tensor, x: torch.Tensor, vocab: int, chosen: int, k: int, ids: list[int]
-) -> None:
-    """One packed row against the float64 oracle (see the module docstring)."""
-    w = words.tolist()
-    assert len(w) == WORDS and w[0] == chosen
-    ref = oracle(x, vocab)
-    pair_ids, pair_vals = w[2::2], _f32(w[3::2])
-    if ref is None:
-        assert math.isnan(_f32([w[1]])[0]), "non-finite lse must give a NaN chosen value"
-        assert all(-1 <= i < vocab for i in pair_ids)
-        return
-    v64, lse = ref
-    tol = row_tolerance(x, vocab, lse)
-
-    def close(got: float, want: float) -> bool:
-        return got == want if math.isinf(want) else abs(got - want) <= tol
-
-    assert close(_f32([w[1]])[0], float(v64[chosen])), (w[1], float(v64[chosen]))
-    if ids:
-        n = len(ids)
-        assert pair_ids[:n] == ids
-        for i, got in zip(ids, pair_vals[:n], strict=True):
-            assert close(got, float(v64[i])), (i, got, float(v64[i]))
-        assert all(t == -1 for t in w[2 + 2 * n :])
-        return
-    real = min(k, vocab)
-    got_ids, got_vals = pair_ids[:real], pair_vals[:real]
-    assert all(t == -1 for t in w[2 + 2 * real :]), "unused words must be -1"
-    assert len(set(got_ids)) == real and all(0 <= i < vocab for i in got_ids)
-    for a, b, ia, ib in zip(got_vals, got_vals[1:], got_ids, got_ids[1:], strict=False):
-        assert a > b or (a == b and ia < ib), "order: value desc, then id asc"
-    for i, got in zip(got_ids, got_vals, strict=True):
-        assert close(got, float(v64[i])), (i, got, float(v64[i]))
-    order = torch.sort(v64, descending=True, stable=True)
-    want_vals = order.values.tolist()
-    want_ids = order.indices.tolist()
-    for j in range(real):
-        assert close(got_vals[j], want_vals[j]), (j, got_vals[j], want_vals[j])
-        above = want_vals[j - 1] - want_vals[j] if j else math.inf
-        below = want_vals[j] - want_vals[j + 1] if j + 1 < vocab else math.inf
-        if above > 2 * tol and below > 2 * tol:
-            assert got_ids[j] == want_ids[j], (j, got_ids, want_ids[:real])
-    if real:
-        rest = torch.ones(vocab, dtype=torch.bool)
-        rest[got_ids] = False
-        if bool(rest.any()):
-            assert float(v64[rest].max()) <= got_vals[-1] + tol, "a better id was skipped"
-
-
-def check_payload(out, logits, vocab, chosen, k, token_ids, requested) -> None:
-    for row in range(out.shape[0]):
-        if requested is None or int(requested[row]):
-            ids = token_ids[row] if token_ids else []
-            check_row(out[row], logits[row], vocab, int(chosen[row]), k, ids)
+from tests.oracles import WORDS, check_payload, check_row, f32_values
 
 
 def run_all(logits, chosen, *, k, vocab, token_ids, requested, tile):
@@ -180,7 +101,7 @@ BACKENDS = ["reference", "torch"]
 
 def _pairs(out: torch.Tensor, row: int = 0) -> tuple[list[int], list[float]]:
     w = out[row].tolist()
-    return w[2::2], _f32(w[3::2])
+    return w[2::2], f32_values(w[3::2])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -215,7 +136,7 @@ def test_ties_below_the_prefilter_floor_are_kept(backend: str) -> None:
     ids, vals = _pairs(out)
     assert ids[:20] == [4095, *range(19)]
     assert vals[1:20] == [-19.0] * 19
-    assert _f32([int(out[0, 1])]) == [-19.0]
+    assert f32_values([int(out[0, 1])]) == [-19.0]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -256,7 +177,7 @@ def test_neg_inf_lanes_and_bad_rows(backend: str) -> None:
     assert ids[:20] == [9, 4, 17, *[i for i in range(30) if i not in (4, 9, 17)][:17]]
     assert vals[3:20] == [-math.inf] * 17
     for row in (1, 2, 3):
-        assert math.isnan(_f32([int(out[row, 1])])[0])
+        assert math.isnan(f32_values([int(out[row, 1])])[0])
         assert all(-1 <= i < 30 for i in _pairs(out, row)[0])
     check_payload(out, x, 30, torch.tensor([9, 5, 6, 0]), 20, None, None)
 

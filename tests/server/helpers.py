@@ -1,0 +1,379 @@
+"""Helpers shared by the server tests: checkpoints, server processes, HTTP calls, oracles.
+
+Checkpoints: random tiny Llamas written with transformers, each with a real `tokenizers`
+tokenizer (byte-level BPE; SentencePiece-style byte-fallback + Metaspace) and a chat template.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import httpx
+import openai
+import tokenizers
+
+from tests.checkpoints import write_llama
+from tests.unit.tokenizer_fixtures import byte_fallback_tokenizer, byte_level_tokenizer, eos_id
+
+ROOT = Path(__file__).resolve().parents[2]
+START_TIMEOUT_S = 240.0
+MAX_MODEL_LEN = 256
+
+CHATML = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'bad' %}{{ raise_exception('role bad is not allowed') }}{% endif %}"
+    "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+LLAMA2 = (
+    "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] | trim }}\n"
+    "{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}"
+)
+
+
+def write_model(path: Path, kind: str) -> Path:
+    """A random Llama whose vocabulary is the tokenizer's (321 or 431: TP4 does not divide)."""
+    tok = byte_level_tokenizer(fresh=True) if kind == "byte_level" else byte_fallback_tokenizer(
+        fresh=True
+    )
+    vocab = tok.get_vocab_size(with_added_tokens=True)
+    write_llama(path, vocab_size=vocab)
+    eos = eos_id(tok)
+    config = json.loads((path / "config.json").read_text())
+    bos = tok.token_to_id("<s>")
+    config.update(eos_token_id=eos, bos_token_id=bos)
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    tok.save(str(path / "tokenizer.json"))
+    special = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": tok.id_to_token(eos),
+        "clean_up_tokenization_spaces": False,
+        "chat_template": CHATML if kind == "byte_level" else LLAMA2,
+    }
+    if bos is not None:
+        special["bos_token"] = "<s>"
+    (path / "tokenizer_config.json").write_text(json.dumps(special, indent=1))
+    for name in ("generation_config.json",):
+        (path / name).unlink(missing_ok=True)
+    return path
+
+
+
+def build_models(root: Path) -> dict[str, Path]:
+    return {kind: write_model(root / kind, kind) for kind in ("byte_level", "byte_fallback")}
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+@dataclass
+class Server:
+    name: str
+    model_dir: Path
+    port: int
+    pid: int
+    log_path: Path
+    proc: subprocess.Popen | None = None
+    """Set in the process that started it (under xdist, another worker may have)."""
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def client(self, **kwargs) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0,
+                             timeout=120.0, **kwargs)
+
+    def log_tail(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-4000:]
+        except OSError:
+            return ""
+
+    def running(self) -> bool:
+        return self.proc.poll() is None if self.proc is not None else _alive(self.pid)
+
+    def wait_healthy(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if not self.running():
+                raise RuntimeError(f"server {self.name} exited:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        raise RuntimeError(f"server {self.name} did not become healthy:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        """SIGTERM its process group (the server and, under torchrun, every rank); SIGKILL
+        after 20 s."""
+        for sig, wait_s in ((signal.SIGTERM, 20.0), (signal.SIGKILL, 10.0)):
+            if not self.running():
+                break
+            try:
+                os.killpg(self.pid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + wait_s
+            while self.running() and time.monotonic() < deadline:
+                time.sleep(0.1)
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.wait(timeout=5)
+
+    def state(self) -> dict:
+        return {"model_dir": str(self.model_dir), "port": self.port, "pid": self.pid,
+                "log_path": str(self.log_path)}
+
+    @classmethod
+    def from_state(cls, name: str, state: dict) -> Server:
+        return cls(name, Path(state["model_dir"]), state["port"], state["pid"],
+                   Path(state["log_path"]))
+
+
+SERVERS = {
+    # fixture name: (model kind, tensor-parallel degree, extra serve arguments)
+    "server": ("byte_level", 1, ["--capacity", "16"]),
+    "plain_server": ("byte_level", 1, ["--capacity", "4", "--no-logprobs"]),
+    "tp4_server": ("byte_fallback", 4, ["--capacity", "4"]),
+}
+
+
+def launch(name: str, model_dir: Path, tp: int, extra: list[str], log_dir: Path) -> Server:
+    port = free_port()
+    serve = ["-m", "launch.serve", "--model", str(model_dir), "--host", "127.0.0.1",
+             "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN), *extra]
+    if tp == 1:
+        cmd = [sys.executable, *serve]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={tp}", *serve]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    log_path = log_dir / f"{name}.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    return Server(name, model_dir, port, proc.pid, log_path, proc)
+
+
+@contextmanager
+def locked(path: Path):
+    with path.open("a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def strict_json(body: bytes | str):
+    """json.loads that refuses NaN, Infinity and -Infinity."""
+
+    def refuse(name: str):
+        raise ValueError(f"non-standard JSON constant {name}")
+
+    return json.loads(body, parse_constant=refuse)
+
+
+def post(server: Server, path: str, body: dict | str) -> httpx.Response:
+    if isinstance(body, str):
+        return httpx.post(server.url + path, content=body, timeout=120.0,
+                          headers={"content-type": "application/json"})
+    return httpx.post(server.url + path, json=body, timeout=120.0)
+
+
+def sse_events(response: httpx.Response) -> list:
+    """Decoded `data:` events of an SSE body (strict JSON); the last must be [DONE]."""
+    events = []
+    for block in response.text.split("\n\n"):
+        if not block.strip():
+            continue
+        assert block.startswith("data: "), block
+        payload = block[len("data: "):]
+        events.append(payload if payload == "[DONE]" else strict_json(payload))
+    assert events and events[-1] == "[DONE]"
+    return events[:-1]
+
+
+# ----------------------------------------------------------------------------- oracles
+TOLERANCE = 1e-4
+
+
+def hf_rows(model_dir: Path, prompt_ids: list[int], generated: list[int]):
+    """transformers' FP32 log_softmax rows that predict each generated token."""
+    from tests.checkpoints import hf_logprobs
+
+    rows = hf_logprobs(model_dir, list(prompt_ids) + list(generated))
+    start = len(prompt_ids) - 1
+    return rows[start : start + len(generated)]
+
+
+def check_natural(pairs: list[tuple[int, float]], row, n: int) -> None:
+    """`pairs` is a valid natural top-n of `row`: values match, order by (value desc, id asc),
+    and nothing left out is larger (within tolerance, so near-ties may go either way)."""
+    assert len(pairs) == min(n, row.numel())
+    for token_id, value in pairs:
+        assert abs(value - float(row[token_id])) <= TOLERANCE, (token_id, value)
+    for (id_a, a), (id_b, b) in zip(pairs, pairs[1:], strict=False):
+        assert a > b or (a == b and id_a < id_b)
+    if pairs and len(pairs) < row.numel():
+        rest = row.clone()
+        rest[[t for t, _ in pairs]] = float("-inf")
+        assert float(rest.max()) <= pairs[-1][1] + TOLERANCE
+
+
+def token_id_of(text: str) -> int:
+    assert text.startswith("token_id:"), text
+    return int(text[len("token_id:"):])
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {b: chr(b) for b in keep}, 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def vocab_bytes(model_dir: Path) -> dict[int, bytes]:
+    """Each id's true bytes, derived independently of runtime/text/token_bytes.py."""
+    import tokenizers
+
+    tok = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    spec = json.loads(tok.to_str())
+    byte_level = "ByteLevel" in json.dumps(spec.get("decoder"))
+    inverse = {c: b for b, c in _bytes_to_unicode().items()}
+    out = {}
+    for token_id in range(tok.get_vocab_size(with_added_tokens=True)):
+        piece = tok.id_to_token(token_id)
+        if byte_level:
+            out[token_id] = (bytes(inverse[c] for c in piece) if all(c in inverse for c in piece)
+                             else piece.encode())
+        elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            out[token_id] = bytes([int(piece[3:5], 16)])
+        else:
+            out[token_id] = piece.replace("▁", " ").encode()
+    return out
+
+
+def byte_char_index(data: bytes) -> list[int]:
+    """For every byte, the index of the character it ends up in after
+    data.decode("utf-8", errors="replace") (maximal-subpart replacement)."""
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    index, chars, pending = [], 0, []
+    for position, byte in enumerate(data):
+        out = decoder.decode(bytes([byte]))
+        pending.append(position)
+        if not out:
+            continue
+        held = len(decoder.getstate()[0])
+        done, pending = pending[: len(pending) - held], pending[len(pending) - held:]
+        if len(out) == 1:
+            index += [chars] * len(done)
+        else:
+            assert len(out) == 2
+            index += [chars] * (len(done) - 1) + [chars + 1]
+        chars += len(out)
+    tail = decoder.decode(b"", final=True)
+    index += [chars] * len(pending)
+    assert chars + len(tail) == len(data.decode("utf-8", errors="replace"))
+    return index
+
+
+def expected_offsets(pieces: list[bytes]) -> list[int]:
+    """Character offset of each token's first byte in the decoded concatenation."""
+    data = b"".join(pieces)
+    index = byte_char_index(data)
+    offsets, at = [], 0
+    for piece in pieces:
+        assert piece, "test tokens must have bytes"
+        offsets.append(index[at])
+        at += len(piece)
+    return offsets
+
+
+def served_name(server: Server) -> str:
+    return server.client().models.list().data[0].id
+
+
+def special_ids(model_dir: Path) -> set[int]:
+    spec = json.loads((model_dir / "tokenizer.json").read_text())
+    return {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
+
+
+BATCH_TOLERANCE = 1e-5
+
+
+def same(a, b) -> bool:
+    """Structural equality with floats equal within BATCH_TOLERANCE: the server batches
+    concurrent requests together (tests run in parallel), and the forward pass is not
+    batch-invariant in the last FP32 bits. Keys, their order, tokens and offsets are exact."""
+    if isinstance(a, float) or isinstance(b, float):
+        return isinstance(a, int | float) and isinstance(b, int | float) and abs(a - b) <= (
+            BATCH_TOLERANCE)
+    if isinstance(a, dict):
+        return (isinstance(b, dict) and list(a) == list(b)
+                and all(same(a[k], b[k]) for k in a))
+    if isinstance(a, list | tuple):
+        return (isinstance(b, list | tuple) and len(a) == len(b)
+                and all(same(x, y) for x, y in zip(a, b, strict=True)))
+    return a == b
+
+
+# ----------------------------------------------------------------------------- tokenizers
+@cache
+def encoder(model_dir: Path) -> tokenizers.Tokenizer:
+    return tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+
+
+@cache
+def hf_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def chat_prompt_ids(model_dir: Path, messages: list[dict]) -> list[int]:
+    tok = hf_tokenizer(model_dir)
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tok.encode(text, add_special_tokens=False)
+
+
+def natural_from_dict(top: dict[str, float], chosen: int, n: int) -> list[tuple[int, float]]:
+    """Completions dict: chosen first, then the natural top-n without repeating the chosen."""
+    pairs = [(token_id_of(k), v) for k, v in top.items()]
+    assert pairs[0][0] == chosen
+    if len(pairs) == n + 1:
+        return pairs[1:]
+    assert len(pairs) == n
+    rest, (_, value) = pairs[1:], pairs[0]
+    at = next((i for i, (t, v) in enumerate(rest) if (value, -chosen) > (v, -t)), len(rest))
+    return [*rest[:at], pairs[0], *rest[at:]]
