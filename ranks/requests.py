@@ -49,11 +49,10 @@ def check_logprob_request(
     selected ids need the ID inputs and are 1..128 distinct vocabulary ids. ``count_param``
     names the field that carries the count (chat's ``top_logprobs``)."""
     if k == 0:
-        for param, value in ((LOGPROBS, logprobs), (TOKEN_IDS, token_ids)):
-            if value is not None:
-                raise RequestError(
-                    param, "this model's core declares no logprob outputs (allow_logprobs: false)"
-                )
+        if logprobs is not None or token_ids is not None:
+            raise RequestError(
+                LOGPROBS, "this model's core declares no logprob outputs (allow_logprobs: false)"
+            )
         return
     if logprobs is not None:
         if isinstance(logprobs, bool) or not isinstance(logprobs, int):

@@ -60,7 +60,8 @@ def test_tp4_completion_and_chat_logprobs(tp4_server):
     selected = [430, 0, 7, 215, 3]
     response = server.client().chat.completions.create(
         model=name, messages=messages, max_tokens=3, logprobs=True, temperature=0.0,
-        extra_body={"ignore_eos": True, "logprob_token_ids": selected},
+        extra_body={"ignore_eos": True, "logprob_token_ids": selected,
+                    "return_tokens_as_token_ids": True},
     )
     content = response.choices[0].logprobs.content
     assert len(content) == response.usage.completion_tokens == 3
