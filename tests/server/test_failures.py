@@ -31,6 +31,7 @@ from tests.server.helpers import (
     token_id_of,
     write_model,
 )
+from tests.server.processes import rank_pid
 
 pytestmark = pytest.mark.slow
 
@@ -108,28 +109,6 @@ def test_non_finite_logits_fail_only_their_request(poisoned_server):
     again = post(server, "/v1/completions", completion(server, good_prompt))
     assert again.status_code == 200
     assert strict_json(again.content)["choices"][0]["logprobs"]["tokens"] == lp["tokens"]
-
-
-def parent_pid(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-
-
-def rank_pid(root_pid: int, rank: int) -> int:
-    """The torchrun worker with RANK=rank among root_pid's descendants (torchrun starts each
-    worker in a session of its own, so the parent chain is what links them)."""
-    for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            if f"RANK={rank}".encode() not in environ:
-                continue
-            ancestor = pid
-            for _ in range(4):
-                ancestor = parent_pid(ancestor)
-                if ancestor == root_pid:
-                    return pid
-        except (OSError, ValueError, IndexError):
-            continue
-    raise LookupError(f"no rank {rank} under {root_pid}")
 
 
 def test_peer_killed_under_a_running_tp2_server(tmp_path):
