@@ -1,6 +1,8 @@
 """Vocabulary-sharded reduction on real gloo groups (TP1, TP2, TP4): every rank returns the
 same payload as the unsharded reduction of the full row, within FP32 tolerance and with the
-same id order, and each call exchanges exactly (2 + 129) * 4 bytes per position per rank.
+same id order, and each call runs exactly two collectives: int32 all-gathers of [rows, 2]
+and [rows, 129] words per rank, as recorded at the c10d dispatcher
+(tests/distributed/collective_log.py), not as the exchange counts its own bytes.
 
 One process launch per world size; each runs many cases. ``BACKENDS`` is the parameter a
 GPU/Triton test module can reuse with ``run_sharded_cases`` from here.
@@ -20,14 +22,14 @@ from tests.oracles import check_payload, row_tolerance
 
 BACKENDS = ["torch"]
 SENTINEL = 0x5A5A5A5A
-BYTES_PER_POSITION = (EXCHANGE1_WORDS + EXCHANGE2_WORDS) * 4
 
 
 def sharded_worker(backend: str, cases: list[dict]) -> list[dict]:
-    """Runs on every rank: this rank's shard of each case, twice (bytes, determinism)."""
+    """Runs on every rank: this rank's shard of each case, twice (determinism); the second
+    call (prepared state cached) with every collective recorded."""
     from collectives.groups import group_rank, world_group
     from kernels.api import reduce_logprobs_sharded
-    from kernels.sharded import prepared_reduction
+    from tests.distributed.collective_log import record_collectives
 
     group = world_group()
     rank = group_rank(group)
@@ -39,20 +41,27 @@ def sharded_worker(backend: str, cases: list[dict]) -> list[dict]:
         outs = []
         for _ in range(2):
             out = torch.full((rows, PAYLOAD_WORDS), SENTINEL, dtype=torch.int32)
-            reduce_logprobs_sharded(
-                local, case["chosen"], vocab_start=start, vocab_size=case["vocab"],
-                group=group, k=case["k"], token_ids=case["token_ids"],
-                requested=case["requested"], out=out, backend=backend,
-            )
-            outs.append(out)
-            if len(outs) == 1:
-                prepared = prepared_reduction(
-                    group, rows, width, start, case["vocab"], backend, local.device, local.dtype
+            with record_collectives() as log:
+                reduce_logprobs_sharded(
+                    local, case["chosen"], vocab_start=start, vocab_size=case["vocab"],
+                    group=group, k=case["k"], token_ids=case["token_ids"],
+                    requested=case["requested"], out=out, backend=backend,
                 )
-                sent = prepared.bytes_sent
-        sent = prepared.bytes_sent - sent
-        results.append({"out": outs[0], "repeat_equal": torch.equal(*outs), "bytes": sent})
+            outs.append(out)
+        results.append({"out": outs[0], "repeat_equal": torch.equal(*outs), "log": list(log)})
     return results
+
+
+def exchanged(log: list) -> list[tuple]:
+    """(operator, dtypes, shapes) of each recorded collective."""
+    return [(c.op, sorted(map(str, c.dtypes)), sorted(c.shapes())) for c in log]
+
+
+def expected_exchanges(rows: int, world: int) -> list[tuple]:
+    if world == 1:
+        return []
+    return [("_allgather_base_", ["torch.int32"], sorted([(world * rows, words), (rows, words)]))
+            for words in (EXCHANGE1_WORDS, EXCHANGE2_WORDS)]
 
 
 def make_case(
@@ -140,8 +149,8 @@ def run_sharded_cases(backend: str, world: int) -> None:
         for r in range(world):
             assert torch.equal(got[r]["out"], out), f"case {i}: rank {r} differs from rank 0"
             assert got[r]["repeat_equal"], f"case {i}: rank {r} not deterministic"
-            want = case["logits"].shape[0] * BYTES_PER_POSITION if world > 1 else 0
-            assert got[r]["bytes"] == want, f"case {i}: rank {r} sent {got[r]['bytes']} bytes"
+            want = expected_exchanges(case["logits"].shape[0], world)
+            assert exchanged(got[r]["log"]) == want, f"case {i}: rank {r}"
         _compare_with_unsharded(i, case, out)
 
 
