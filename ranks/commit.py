@@ -53,10 +53,14 @@ class RecordBatch:
         self._row(slot, state, abi6.Kind.ADMISSION)
 
     def sample(self, slot: int, state: SlotState, token: int, logit_row: int) -> bool:
-        """Commit one sampled token; returns whether it was emitted (stop tokens are not)."""
+        """Commit one ordinarily sampled token; returns whether it was emitted (stop tokens
+        are not).
+
+        ``logit_row`` is the row of this slot's sampled position in the logits the reduction
+        reads. OFFERED and ACCEPTED stay zero: they count speculative proposals only.
+        """
         row = self._row(slot, state, abi6.Kind.SAMPLE)
         row[abi6.FIRST_LOGIT_ROW] = logit_row
-        row[abi6.OFFERED] = 1
         row[abi6.HEADER] = token
         if token in state.spec.stop_token_ids:
             # The terminating token stays in the token slot for the coordinator to read, but
@@ -65,7 +69,6 @@ class RecordBatch:
             return False
         state.output.append(token)
         row[abi6.EMITTED] = 1
-        row[abi6.ACCEPTED] = 1
         if len(state.output) >= state.spec.max_tokens:
             row[abi6.FINISH_REASON] = int(abi6.FinishReason.LENGTH)
         return True
