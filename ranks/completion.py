@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.layout import MAX_TOKEN_IDS, PAYLOAD_WORDS
+from kernels.layout import EXPORT_K, FIRST_PAIR, MAX_TOKEN_IDS, PAYLOAD_WORDS
 from ranks.abi6 import (
     ACCEPTED,
     EMITTED,
@@ -39,7 +39,8 @@ from ranks.declarations import (
 
 @dataclass(frozen=True)
 class CompletionFrame:
-    """One frame's views: records int64 [capacity, 16+T], payload int32 [capacity, T, 258]."""
+    """One frame's views: records int64 [capacity, 16+T], payload int32 [capacity, T, 2+2K]
+    (258 words with the ID inputs)."""
 
     records: torch.Tensor
     payload: torch.Tensor
@@ -50,8 +51,9 @@ class CompletionOutputs:
     completion_records: torch.Tensor
     completion_logprobs: torch.Tensor
     logprob_requested: torch.Tensor
-    logprob_token_ids: torch.Tensor
-    logprob_token_id_counts: torch.Tensor
+    logprob_token_ids: torch.Tensor | None = None
+    """None in a core exported with K < 20 natural alternatives and no ID inputs."""
+    logprob_token_id_counts: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         records = self.completion_records
@@ -64,15 +66,21 @@ class CompletionOutputs:
         tokens = records.shape[2] - HEADER
         if tokens < 1:
             raise ValueError(f"{COMPLETION_RECORDS}: expected 16+T words with T >= 1, got {tokens}")
+        if (self.logprob_token_ids is None) != (self.logprob_token_id_counts is None):
+            raise ValueError(
+                f"{LOGPROB_TOKEN_IDS} and {LOGPROB_TOKEN_ID_COUNTS}: declared together or not "
+                f"at all"
+            )
+        words = PAYLOAD_WORDS if self.supports_token_ids else self._natural_words()
         expected = {
             COMPLETION_RECORDS: (torch.int64, (FRAMES, capacity, record_width(tokens))),
-            COMPLETION_LOGPROBS: (torch.int32, (FRAMES, capacity, tokens, PAYLOAD_WORDS)),
+            COMPLETION_LOGPROBS: (torch.int32, (FRAMES, capacity, tokens, words)),
             LOGPROB_REQUESTED: (torch.int32, (capacity,)),
             LOGPROB_TOKEN_IDS: (torch.int32, (capacity, MAX_TOKEN_IDS)),
             LOGPROB_TOKEN_ID_COUNTS: (torch.int32, (capacity,)),
         }
-        for name, (dtype, shape) in expected.items():
-            tensor: torch.Tensor = getattr(self, name)
+        for name, tensor in self.tensors().items():
+            dtype, shape = expected[name]
             if tensor.dtype != dtype or tuple(tensor.shape) != shape:
                 raise ValueError(
                     f"{name}: expected {dtype} {list(shape)}, got {tensor.dtype} "
@@ -82,6 +90,17 @@ class CompletionOutputs:
                 raise ValueError(f"{name}: expected contiguous row-major storage")
             if tensor.device != records.device:
                 raise ValueError(f"{name}: on {tensor.device}, records on {records.device}")
+
+    def _natural_words(self) -> int:
+        """The payload's last extent 2+2K of a bundle without the ID inputs (1<=K<=20)."""
+        payload = self.completion_logprobs
+        words = payload.shape[-1] if payload.dim() == 4 else 0
+        if words % 2 or not 1 <= (words - FIRST_PAIR) // 2 <= EXPORT_K:
+            raise ValueError(
+                f"{COMPLETION_LOGPROBS}: expected int32 [{FRAMES}, capacity, T, 2+2K] with "
+                f"1<=K<={EXPORT_K} without the ID inputs, got {list(payload.shape)}"
+            )
+        return words
 
     @classmethod
     def allocate(
@@ -108,6 +127,33 @@ class CompletionOutputs:
             logprob_token_id_counts=torch.zeros(capacity, dtype=torch.int32, device=device),
         )
 
+    @classmethod
+    def allocate_natural(
+        cls,
+        capacity: int,
+        k: int,
+        completion_token_capacity: int | None = None,
+        device: torch.device | str = "cpu",
+    ) -> CompletionOutputs:
+        """The bundle of a core exported with K < 20 natural alternatives and no ID inputs:
+        records, completion_logprobs int32 [2, capacity, T, 2+2K] and the flag vector.
+
+        Recipes allocate the complete bundle (``allocate``); this is the layout such a core
+        declares when it is built for a smaller K (RuntimeConfig.max_logprobs < 20).
+        """
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k < EXPORT_K:
+            raise ValueError(f"k: expected 1..{EXPORT_K - 1}, got {k!r}")
+        full = cls.allocate(capacity, completion_token_capacity, device)
+        tokens = full.token_capacity
+        return cls(
+            completion_records=full.completion_records,
+            completion_logprobs=torch.full(
+                (FRAMES, capacity, tokens, FIRST_PAIR + 2 * k), -1, dtype=torch.int32,
+                device=device,
+            ),
+            logprob_requested=full.logprob_requested,
+        )
+
     @property
     def capacity(self) -> int:
         return self.completion_records.shape[1]
@@ -116,6 +162,18 @@ class CompletionOutputs:
     def token_capacity(self) -> int:
         """T, the resolved completion_token_capacity."""
         return self.completion_logprobs.shape[2]
+
+    @property
+    def supports_token_ids(self) -> bool:
+        """Whether the bundle holds the explicit-ID inputs (then K is 20)."""
+        return self.logprob_token_ids is not None
+
+    @property
+    def k(self) -> int:
+        """K, natural alternatives per position: (last extent - 2) / 2, 20 with the ID inputs."""
+        if self.supports_token_ids:
+            return EXPORT_K
+        return (self.completion_logprobs.shape[-1] - FIRST_PAIR) // 2
 
     @property
     def device(self) -> torch.device:
@@ -134,13 +192,15 @@ class CompletionOutputs:
         return CompletionFrame(self.completion_records[index], self.completion_logprobs[index])
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {
+        """The declared buffers, in contract order (the ID inputs only when present)."""
+        tensors = {
             COMPLETION_RECORDS: self.completion_records,
             COMPLETION_LOGPROBS: self.completion_logprobs,
             LOGPROB_REQUESTED: self.logprob_requested,
             LOGPROB_TOKEN_IDS: self.logprob_token_ids,
             LOGPROB_TOKEN_ID_COUNTS: self.logprob_token_id_counts,
         }
+        return {name: tensor for name, tensor in tensors.items() if tensor is not None}
 
     def declarations(self) -> tuple[BufferDecl, ...]:
         return tuple(

@@ -13,7 +13,8 @@ def core_declarations(outputs: CompletionOutputs, logprobs: bool) -> d.CoreDecla
     """The decode/mixed sampling graph and the prefill-only graph of this runtime.
 
     With ``logprobs`` False the core declares only its records (a core exported without the
-    logprob bundle): it loads and serves with K=0.
+    logprob bundle): it loads and serves with K=0. Otherwise it declares every buffer of
+    ``outputs``; a bundle without the ID inputs (K < 20) binds only the flag vector.
     """
     if not logprobs:
         records = [b for b in outputs.declarations() if b.name == d.COMPLETION_RECORDS]
@@ -22,13 +23,16 @@ def core_declarations(outputs: CompletionOutputs, logprobs: bool) -> d.CoreDecla
             d.GraphDecl("prefill", "prefill", (), ()),
         )
         return d.CoreDeclarations(tuple(records), graphs)
+    declared = outputs.tensors()
+    inputs = tuple(name for name in SAMPLING_INPUTS if name in declared)
     graphs = (
-        d.GraphDecl("decode", "sampling", SAMPLING_INPUTS, OUTPUTS),
+        d.GraphDecl("decode", "sampling", inputs, OUTPUTS),
         d.GraphDecl("prefill", "prefill", (), ()),
     )
     return d.CoreDeclarations(outputs.declarations(), graphs)
 
 
 def capabilities(outputs: CompletionOutputs, logprobs: bool) -> d.LogprobCapabilities:
+    """Validate the core's declarations (malformed ones fail loading) and return K."""
     decl = core_declarations(outputs, logprobs)
     return d.validate(decl, outputs.capacity, outputs.token_capacity)

@@ -54,7 +54,11 @@ class UploadResult:
 
 
 class LogprobUploader:
-    """Writes one submission's flag vector, count vector and selected-ID prefixes."""
+    """Writes one submission's flag vector, count vector and selected-ID prefixes.
+
+    Built only for a core with logprob outputs; a bundle without the ID inputs (K < 20)
+    receives the flag vector alone.
+    """
 
     def __init__(
         self, outputs: CompletionOutputs, vocab_size: int, k: int, supports_token_ids: bool
@@ -65,6 +69,8 @@ class LogprobUploader:
             raise ValueError(f"k: expected 0..{EXPORT_K}, got {k}")
         if supports_token_ids and k != EXPORT_K:
             raise ValueError(f"supports_token_ids requires k={EXPORT_K}, got k={k}")
+        if supports_token_ids and not outputs.supports_token_ids:
+            raise ValueError("supports_token_ids: the bundle declares no ID inputs")
         self.outputs = outputs
         self.vocab_size = vocab_size
         self.k = k
@@ -88,7 +94,8 @@ class LogprobUploader:
             flags[slot] = int(lane.requesting)
             counts[slot] = lane.selected_count
         self.outputs.logprob_requested.copy_(torch.tensor(flags, dtype=torch.int32))
-        self.outputs.logprob_token_id_counts.copy_(torch.tensor(counts, dtype=torch.int32))
+        if self.outputs.logprob_token_id_counts is not None:
+            self.outputs.logprob_token_id_counts.copy_(torch.tensor(counts, dtype=torch.int32))
         for slot, lane in sorted(submission_lanes.items()):
             if lane.token_ids:
                 prefix = torch.tensor(lane.token_ids, dtype=torch.int32)

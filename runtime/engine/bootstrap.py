@@ -8,7 +8,6 @@ from pathlib import Path
 
 import torch
 
-from ranks.core import capabilities
 from ranks.model import ShardedCausalLM
 from ranks.plan import StepPlan
 from ranks.step import RankStep
@@ -39,7 +38,7 @@ def load_rank(config: RuntimeConfig, group) -> RankStep:
 def build_engine(
     config: RuntimeConfig, step: RankStep, broadcast: Callable[[StepPlan], None] | None = None
 ) -> Engine:
-    caps = capabilities(step.outputs, config.logprobs)
+    caps = step.capabilities
     model = step.model
     info = EngineInfo(
         model_name=config.model_name,

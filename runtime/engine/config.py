@@ -84,6 +84,7 @@ class RuntimeConfig:
             max_seq_len=max_seq_len,
             token_capacity=self.completion_token_capacity,
             reduction_backend=self.reduction_backend,
+            max_logprobs=self.max_logprobs if self.logprobs else 0,
         )
 
     def scheduler_config(self, max_seq_len: int) -> SchedulerConfig:

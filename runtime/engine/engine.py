@@ -59,7 +59,7 @@ class Engine:
         self.config = config
         self.broadcast = broadcast or (lambda plan: None)
         self.scheduler = Scheduler(config)
-        self.executor = FrameExecutor(step.outputs)
+        self.executor = FrameExecutor(step.outputs, step.capabilities.allow_logprobs)
         self._lock = threading.Condition()
         self._incoming: list[Request] = []
         self._aborted: set[int] = set()

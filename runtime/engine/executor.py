@@ -39,13 +39,16 @@ class ExecutorCounters:
 
 
 class FrameExecutor:
-    def __init__(self, outputs: CompletionOutputs) -> None:
+    def __init__(self, outputs: CompletionOutputs, logprobs: bool = True) -> None:
+        """``logprobs`` False: the core declares no logprob outputs, so no host payload storage
+        exists and no payload transfer can be asked for."""
         self.outputs = outputs
         records = outputs.completion_records
         payload = outputs.completion_logprobs
         pin = records.is_cuda
         self.host_records = torch.empty(records.shape, dtype=records.dtype, pin_memory=pin)
-        self.host_payload = torch.empty(payload.shape, dtype=payload.dtype, pin_memory=pin)
+        shape = payload.shape if logprobs else (*payload.shape[:-1], FIRST_PAIR)
+        self.host_payload = torch.empty(shape, dtype=payload.dtype, pin_memory=pin)
         self.stream = torch.cuda.Stream() if pin else None
         self.counters = ExecutorCounters()
 
@@ -53,6 +56,9 @@ class FrameExecutor:
         """Copy a frame: its records, and for ``requesting`` slots the chosen pair plus ``width``
         pairs per position (the upload protocol's W)."""
         words = FIRST_PAIR + 2 * width
+        if words > self.host_payload.shape[-1]:
+            raise ValueError(f"width {width}: the host frames hold {self.host_payload.shape[-1]} "
+                             f"words per position")
         records = self.host_records[frame]
         payload = self.host_payload[frame, :, :, :words]
         self.counters.frames += 1

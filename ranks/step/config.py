@@ -1,0 +1,33 @@
+"""What a rank step is built for: capacity, sequence length, T, K and the reduction backend."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kernels.layout import EXPORT_K
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    capacity: int
+    max_seq_len: int
+    token_capacity: int = 8
+    """T, token slots per completion record; 0 means eight."""
+    reduction_backend: str = "torch"
+    max_logprobs: int = EXPORT_K
+    """K of the core's logprob outputs: 20 declares the complete bundle with the ID inputs,
+    1..19 the natural-only layout (completion_logprobs [2, capacity, T, 2+2K], no ID inputs),
+    0 no logprob outputs at all (no uploader, no reduction)."""
+
+    def __post_init__(self) -> None:
+        if self.capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {self.capacity}")
+        if self.max_seq_len < 2:
+            raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
+        if not 0 <= self.max_logprobs <= EXPORT_K:
+            raise ValueError(f"max_logprobs must be in [0, {EXPORT_K}], got {self.max_logprobs}")
+
+    @property
+    def logprobs(self) -> bool:
+        """Whether the core declares logprob outputs."""
+        return self.max_logprobs > 0

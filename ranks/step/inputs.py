@@ -1,0 +1,129 @@
+"""Phase one of a step: the plan -> graph inputs, slot states and admission records.
+
+Sampling row r (row r of the forward's logits and of the logits the reduction reads) is the
+r-th work item that samples, in plan order. ``row_slots`` / ``row_epochs`` give each row's
+physical slot and epoch as device vectors of the bundle's capacity (-1 past the last row):
+they are what the reduction's gate compares with the committed records.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ranks.commit import RecordBatch, SlotState
+from ranks.plan import SlotWork, StepPlan
+from ranks.step.config import StepConfig
+from ranks.upload import LaneRequest
+
+
+@dataclass(frozen=True)
+class SampleRow:
+    """One sampling row: the slot whose last planned token's logits it holds."""
+
+    slot: int
+    state: SlotState
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    plan: StepPlan
+    token_ids: torch.Tensor
+    """int64 [tokens]: every planned token, in plan order."""
+    positions: torch.Tensor
+    """int64 [tokens]: each token's position in its slot's sequence."""
+    slots: torch.Tensor
+    """int64 [tokens]: each token's physical slot."""
+    logit_index: torch.Tensor
+    """int64 [rows]: the token whose logits sampling row r takes."""
+    rows: tuple[SampleRow, ...]
+    row_slots: torch.Tensor
+    """int64 [capacity]: sampling row r's slot; -1 past the last row."""
+    row_epochs: torch.Tensor
+    """int64 [capacity]: sampling row r's slot epoch; -1 past the last row."""
+    records: RecordBatch
+    """This submission's records so far: the admission records of chunks that do not sample."""
+    lanes: dict[int, LaneRequest]
+    """The logprob lanes of this submission (slot -> request), for the upload."""
+
+    @property
+    def frame(self) -> int:
+        return self.plan.frame
+
+
+def prepare_inputs(
+    plan: StepPlan,
+    slots: dict[int, SlotState],
+    config: StepConfig,
+    record_width: int,
+    device: torch.device,
+) -> StepInputs:
+    """Admit new requests into ``slots``, advance each slot's cached length and build the
+    step's inputs (records ``record_width`` = 16+T words wide). Raises RuntimeError for a plan
+    that disagrees with this rank's slots."""
+    records = RecordBatch(record_width, plan.submission)
+    ids: list[int] = []
+    positions: list[int] = []
+    token_slots: list[int] = []
+    logit_index: list[int] = []
+    rows: list[SampleRow] = []
+    lanes: dict[int, LaneRequest] = {}
+    for work in plan.work:
+        state = _slot_state(work, slots, config)
+        if not state.output:
+            state.prompt.extend(work.tokens)
+        ids.extend(work.tokens)
+        positions.extend(range(work.start, work.start + len(work.tokens)))
+        token_slots.extend([work.slot] * len(work.tokens))
+        state.length += len(work.tokens)
+        if not work.samples:
+            records.admission(work.slot, state)
+            continue
+        logit_index.append(len(ids) - 1)
+        rows.append(SampleRow(work.slot, state))
+        if state.spec.logprobs:
+            if not config.logprobs:
+                raise RuntimeError(
+                    f"slot {work.slot} requests logprobs; the core declares no logprob outputs"
+                )
+            token_ids = state.spec.logprob_token_ids or None
+            lanes[work.slot] = LaneRequest(logprobs=config.max_logprobs, token_ids=token_ids)
+    row_slots = [-1] * config.capacity
+    row_epochs = [-1] * config.capacity
+    for r, row in enumerate(rows):
+        row_slots[r], row_epochs[r] = row.slot, row.state.epoch
+
+    def as_long(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    return StepInputs(
+        plan=plan,
+        token_ids=as_long(ids),
+        positions=as_long(positions),
+        slots=as_long(token_slots),
+        logit_index=as_long(logit_index),
+        rows=tuple(rows),
+        row_slots=as_long(row_slots),
+        row_epochs=as_long(row_epochs),
+        records=records,
+        lanes=lanes,
+    )
+
+
+def _slot_state(work: SlotWork, slots: dict[int, SlotState], config: StepConfig) -> SlotState:
+    """The slot's state for this work item: a new one on a request's first chunk."""
+    if work.request is not None:
+        if not 0 <= work.slot < config.capacity:
+            raise ValueError(f"slot {work.slot} outside capacity {config.capacity}")
+        slots[work.slot] = SlotState(epoch=work.epoch, spec=work.request)
+    state = slots.get(work.slot)
+    if state is None or state.epoch != work.epoch:
+        raise RuntimeError(f"slot {work.slot}: no request with epoch {work.epoch}")
+    if work.start != state.length:
+        raise RuntimeError(
+            f"slot {work.slot}: plan starts at {work.start}, cache holds {state.length}"
+        )
+    if work.start + len(work.tokens) > config.max_seq_len:
+        raise RuntimeError(f"slot {work.slot}: sequence exceeds max_seq_len")
+    return state

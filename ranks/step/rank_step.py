@@ -1,0 +1,117 @@
+"""RankStep: one submission on one rank, as five named phases.
+
+    prepare  the plan -> token/position/slot tensors, slot states, admission records, and
+             the upload of the logprob flags, counts and ID prefixes
+    forward  the sharded model -> logits [sampling rows, local vocabulary]
+    sample   the sharded sampler -> one token per sampling row, identical on every rank
+    commit   ABI6 records into the active frame (the token writer)
+    reduce   the gated logprob reduction, which reads the committed records
+
+Speculative rounds, scored prefill and graph capture each replace or wrap one phase.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from kernels.layout import EXPORT_K
+from ranks.completion import CompletionOutputs
+from ranks.core import capabilities
+from ranks.plan import StepPlan
+from ranks.sampler import ShardedSampler
+from ranks.step.config import StepConfig
+from ranks.step.inputs import StepInputs, prepare_inputs
+from ranks.step.reduce import StepReduction
+from ranks.upload import LogprobUploader, UploadResult
+
+NO_UPLOAD = UploadResult(requesting_slots=(), copy_width=0)
+
+
+def completion_outputs(config: StepConfig, device: torch.device) -> CompletionOutputs:
+    """The complete bundle (K=20, and the records-only core), or the natural-only layout
+    for 1 <= K < 20."""
+    if 0 < config.max_logprobs < EXPORT_K:
+        return CompletionOutputs.allocate_natural(
+            config.capacity, config.max_logprobs, config.token_capacity, device
+        )
+    return CompletionOutputs.allocate(config.capacity, config.token_capacity, device)
+
+
+class RankStep:
+    def __init__(self, model, group, config: StepConfig, device: torch.device | str = "cpu"):
+        self.model = model
+        self.group = group
+        self.config = config
+        self.device = torch.device(device)
+        self.slots = {}
+        """Physical slot -> SlotState of the request occupying it."""
+        self.upload = NO_UPLOAD
+        """The last submission's upload: requesting slots and the copy width W."""
+        model.allocate_cache(config.capacity, config.max_seq_len)
+        self.outputs = completion_outputs(config, self.device)
+        self.capabilities = capabilities(self.outputs, config.logprobs)
+        """The validated core: K and whether it takes selected IDs (malformed fails here)."""
+        self.sampler = ShardedSampler(
+            group,
+            vocab_start=model.vocab_start,
+            local_valid=model.local_valid,
+            local_width=model.local_width,
+            vocab_size=model.vocab_size,
+            max_rows=config.capacity,
+            device=self.device,
+        )
+        self.uploader: LogprobUploader | None = None
+        self.reduction: StepReduction | None = None
+        if self.capabilities.allow_logprobs:
+            caps = self.capabilities
+            self.uploader = LogprobUploader(
+                self.outputs, model.vocab_size, caps.k, caps.supports_token_ids
+            )
+            self.reduction = StepReduction(
+                model, group, self.outputs, config.reduction_backend, self.device
+            )
+
+    def run(self, plan: StepPlan) -> None:
+        inputs = self.prepare(plan)
+        logits = self.forward(inputs)
+        tokens = self.sample(inputs, logits)
+        self.commit(inputs, tokens)
+        self.reduce(inputs, logits)
+
+    def prepare(self, plan: StepPlan) -> StepInputs:
+        width = self.outputs.completion_records.shape[-1]
+        inputs = prepare_inputs(plan, self.slots, self.config, width, self.device)
+        self.upload = self.uploader.upload(inputs.lanes) if self.uploader else NO_UPLOAD
+        return inputs
+
+    def forward(self, inputs: StepInputs) -> torch.Tensor | None:
+        if not inputs.token_ids.numel():
+            return None
+        return self.model.forward(
+            inputs.token_ids, inputs.positions, inputs.slots, inputs.logit_index
+        )
+
+    def sample(self, inputs: StepInputs, logits: torch.Tensor | None) -> list[int]:
+        if not inputs.rows:
+            return []
+        states = [row.state for row in inputs.rows]
+        tokens = self.sampler.sample(
+            logits,
+            [replace(s.spec.sampling, position=len(s.output)) for s in states],
+            [s.prompt for s in states],
+            [s.output for s in states],
+        )
+        return tokens.tolist()
+
+    def commit(self, inputs: StepInputs, tokens: list[int]) -> None:
+        for logit_row, (row, token) in enumerate(zip(inputs.rows, tokens, strict=True)):
+            inputs.records.sample(row.slot, row.state, token, logit_row)
+        inputs.records.flush(self.outputs.completion_records[inputs.frame])
+
+    def reduce(self, inputs: StepInputs, logits: torch.Tensor | None) -> None:
+        # Whether any lane requests is the same on every rank (the same plan and upload).
+        if self.reduction is None or not self.upload.requesting_slots or not inputs.rows:
+            return
+        self.reduction(inputs.frame, logits, inputs.row_slots, inputs.row_epochs)
