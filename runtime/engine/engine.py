@@ -191,7 +191,8 @@ class Engine:
         sampled = {w.slot for w in plan.work if w.samples}
         sampling = [r for r in carried if r.slot in sampled]
         upload = self.step.upload
-        host = self.executor.copy(plan.frame, list(upload.requesting_slots), upload.copy_width)
+        host = self.executor.copy(plan.submission, list(upload.requesting_slots),
+                                  upload.copy_width)
         outcomes = read_frame(host, sampling, self.info.vocab_size)
         for request in sampling:
             outcome = outcomes[request.ordinal]

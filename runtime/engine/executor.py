@@ -19,6 +19,8 @@ from ranks.completion import CompletionOutputs
 
 @dataclass(frozen=True)
 class HostFrame:
+    submission: int
+    """The plan whose records and payload this frame holds (the decoder checks the records)."""
     frame: int
     records: torch.Tensor
     """int64 [capacity, 16+T], a host copy."""
@@ -52,9 +54,10 @@ class FrameExecutor:
         self.stream = torch.cuda.Stream() if pin else None
         self.counters = ExecutorCounters()
 
-    def copy(self, frame: int, requesting: list[int], width: int) -> HostFrame:
-        """Copy a frame: its records, and for ``requesting`` slots the chosen pair plus ``width``
-        pairs per position (the upload protocol's W)."""
+    def copy(self, submission: int, requesting: list[int], width: int) -> HostFrame:
+        """Copy submission's frame (``submission % 2``): its records, and for ``requesting``
+        slots the chosen pair plus ``width`` pairs per position (the upload protocol's W)."""
+        frame = CompletionOutputs.frame_index(submission)
         words = FIRST_PAIR + 2 * width
         if words > self.host_payload.shape[-1]:
             raise ValueError(f"width {width}: the host frames hold {self.host_payload.shape[-1]} "
@@ -73,7 +76,7 @@ class FrameExecutor:
             done.synchronize()
         else:
             self._copy(frame, requesting, records, payload, words)
-        return HostFrame(frame, records, payload, tuple(requesting), width)
+        return HostFrame(submission, frame, records, payload, tuple(requesting), width)
 
     def _copy(self, frame, requesting, records, payload, words) -> None:
         records.copy_(self.outputs.completion_records[frame], non_blocking=True)

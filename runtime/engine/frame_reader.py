@@ -40,16 +40,25 @@ def read_frame(
     """Outcomes keyed by request ordinal for the requests that sampled in this frame.
 
     Emitted tokens come from the records; logprob entries from the decoder, which checks each
-    chosen id against the emitted token. A request missing an entry fails instead of losing it.
+    chosen id against the emitted token. A record of another submission (a stale frame) or a
+    missing entry fails the request instead of delivering stale or incomplete tokens.
     """
     requesting = {r.slot: expectation(r) for r in requests if r.wants_logprobs}
-    decoded = decode_frame(host.records, host.payload, requesting, vocab_size) if requesting else {}
+    decoded = decode_frame(
+        host.records, host.payload, requesting, vocab_size, submission=host.submission
+    ) if requesting else {}
     outcomes: dict[int, SlotOutcome] = {}
     for request in requests:
         record = host.records[request.slot].tolist()
         outcome = outcomes[request.ordinal] = SlotOutcome()
         if record[abi6.EPOCH] != request.epoch or record[abi6.SLOT] != request.slot:
             outcome.error = f"slot {request.slot}: record does not belong to this request"
+            continue
+        if record[abi6.SUBMISSION] != host.submission:
+            outcome.error = (
+                f"slot {request.slot}: stale record of submission {record[abi6.SUBMISSION]}, "
+                f"expected {host.submission}"
+            )
             continue
         emitted = record[abi6.HEADER : abi6.HEADER + record[abi6.EMITTED]]
         entries = {}
