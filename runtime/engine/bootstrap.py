@@ -48,4 +48,6 @@ def build_engine(
         supports_token_ids=caps.supports_token_ids,
         eos_token_ids=eos_token_ids(Path(config.model_dir), model.config.eos_token_ids),
     )
-    return Engine(step, info, config.scheduler_config(step.config.max_seq_len), broadcast)
+    scheduler = config.scheduler_config(step.config.max_seq_len)
+    pending = config.max_pending_frames * step.outputs.token_capacity
+    return Engine(step, info, scheduler, broadcast, max_pending_events=pending)

@@ -39,13 +39,18 @@ class RuntimeConfig:
     completion_token_capacity: int = 0
     """T, token slots per completion record; 0 means eight."""
     reduction_backend: str = "torch"
+    max_pending_frames: int = 64
+    """Frames of undelivered events (at most T each) a generate() consumer may fall behind
+    before the engine aborts its request with "client too slow"; the step thread never
+    waits for a consumer and no event is dropped."""
     collective_timeout_s: float = 20.0
     """Seconds before a silent peer fails a collective."""
     heartbeat_timeout_s: float = 5.0
     """Seconds without a heartbeat before a peer (or the coordinator) counts as lost."""
 
     def __post_init__(self) -> None:
-        positive = ("capacity", "chunk_size", "collective_timeout_s", "heartbeat_timeout_s")
+        positive = ("capacity", "chunk_size", "max_pending_frames", "collective_timeout_s",
+                    "heartbeat_timeout_s")
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

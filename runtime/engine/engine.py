@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import threading
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 
 from ranks.plan import RequestSpec, StepPlan
@@ -29,21 +30,46 @@ from runtime.engine.scheduler import Request, Scheduler, SchedulerConfig
 
 
 class _Sink:
-    """Delivers one request's events from the step thread to its consumer."""
+    """Delivers one request's events from the step thread to its consumer.
 
-    def __init__(self, loop: asyncio.AbstractEventLoop | None) -> None:
+    An asynchronous consumer (``generate``) holds at most ``limit`` undelivered events. The
+    step thread never waits for it: ``put`` refuses an event that would exceed the bound, and
+    the engine then ends the request with EngineError("client too slow"). Terminal events
+    (Finished, EngineError) always fit, so the consumer still receives every token that was
+    accepted, in order, and then the error: nothing is dropped silently. The synchronous
+    path (``generate_sync``) returns the whole list anyway and has no bound.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop | None, limit: int | None) -> None:
         self.loop = loop
-        self.queue: asyncio.Queue | None = asyncio.Queue() if loop else None
-        self.events: list = []
+        self.limit = limit
+        self.events: deque = deque()
+        self.lock = threading.Lock()
+        self.ready = asyncio.Event() if loop else None
         self.done = threading.Event()
 
-    def put(self, event) -> None:
-        if self.loop is not None:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
-        else:
+    def put(self, event) -> bool:
+        """Queue ``event``; False (nothing queued) when the consumer is too far behind."""
+        terminal = isinstance(event, (Finished, EngineError))
+        with self.lock:
+            if self.done.is_set():
+                return False
+            if not terminal and self.limit is not None and len(self.events) >= self.limit:
+                return False
             self.events.append(event)
-        if isinstance(event, (Finished, EngineError)):
-            self.done.set()
+            if terminal:
+                self.done.set()
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self.ready.set)
+        return True
+
+    async def get(self):
+        while True:
+            with self.lock:
+                if self.events:
+                    return self.events.popleft()
+                self.ready.clear()
+            await self.ready.wait()
 
 
 class Engine:
@@ -53,8 +79,12 @@ class Engine:
         info: EngineInfo,
         config: SchedulerConfig,
         broadcast: Callable[[StepPlan], None] | None = None,
+        max_pending_events: int | None = None,
     ) -> None:
+        """``max_pending_events``: the bound of each generate() consumer's queue (see _Sink);
+        None: 64 frames of T events."""
         self.step = step
+        self.max_pending_events = max_pending_events or 64 * step.outputs.token_capacity
         self.info = info
         self.config = config
         self.broadcast = broadcast or (lambda plan: None)
@@ -108,11 +138,11 @@ class Engine:
         self, prompt_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[GeneratedToken | Finished]:
         self.check(prompt_ids, params)
-        sink = _Sink(asyncio.get_running_loop())
+        sink = _Sink(asyncio.get_running_loop(), self.max_pending_events)
         request = self._submit(prompt_ids, params, sink)
         try:
             while True:
-                event = await sink.queue.get()
+                event = await sink.get()
                 if isinstance(event, EngineError):
                     raise event
                 yield event
@@ -126,13 +156,15 @@ class Engine:
         self, prompt_ids: list[int], params: SamplingParams, timeout: float = 300.0
     ) -> tuple[list[GeneratedToken], Finished]:
         self.check(prompt_ids, params)
-        sink = _Sink(None)
+        sink = _Sink(None, None)
         request = self._submit(prompt_ids, params, sink)
         if not sink.done.wait(timeout):
             self.abort(request)
             raise EngineError(f"request timed out after {timeout} s")
-        tokens = [e for e in sink.events if isinstance(e, GeneratedToken)]
-        last = sink.events[-1]
+        with sink.lock:
+            events = list(sink.events)
+        tokens = [e for e in events if isinstance(e, GeneratedToken)]
+        last = events[-1]
         if isinstance(last, EngineError):
             raise last
         return tokens, last
@@ -197,8 +229,13 @@ class Engine:
         for request in sampling:
             outcome = outcomes[request.ordinal]
             for token in outcome.tokens:
+                if not request.sink.put(token):
+                    outcome.error = (
+                        f"client too slow: more than {self.max_pending_events} undelivered "
+                        f"events"
+                    )
+                    break
                 request.generated.append(token.token_id)
-                request.sink.put(token)
             if outcome.error is not None:
                 self.scheduler.finish(request)
                 request.sink.put(EngineError(outcome.error))
