@@ -23,8 +23,20 @@ the owning rank's word is read); words 1.. = either the shard's best 32 sort key
 low) int32 halves (natural mode, 64 words, the rest zero) or, for a slot with selected IDs,
 one raw-logit FP32 bit word per selected ID in caller order (only the owner's word is read)."""
 
-PROMPT_ROW_WORDS = 43
+PROMPT_K = 20
+"""Alternatives per scored prompt row."""
+
+PROMPT_ROW_WORDS = 3 + 2 * PROMPT_K
 """prompt_logprobs row: actual id, raw FP32 bits, actual rank, 20 (id, FP32 bits) pairs."""
+
+PROMPT_TARGET_ID = 0
+PROMPT_TARGET_BITS = 1
+PROMPT_RANK = 2
+PROMPT_FIRST_PAIR = 3
+
+PROMPT_BLOCK_ROWS = 64
+"""Hidden rows projected through the LM head shard at a time: the only scoring logit matrix
+is [64, local_vocabulary]."""
 
 PROMPT_EXCHANGE_WORDS = 64
 """Prompt scoring exchanges carry 64 int32 words per row per rank."""

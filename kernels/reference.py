@@ -8,7 +8,18 @@ from __future__ import annotations
 
 import torch
 
-from kernels.layout import CHOSEN_BITS, CHOSEN_ID, FIRST_PAIR, PAYLOAD_WORDS
+from kernels.layout import (
+    CHOSEN_BITS,
+    CHOSEN_ID,
+    FIRST_PAIR,
+    PAYLOAD_WORDS,
+    PROMPT_FIRST_PAIR,
+    PROMPT_K,
+    PROMPT_RANK,
+    PROMPT_ROW_WORDS,
+    PROMPT_TARGET_BITS,
+    PROMPT_TARGET_ID,
+)
 from kernels.sortkeys import float_bits
 
 
@@ -62,4 +73,33 @@ def reduce_reference(
         pairs[:, 0] = picked.to(torch.int32)
         pairs[:, 1] = float_bits(pair_values)
         assert out.shape[1] == PAYLOAD_WORDS
+    return out
+
+
+def score_reference(
+    logits: torch.Tensor, targets: torch.Tensor, vocab_size: int | None = None
+) -> torch.Tensor:
+    """Scored prompt rows int32 [rows, 43] from full rows: target id, its FP32 logprob bits,
+    1 + the number of ids with a strictly greater reported value, then the best 20
+    (id, FP32 bits) by (value desc, id asc). Target -1: -1, NaN, 0, pair words -1."""
+    values = reference_logprobs(logits, vocab_size)
+    rows = logits.shape[0]
+    out = torch.full((rows, PROMPT_ROW_WORDS), -1, dtype=torch.int32)
+    for row in range(rows):
+        t = int(targets[row])
+        if t < 0:
+            out[row, PROMPT_TARGET_BITS] = float_bits(torch.tensor([float("nan")]))[0]
+            out[row, PROMPT_RANK] = 0
+            continue
+        v = values[row]
+        out[row, PROMPT_TARGET_ID] = t
+        out[row, PROMPT_TARGET_BITS] = float_bits(v[t : t + 1])[0]
+        out[row, PROMPT_RANK] = 1 + int((v > v[t]).sum())
+        if torch.isnan(v).any():
+            continue  # non-finite normalization: no alternatives
+        picked = reference_ranking(v)[:PROMPT_K]
+        n = picked.numel()
+        pairs = out[row, PROMPT_FIRST_PAIR : PROMPT_FIRST_PAIR + 2 * n].view(n, 2)
+        pairs[:, 0] = picked.to(torch.int32)
+        pairs[:, 1] = float_bits(v[picked])
     return out

@@ -37,6 +37,28 @@ def shard_bounds(vocab_start: int, local_valid: int, vocab_size: int) -> tuple[i
     return lo, lo + local_valid
 
 
+def agreed_shard_starts(
+    group: object, vocab_start: int, local_valid: int, vocab_size: int, rows: int
+) -> list[int]:
+    """Every rank's owned range, gathered once (collective): non-empty shards must tile
+    [0, vocab_size) in rank order. Returns world + 1 starts (an empty shard's start equals
+    the next one's, so it owns no id)."""
+    mine = (*shard_bounds(vocab_start, local_valid, vocab_size), vocab_size, rows)
+    bounds = [tuple(b) for b in all_gather_object(mine, group)]
+    if any(b[2] != vocab_size or b[3] != bounds[0][3] for b in bounds):
+        raise ValueError(f"ranks disagree on vocab_size or rows: {bounds}")
+    starts, cursor = [], 0
+    for rank, (lo, hi, _, _) in enumerate(bounds):
+        starts.append(cursor)
+        if hi > lo:
+            if lo != cursor:
+                raise ValueError(f"rank {rank} shard [{lo}, {hi}) is not at {cursor}")
+            cursor = hi
+    if cursor != vocab_size:
+        raise ValueError(f"shards cover [0, {cursor}), not [0, {vocab_size}): {bounds}")
+    return [*starts, cursor]
+
+
 class PreparedShardedReduction:
     """Built once per configuration (collective: every rank of the group constructs it at
     the same point); then each call runs six launches and exactly two exchanges."""
@@ -64,29 +86,11 @@ class PreparedShardedReduction:
             require_triton_device(device)
         self.steps = shard_steps(backend)
         self.world = group_size(group)
-        mine = (*shard_bounds(vocab_start, local_valid, vocab_size), vocab_size, rows)
-        bounds = [tuple(b) for b in all_gather_object(mine, group)]
-        self.shard_starts = self._check_bounds(bounds, vocab_size)
+        self.shard_starts = agreed_shard_starts(group, vocab_start, local_valid, vocab_size,
+                                                rows)
         self.exchange1 = WordExchange(group, rows, EXCHANGE1_WORDS, device)
         self.exchange2 = WordExchange(group, rows, EXCHANGE2_WORDS, device)
         self.lse = torch.empty(rows, dtype=torch.float32, device=device)
-
-    @staticmethod
-    def _check_bounds(bounds: list[tuple], vocab_size: int) -> list[int]:
-        """Non-empty shards must tile [0, vocab_size) in rank order; returns world + 1
-        starts (an empty shard's start equals the next one's, so it owns no id)."""
-        if any(b[2] != vocab_size or b[3] != bounds[0][3] for b in bounds):
-            raise ValueError(f"ranks disagree on vocab_size or rows: {bounds}")
-        starts, cursor = [], 0
-        for rank, (lo, hi, _, _) in enumerate(bounds):
-            starts.append(cursor)
-            if hi > lo:
-                if lo != cursor:
-                    raise ValueError(f"rank {rank} shard [{lo}, {hi}) is not at {cursor}")
-                cursor = hi
-        if cursor != vocab_size:
-            raise ValueError(f"shards cover [0, {cursor}), not [0, {vocab_size}): {bounds}")
-        return [*starts, cursor]
 
     @property
     def bytes_sent(self) -> int:

@@ -1,0 +1,54 @@
+"""The driver of sharded prompt scoring: one row block of at most 64 rows per call,
+stats -> gather -> candidates -> gather -> merge (layouts in kernels/scoring.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from collectives.exchange import WordExchange
+from kernels.layout import PROMPT_BLOCK_ROWS, PROMPT_EXCHANGE_WORDS
+from kernels.scoring import check_block, score_candidates, score_merge, score_stats, target_values
+from kernels.sharded import agreed_shard_starts
+
+
+class PreparedPromptScoring:
+    """Built once per rank (collective: every rank of the group constructs it at the same
+    point); each call scores one block of rows with exactly two 64-word exchanges."""
+
+    def __init__(
+        self,
+        group: object,
+        width: int,
+        vocab_start: int,
+        local_valid: int,
+        vocab_size: int,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if not 0 <= local_valid <= width:
+            raise ValueError(f"local_valid {local_valid} outside [0, {width}]")
+        self.width = width
+        self.vocab_start = vocab_start
+        self.local_valid = local_valid
+        rows = PROMPT_BLOCK_ROWS
+        self.shard_starts = agreed_shard_starts(group, vocab_start, local_valid, vocab_size,
+                                                rows)
+        self.exchange1 = WordExchange(group, rows, PROMPT_EXCHANGE_WORDS, device)
+        self.exchange2 = WordExchange(group, rows, PROMPT_EXCHANGE_WORDS, device)
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.exchange1.bytes_sent + self.exchange2.bytes_sent
+
+    def __call__(
+        self, logits: torch.Tensor, targets: torch.Tensor, out: torch.Tensor
+    ) -> torch.Tensor:
+        n = check_block(logits, targets, out)
+        if logits.shape[1] != self.width:
+            raise ValueError(f"logits: expected width {self.width}, got {logits.shape[1]}")
+        send1, send2 = self.exchange1.send[:n], self.exchange2.send[:n]
+        stats = score_stats(logits, targets, self.vocab_start, self.local_valid, send1)
+        e1_all = self.exchange1.gather(rows=n)
+        lse, value = target_values(e1_all, targets, self.shard_starts)
+        score_candidates(logits, stats, lse, value, self.vocab_start, self.local_valid, send2)
+        e2_all = self.exchange2.gather(rows=n)
+        return score_merge(e2_all, targets, value, out)
