@@ -48,7 +48,7 @@ def simulate(logits: torch.Tensor, targets: torch.Tensor, world: int) -> torch.T
         score_candidates(local, stats[r], lse, value, start, valid, words)
         e2.append(words)
     e2_all = torch.stack(e2)
-    for r in range(world):
+    for _ in range(world):
         lse, value = target_values(e1_all, targets, starts)
         outs.append(score_merge(e2_all, targets, value, torch.empty(n, PROMPT_ROW_WORDS,
                                                                      dtype=torch.int32)))
