@@ -1,12 +1,24 @@
+"""Suite-wide set-up. Where tests run (CPU and gloo, even on a GPU host) is described in
+tests/devices.py."""
+
 from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 # Triton kernels run on CPU through the interpreter unless a GPU is present. This must be set
-# before triton is first imported in the worker process.
+# before triton is first imported in the worker process (see tests/devices.py for a GPU host).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 torch.set_num_threads(1)
+
+from tests.devices import interpreting_triton  # noqa: E402
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("triton_cpu") is not None and not interpreting_triton():
+        pytest.skip("Triton kernels on CPU tensors need TRITON_INTERPRET=1; this process "
+                    "compiles them for the GPU (tests/unit/test_triton_reduction.py runs there)")

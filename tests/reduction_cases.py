@@ -21,8 +21,9 @@ from kernels.reference import reduce_reference, reference_ranking
 from kernels.rows import RowRequest
 from kernels.sortkeys import float_bits
 from kernels.triton.sharded import final_merge, shard_candidates, shard_stats
+from tests.devices import triton_device
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DEVICE = triton_device()
 """Where the kernels run: the interpreter on CPU here; the GPU when the device check runs this
 file without the interpreter. Inputs are built and compared on the CPU."""
 

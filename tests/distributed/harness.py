@@ -29,6 +29,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from tests.devices import CPU_ONLY
+
 ROOT = Path(__file__).resolve().parents[2]
 GRACE_S = 5.0
 """After one rank fails, how long the others get to finish or fail on their own."""
@@ -58,7 +60,8 @@ def run_ranks(
     with tempfile.TemporaryDirectory(prefix="ranks-") as tmp:
         work = Path(tmp)
         (work / "call.pkl").write_bytes(pickle.dumps((fn, args, group_timeout_s)))
-        child_env = {**os.environ, **(env or {})}
+        # Ranks run on the CPU with the Triton interpreter, even on a GPU host (tests/devices.py).
+        child_env = {**os.environ, **CPU_ONLY, **(env or {})}
         child_env.update(
             PYTHONPATH=os.pathsep.join([str(ROOT), child_env.get("PYTHONPATH", "")]),
             MASTER_ADDR="127.0.0.1",

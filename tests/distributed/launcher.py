@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from tests.devices import rank_env, skip_without_gpus
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -18,11 +19,13 @@ def free_port() -> int:
 
 
 def start_ranks(module: str, args: list[str], world: int, **popen) -> list[subprocess.Popen]:
+    """Skips the test when the ranks cannot run on this host (tests/devices.py)."""
+    skip_without_gpus(world)
     port = free_port()
     procs = []
     for rank in range(world):
         env = {
-            **os.environ,
+            **rank_env(world),
             "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
             "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port), "TORCHELASTIC_RUN_ID": f"test-{port}",

@@ -3,8 +3,8 @@ public entry point kernels.reduce_logprobs_sharded(..., backend="triton"): every
 the same packed payload, equal to the reference on the full row (FP32 tolerance, ids exact
 where values differ by more than it), and rows with a zero flag stay untouched.
 
-The Triton kernels run through the interpreter in each rank (TRITON_INTERPRET=1 is inherited
-from tests/conftest.py).
+The Triton kernels run through the interpreter in each rank (the harness starts ranks with
+TRITON_INTERPRET=1 and no visible GPU, on any host: tests/devices.py).
 """
 
 from __future__ import annotations

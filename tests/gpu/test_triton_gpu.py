@@ -10,9 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.devices import triton_device
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(triton_device().type != "cuda",
+                       reason="TRITON_INTERPRET=1: kernels are interpreted, not compiled"),
 ]
 
 from kernels.triton.backend import PreparedReduction, prepared_reduction  # noqa: E402

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.devices import missing_gpus
 from tests.server.helpers import SERVERS, Server, build_models, launch, locked
 
 
@@ -40,6 +41,8 @@ def _servers(request, tmp_path_factory):
             build_models(models)
         for name in sorted(wanted - set(state["servers"])):
             kind, tp, extra = SERVERS[name]
+            if missing_gpus(tp) is not None:
+                continue  # its fixture skips (tests/devices.py)
             mine[name] = launch(name, models / kind, tp, extra, shared)
             state["servers"][name] = mine[name].state()
         state["users"] += 1
@@ -65,6 +68,9 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _ready(servers: dict[str, Server], name: str) -> Server:
+    reason = missing_gpus(SERVERS[name][1])
+    if reason is not None:
+        pytest.skip(reason)
     server = servers[name]
     server.wait_healthy()
     return server

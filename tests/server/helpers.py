@@ -24,6 +24,7 @@ import openai
 import tokenizers
 
 from tests.checkpoints import write_llama
+from tests.devices import rank_env, skip_without_gpus
 from tests.unit.tokenizer_fixtures import byte_fallback_tokenizer, byte_level_tokenizer, eos_id
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -163,6 +164,9 @@ SERVERS = {
 
 
 def launch(name: str, model_dir: Path, tp: int, extra: list[str], log_dir: Path) -> Server:
+    """Start a server (under torchrun when tp > 1) on the CPU with gloo, even on a GPU host
+    (tests/devices.py); skips the calling test when its ranks cannot run here."""
+    skip_without_gpus(tp)
     port = free_port()
     serve = ["-m", "launch.serve", "--model", str(model_dir), "--host", "127.0.0.1",
              "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN), *extra]
@@ -171,7 +175,7 @@ def launch(name: str, model_dir: Path, tp: int, extra: list[str], log_dir: Path)
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={tp}", *serve]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = dict(rank_env(tp), PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     log_path = log_dir / f"{name}.log"
     with log_path.open("wb") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,

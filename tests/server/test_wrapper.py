@@ -11,6 +11,7 @@ import time
 import httpx
 
 from launch.tiny_model import ensure_tiny_model
+from tests.devices import rank_env, skip_without_gpus
 from tests.distributed.launcher import ROOT, free_port
 from tests.server.helpers import (
     TOLERANCE,
@@ -23,9 +24,10 @@ from tests.server.helpers import (
 
 
 def test_helios_serve_wrapper_runs_two_ranks(tmp_path):
+    skip_without_gpus(2)
     model_dir = ensure_tiny_model(tmp_path / "cache")
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**rank_env(2), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "launch.wrapper", "--tp", "2", "--model", str(model_dir),
          "--port", str(port), "--capacity", "2"],

@@ -1,6 +1,7 @@
 """Triton reductions (kernels/triton/backend.py, kernels/triton/sharded.py) against the
 reference, on CPU through the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1
-before triton is imported when no GPU is present).
+before triton is imported when no GPU is present), or compiled on the GPU where the process
+has one and no interpreter (tests/devices.py; scripts/device-check.sh runs it so).
 
 The cases and both comparisons (bit-exact given the kernel's own lse, and within tolerance of
 the independent reference) live in tests/reduction_cases.py.
@@ -390,12 +391,12 @@ def test_prepared_reduction_reuses_its_workspaces():
 
 
 def test_launcher_checks():
-    prepared = PreparedReduction(4, 64, torch.float32, "cpu", warmup=False)
-    logits = torch.randn(4, 64)
-    chosen = torch.zeros(4, dtype=torch.int32)
-    requested = torch.ones(4, dtype=torch.int32)
+    prepared = PreparedReduction(4, 64, torch.float32, DEVICE, warmup=False)
     ids, counts = pack(None, 4)
-    out = sentinel_out(4)
+    logits, chosen, requested, ids, counts, out = to_device(
+        torch.randn(4, 64), torch.zeros(4, dtype=torch.int32), torch.ones(4, dtype=torch.int32),
+        ids, counts, sentinel_out(4),
+    )
     ok = dict(logits=logits, chosen=chosen, ids=ids, counts=counts, requested=requested, k=20,
               vocab_size=64, out=out)
     bad = [
