@@ -48,9 +48,10 @@ class RecordBatch:
         self.rows.append(row)
         return row
 
-    def admission(self, slot: int, state: SlotState) -> None:
-        """A prefill chunk that samples nothing: a record, no emitted token."""
-        self._row(slot, state, abi6.Kind.ADMISSION)
+    def admission(self, slot: int, state: SlotState, scored: bool = False) -> None:
+        """A prefill chunk that samples nothing: a record, no emitted token (kind scored
+        prefill for a scored chunk, whose scores are in the prompt_logprobs frame)."""
+        self._row(slot, state, abi6.Kind.SCORED_PREFILL if scored else abi6.Kind.ADMISSION)
 
     def sample(self, slot: int, state: SlotState, token: int, logit_row: int) -> bool:
         """Commit one ordinarily sampled token; returns whether it was emitted (stop tokens

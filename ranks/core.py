@@ -32,7 +32,23 @@ def core_declarations(outputs: CompletionOutputs, logprobs: bool) -> d.CoreDecla
     return d.CoreDeclarations(outputs.declarations(), graphs)
 
 
-def capabilities(outputs: CompletionOutputs, logprobs: bool) -> d.LogprobCapabilities:
-    """Validate the core's declarations (malformed ones fail loading) and return K."""
+def capabilities(
+    outputs: CompletionOutputs,
+    logprobs: bool,
+    scored: tuple[tuple[d.BufferDecl, ...], ...] = (),
+) -> d.LogprobCapabilities:
+    """Validate the core's declarations (malformed ones fail loading) and return K.
+
+    ``scored``: each scored capacity's (prompt_logprobs, prompt_target_tokens) declarations;
+    every capacity is validated with its scored_prefill graph. The capabilities report the
+    largest capacity.
+    """
     decl = core_declarations(outputs, logprobs)
-    return d.validate(decl, outputs.capacity, outputs.token_capacity)
+    caps = d.validate(decl, outputs.capacity, outputs.token_capacity)
+    for buffers in scored:
+        rows = buffers[-1].shape[0]
+        graph = d.GraphDecl(f"scored_prefill_{rows}", d.SCORED_PREFILL,
+                            (d.PROMPT_TARGET_TOKENS,), (d.PROMPT_LOGPROBS,))
+        rung = d.CoreDeclarations((*decl.buffers, *buffers), (*decl.graphs, graph))
+        caps = d.validate(rung, outputs.capacity, outputs.token_capacity)
+    return caps

@@ -12,6 +12,7 @@ from kernels.layout import MAX_TOKEN_IDS
 
 LOGPROBS = "logprobs"
 TOKEN_IDS = "logprob_token_ids"
+PROMPT_LOGPROBS = "prompt_logprobs"
 
 
 class RequestError(ValueError):
@@ -21,6 +22,20 @@ class RequestError(ValueError):
         super().__init__(f"{param}: {message}")
         self.param = param
         self.message = message
+
+
+def check_prompt_logprobs(value: int | None, k: int, enabled: bool) -> None:
+    """prompt_logprobs: None, or 0..K on a core that scores prompts (--prompt-logprobs)."""
+    if value is None:
+        return
+    if not enabled:
+        raise RequestError(
+            PROMPT_LOGPROBS,
+            "prompt logprobs need a server started with --prompt-logprobs (this one has no "
+            "prompt scoring buffers)",
+        )
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= k:
+        raise RequestError(PROMPT_LOGPROBS, f"must be an integer in [0, {k}], got {value!r}")
 
 
 def check_token_ids(param: str, ids: Iterable[object], vocab_size: int) -> None:

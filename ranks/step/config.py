@@ -18,6 +18,10 @@ class StepConfig:
     """K of the core's logprob outputs: 20 declares the complete bundle with the ID inputs,
     1..19 the natural-only layout (completion_logprobs [2, capacity, T, 2+2K], no ID inputs),
     0 no logprob outputs at all (no uploader, no reduction)."""
+    prompt_logprobs: bool = False
+    """--prompt-logprobs: allocate the scored-prefill ladder (capacities up to chunk_limit)."""
+    chunk_limit: int = 256
+    """The largest prefill chunk the coordinator plans (the largest scored capacity)."""
 
     def __post_init__(self) -> None:
         if self.capacity < 1:
@@ -26,6 +30,11 @@ class StepConfig:
             raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
         if not 0 <= self.max_logprobs <= EXPORT_K:
             raise ValueError(f"max_logprobs must be in [0, {EXPORT_K}], got {self.max_logprobs}")
+        if self.prompt_logprobs and self.max_logprobs != EXPORT_K:
+            raise ValueError(f"prompt scoring requires K={EXPORT_K} generation logprob outputs, "
+                             f"got max_logprobs={self.max_logprobs}")
+        if self.chunk_limit < 1:
+            raise ValueError(f"chunk_limit must be >= 1, got {self.chunk_limit}")
 
     @property
     def logprobs(self) -> bool:

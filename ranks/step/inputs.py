@@ -46,6 +46,10 @@ class StepInputs:
     """This submission's records so far: the admission records of chunks that do not sample."""
     lanes: dict[int, LaneRequest]
     """The logprob lanes of this submission (slot -> request), for the upload."""
+    scored_index: torch.Tensor
+    """int64 [n]: the tokens of the submission's scored chunk (empty when none)."""
+    scored_targets: tuple[int, ...] = ()
+    """The scored chunk's targets (SlotWork.targets)."""
 
     @property
     def frame(self) -> int:
@@ -69,6 +73,7 @@ def prepare_inputs(
     logit_index: list[int] = []
     rows: list[SampleRow] = []
     lanes: dict[int, LaneRequest] = {}
+    scored_index: list[int] = []
     for work in plan.work:
         state = _slot_state(work, slots, config)
         if not state.output:
@@ -77,8 +82,12 @@ def prepare_inputs(
         positions.extend(range(work.start, work.start + len(work.tokens)))
         token_slots.extend([work.slot] * len(work.tokens))
         state.length += len(work.tokens)
+        if work.targets:
+            if not config.prompt_logprobs:
+                raise RuntimeError(f"slot {work.slot}: a scored chunk on a core without scoring")
+            scored_index.extend(range(len(ids) - len(work.tokens), len(ids)))
         if not work.samples:
-            records.admission(work.slot, state)
+            records.admission(work.slot, state, scored=bool(work.targets))
             continue
         logit_index.append(len(ids) - 1)
         rows.append(SampleRow(work.slot, state))
@@ -108,6 +117,8 @@ def prepare_inputs(
         row_epochs=as_long(row_epochs),
         records=records,
         lanes=lanes,
+        scored_index=as_long(scored_index),
+        scored_targets=plan.scored.targets if plan.scored else (),
     )
 
 

@@ -6,6 +6,7 @@
     sample   the sharded sampler -> one token per sampling row, identical on every rank
     commit   ABI6 records into the active frame (the token writer)
     reduce   the gated logprob reduction, which reads the committed records
+    score    the submission's scored_prefill chunk -> prompt_logprobs rows (ranks/step/scoring)
 
 Speculative rounds, scored prefill and graph capture each replace or wrap one phase.
 """
@@ -24,6 +25,7 @@ from ranks.sampler import ShardedSampler
 from ranks.step.config import StepConfig
 from ranks.step.inputs import StepInputs, prepare_inputs
 from ranks.step.reduce import StepReduction
+from ranks.step.scoring import PromptScorer
 from ranks.upload import LogprobUploader, UploadResult
 
 NO_UPLOAD = UploadResult(requesting_slots=(), copy_width=0)
@@ -51,7 +53,11 @@ class RankStep:
         """The last submission's upload: requesting slots and the copy width W."""
         model.allocate_cache(config.capacity, config.max_seq_len)
         self.outputs = completion_outputs(config, self.device)
-        self.capabilities = capabilities(self.outputs, config.logprobs)
+        self.scorer: PromptScorer | None = None
+        if config.prompt_logprobs:
+            self.scorer = PromptScorer(model, group, config.chunk_limit, self.device)
+        scored = tuple(f.declarations() for f in self.scorer.ladder) if self.scorer else ()
+        self.capabilities = capabilities(self.outputs, config.logprobs, scored)
         """The validated core: K and whether it takes selected IDs (malformed fails here)."""
         self.sampler = ShardedSampler(
             group,
@@ -75,10 +81,11 @@ class RankStep:
 
     def run(self, plan: StepPlan) -> None:
         inputs = self.prepare(plan)
-        logits = self.forward(inputs)
+        logits, scored_hidden = self.forward(inputs)
         tokens = self.sample(inputs, logits)
         self.commit(inputs, tokens)
         self.reduce(inputs, logits)
+        self.score(inputs, scored_hidden)
 
     def prepare(self, plan: StepPlan) -> StepInputs:
         width = self.outputs.completion_records.shape[-1]
@@ -86,12 +93,20 @@ class RankStep:
         self.upload = self.uploader.upload(inputs.lanes) if self.uploader else NO_UPLOAD
         return inputs
 
-    def forward(self, inputs: StepInputs) -> torch.Tensor | None:
+    def forward(self, inputs: StepInputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(logits of the sampling rows, final-normed hidden rows of the scored chunk)."""
         if not inputs.token_ids.numel():
-            return None
-        return self.model.forward(
-            inputs.token_ids, inputs.positions, inputs.slots, inputs.logit_index
-        )
+            return None, None
+        if not inputs.scored_index.numel():
+            logits = self.model.forward(
+                inputs.token_ids, inputs.positions, inputs.slots, inputs.logit_index
+            )
+            return logits, None
+        rows = torch.cat((inputs.logit_index, inputs.scored_index))
+        hidden = self.model.forward_hidden(inputs.token_ids, inputs.positions, inputs.slots,
+                                           rows)
+        sampling = inputs.logit_index.numel()
+        return self.model.project(hidden[:sampling]), hidden[sampling:]
 
     def sample(self, inputs: StepInputs, logits: torch.Tensor | None) -> list[int]:
         if not inputs.rows:
@@ -115,3 +130,10 @@ class RankStep:
         if self.reduction is None or not self.upload.requesting_slots or not inputs.rows:
             return
         self.reduction(inputs.frame, logits, inputs.row_slots, inputs.row_epochs)
+
+    def score(self, inputs: StepInputs, hidden: torch.Tensor | None) -> None:
+        if self.scorer is None:
+            return
+        self.scorer.last = None
+        if hidden is not None:
+            self.scorer(inputs.frame, hidden, inputs.scored_targets)

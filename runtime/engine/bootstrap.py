@@ -47,6 +47,7 @@ def build_engine(
         max_logprobs=caps.k,
         supports_token_ids=caps.supports_token_ids,
         eos_token_ids=eos_token_ids(Path(config.model_dir), model.config.eos_token_ids),
+        prompt_logprobs=caps.prompt_scoring,
     )
     scheduler = config.scheduler_config(step.config.max_seq_len)
     pending = config.max_pending_frames * step.outputs.token_capacity

@@ -33,6 +33,9 @@ class SamplingParams:
     """None: no logprobs. 0..K: the chosen token's logprob plus that many natural alternatives."""
     logprob_token_ids: tuple[int, ...] | None = None
     """Up to 128 distinct ids reported at every position in this order (no natural ones)."""
+    prompt_logprobs: int | None = None
+    """None: no prompt scoring. 0..20: every prompt position after the first is scored (its
+    token's logprob and rank, plus that many natural alternatives); needs a scoring core."""
 
     def __post_init__(self) -> None:
         # Everything else is checked once, by the engine's check (ranks.requests and the
@@ -64,6 +67,27 @@ class GeneratedToken:
 
 
 @dataclass(frozen=True)
+class PromptLogprob:
+    position: int
+    """Index of the scored token in the prompt (>= 1: position 0 has no context)."""
+    token_id: int
+    logprob: float
+    """Exact FP32 value as a Python float; may be -inf, never NaN."""
+    rank: int
+    """1 + the number of vocabulary ids with a strictly greater logprob."""
+    alternatives: tuple[TokenLogprob, ...] = ()
+    """Natural top-N by (logprob desc, id asc), N = params.prompt_logprobs."""
+
+
+@dataclass(frozen=True)
+class PromptScores:
+    """One scored chunk's prompt positions, in prompt order; every PromptScores of a request
+    comes before its first GeneratedToken."""
+
+    entries: tuple[PromptLogprob, ...]
+
+
+@dataclass(frozen=True)
 class Finished:
     reason: str
     """"stop" (EOS or a stop token id) or "length"."""
@@ -80,6 +104,8 @@ class EngineInfo:
     """K: 0 when the core declares no logprob buffers."""
     supports_token_ids: bool
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    prompt_logprobs: bool = False
+    """Whether the core scores prompts (--prompt-logprobs)."""
 
     @property
     def allow_logprobs(self) -> bool:
@@ -96,7 +122,8 @@ class EngineClient(Protocol):
 
     def generate(
         self, prompt_ids: list[int], params: SamplingParams
-    ) -> AsyncIterator[GeneratedToken | Finished]:
-        """Yields tokens in generated order, then exactly one Finished; raises EngineError."""
+    ) -> AsyncIterator[PromptScores | GeneratedToken | Finished]:
+        """Yields the prompt's scores (when asked for), then tokens in generated order, then
+        exactly one Finished; raises EngineError."""
 
     def healthy(self) -> bool: ...

@@ -39,6 +39,10 @@ class RuntimeConfig:
     completion_token_capacity: int = 0
     """T, token slots per completion record; 0 means eight."""
     reduction_backend: str = "torch"
+    prompt_logprobs: bool = False
+    """--prompt-logprobs: allocate the scored-prefill ladder so requests may ask for prompt
+    logprobs (completions `prompt_logprobs`, `echo` with `logprobs`). Off: nothing for
+    scoring exists and such requests get HTTP 400."""
     max_pending_frames: int = 64
     """Frames of undelivered events (at most T each) a generate() consumer may fall behind
     before the engine aborts its request with "client too slow"; the step thread never
@@ -90,6 +94,8 @@ class RuntimeConfig:
             token_capacity=self.completion_token_capacity,
             reduction_backend=self.reduction_backend,
             max_logprobs=self.max_logprobs if self.logprobs else 0,
+            prompt_logprobs=self.prompt_logprobs,
+            chunk_limit=self.chunk_size,
         )
 
     def scheduler_config(self, max_seq_len: int) -> SchedulerConfig:

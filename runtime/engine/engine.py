@@ -14,7 +14,12 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 
 from ranks.plan import RequestSpec, StepPlan
-from ranks.requests import RequestError, check_logprob_request, check_token_ids
+from ranks.requests import (
+    RequestError,
+    check_logprob_request,
+    check_prompt_logprobs,
+    check_token_ids,
+)
 from ranks.sampling_params import RowSampling
 from ranks.step import RankStep
 from runtime.engine.client import (
@@ -22,10 +27,12 @@ from runtime.engine.client import (
     EngineInfo,
     Finished,
     GeneratedToken,
+    PromptScores,
     SamplingParams,
 )
 from runtime.engine.executor import FrameExecutor
 from runtime.engine.frame_reader import read_frame
+from runtime.engine.prompt_reader import PromptReader
 from runtime.engine.scheduler import Request, Scheduler, SchedulerConfig
 
 
@@ -90,6 +97,7 @@ class Engine:
         self.broadcast = broadcast or (lambda plan: None)
         self.scheduler = Scheduler(config)
         self.executor = FrameExecutor(step.outputs, step.capabilities.allow_logprobs)
+        self.prompts = PromptReader(step.scorer) if step.scorer is not None else None
         self._lock = threading.Condition()
         self._incoming: list[Request] = []
         self._aborted: set[int] = set()
@@ -129,6 +137,7 @@ class Engine:
             params.logprobs, params.logprob_token_ids, info.vocab_size, info.max_logprobs,
             info.supports_token_ids,
         )
+        check_prompt_logprobs(params.prompt_logprobs, info.max_logprobs, info.prompt_logprobs)
         check_token_ids("stop_token_ids", params.stop_token_ids, info.vocab_size)
         check_token_ids("allowed_token_ids", params.allowed_token_ids or (), info.vocab_size)
         check_token_ids("logit_bias", [t for t, _ in params.logit_bias], info.vocab_size)
@@ -155,6 +164,13 @@ class Engine:
     def generate_sync(
         self, prompt_ids: list[int], params: SamplingParams, timeout: float = 300.0
     ) -> tuple[list[GeneratedToken], Finished]:
+        events = self.events_sync(prompt_ids, params, timeout)
+        return [e for e in events if isinstance(e, GeneratedToken)], events[-1]
+
+    def events_sync(
+        self, prompt_ids: list[int], params: SamplingParams, timeout: float = 300.0
+    ) -> list[PromptScores | GeneratedToken | Finished]:
+        """Every event of one request, in order (scripts and tests); raises EngineError."""
         self.check(prompt_ids, params)
         sink = _Sink(None, None)
         request = self._submit(prompt_ids, params, sink)
@@ -163,11 +179,9 @@ class Engine:
             raise EngineError(f"request timed out after {timeout} s")
         with sink.lock:
             events = list(sink.events)
-        tokens = [e for e in events if isinstance(e, GeneratedToken)]
-        last = events[-1]
-        if isinstance(last, EngineError):
-            raise last
-        return tokens, last
+        if isinstance(events[-1], EngineError):
+            raise events[-1]
+        return events
 
     def abort(self, request: Request) -> None:
         with self._lock:
@@ -182,7 +196,7 @@ class Engine:
             self._ordinal += 1
             request = Request(self._ordinal, list(prompt_ids), params,
                               request_spec(self.info, self._ordinal, prompt_ids, params), sink)
-            if params.max_tokens == 0:
+            if params.max_tokens == 0 and params.prompt_logprobs is None:
                 sink.put(Finished("length"))
                 return request
             self._incoming.append(request)
@@ -220,8 +234,10 @@ class Engine:
     def _run(self, plan: StepPlan, carried: list[Request]) -> None:
         self.broadcast(plan)
         self.step.run(plan)
+        if plan.scored is not None:
+            self._deliver_scores(plan, {r.slot: r for r in carried}[plan.scored.slot])
         sampled = {w.slot for w in plan.work if w.samples}
-        sampling = [r for r in carried if r.slot in sampled]
+        sampling = [r for r in carried if r.slot in sampled and not r.done]
         upload = self.step.upload
         host = self.executor.copy(plan.submission, list(upload.requesting_slots),
                                   upload.copy_width)
@@ -242,6 +258,24 @@ class Engine:
             elif outcome.finish is not None:
                 self.scheduler.finish(request)
                 request.sink.put(outcome.finish)
+
+    def _deliver_scores(self, plan: StepPlan, request: Request) -> None:
+        """The scored chunk's entries go out before this frame's generated tokens; a request
+        that generates nothing finishes after its last chunk."""
+        work = plan.scored
+        try:
+            entries = self.prompts.read(plan.frame, work, request.params.prompt_logprobs or 0)
+        except EngineError as error:
+            self.scheduler.finish(request)
+            request.sink.put(error)
+            return
+        if not request.sink.put(PromptScores(entries)):
+            self.scheduler.finish(request)
+            request.sink.put(EngineError("client too slow: undelivered prompt scores"))
+            return
+        if request.prefilled == len(request.prompt) and request.spec.max_tokens == 0:
+            self.scheduler.finish(request)
+            request.sink.put(Finished("length"))
 
     def _fail_all(self, reason: str) -> None:
         with self._lock:
@@ -283,11 +317,13 @@ def request_spec(
         logit_bias=params.logit_bias,
         allowed_token_ids=params.allowed_token_ids,
     )
+    scored = params.prompt_logprobs is not None
     return RequestSpec(
         ordinal=ordinal,
-        max_tokens=max(1, min(params.max_tokens, room)),
+        max_tokens=max(0 if scored else 1, min(params.max_tokens, room)),
         sampling=sampling,
         stop_token_ids=tuple(sorted(stops)),
         logprobs=params.wants_logprobs,
         logprob_token_ids=tuple(params.logprob_token_ids or ()),
+        prompt_logprobs=scored,
     )

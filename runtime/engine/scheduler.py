@@ -90,16 +90,23 @@ class Scheduler:
                                  samples=True))
             carried.append(request)
             budget -= 1
+        scored = False
         for request in prefills:
             take = min(self.config.chunk_size, budget, len(request.prompt) - request.prefilled)
             if take < 1:
                 break
+            if request.spec.prompt_logprobs and scored:
+                continue  # one scored chunk per submission: it waits for the next one
             start = request.prefilled
             chunk = tuple(request.prompt[start : start + take])
             last = start + take == len(request.prompt)
             first = start == 0
-            work.append(SlotWork(request.slot, request.epoch, chunk, start, samples=last,
-                                 request=request.spec if first else None))
+            targets = (scored_targets(request.prompt, start, take)
+                       if request.spec.prompt_logprobs else ())
+            scored = scored or bool(targets)
+            work.append(SlotWork(request.slot, request.epoch, chunk, start,
+                                 samples=last and request.spec.max_tokens > 0,
+                                 request=request.spec if first else None, targets=targets))
             request.prefilled += take
             carried.append(request)
             budget -= take
@@ -108,3 +115,9 @@ class Scheduler:
         plan = StepPlan(self.submission, tuple(work))
         self.submission += 1
         return plan, carried
+
+
+def scored_targets(prompt: list[int], start: int, take: int) -> tuple[int, ...]:
+    """A scored chunk's targets: row j predicts prompt[start + j + 1]; -1 at the prompt end."""
+    targets = prompt[start + 1 : start + take + 1]
+    return (*targets, *([-1] * (take - len(targets))))
