@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from collectives.groups import all_reduce_sum, group_rank, group_size
 from ranks.model.config import ModelConfig
 from ranks.model.sharding import ShardLayout, shard_layout
-from ranks.model.weights import LayerWeights, ShardWeights, load_shard_weights
+from ranks.model.weights import LayerWeights, LoadProgress, ShardWeights, load_shard_weights
 
 
 @dataclass(frozen=True)
@@ -81,14 +81,16 @@ class ShardedCausalLM:
         group: object | None = None,
         device: str | torch.device = "cpu",
         dtype: torch.dtype | None = None,
+        progress: LoadProgress | None = None,
     ) -> ShardedCausalLM:
-        """Load this rank's shard; ``dtype`` defaults to FP32 on CPU and BF16 elsewhere."""
+        """Load this rank's shard; ``dtype`` defaults to FP32 on CPU and BF16 elsewhere.
+        ``progress(done, total)`` follows the load (see ``load_shard_weights``)."""
         device = torch.device(device)
         if dtype is None:
             dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
         config = ModelConfig.from_model_dir(model_dir)
         layout = shard_layout(config, group_size(group), group_rank(group))
-        weights = load_shard_weights(model_dir, config, layout, device, dtype)
+        weights = load_shard_weights(model_dir, config, layout, device, dtype, progress)
         return cls(config, layout, weights, group, device, dtype)
 
     @property
@@ -129,9 +131,26 @@ class ShardedCausalLM:
         logit_indices: torch.Tensor,
     ) -> torch.Tensor:
         """Logits ``[len(logit_indices), local_width]`` for the selected token rows."""
+        return self.project(self.forward_hidden(input_ids, positions, slots, logit_indices))
+
+    __call__ = forward
+
+    def project(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Final-normed hidden rows -> this rank's logits shard ``[rows, local_width]``."""
+        return torch.matmul(hidden, self.weights.lm_head.t(), out=out)
+
+    def forward_hidden(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        row_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Advance the cache by every token; the final-normed hidden state of the selected
+        token rows ``[len(row_indices), hidden]`` (what ``project`` turns into logits)."""
         if self.cache is None:
             raise RuntimeError("allocate_cache must be called before forward")
-        plan = self._plan(input_ids, positions, slots, logit_indices)
+        plan = self._plan(input_ids, positions, slots, row_indices)
         cfg = self.config
         cos, sin = self._rotary(positions)
         h = self._embed(input_ids)
@@ -140,10 +159,7 @@ class ShardedCausalLM:
             h = h + self._attention(x, layer, index, cos, sin, positions, slots, plan)
             x = rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
             h = h + self._mlp(x, layer)
-        x = rms_norm(h[logit_indices], self.weights.final_norm, cfg.rms_norm_eps)
-        return x @ self.weights.lm_head.t()
-
-    __call__ = forward
+        return rms_norm(h[row_indices], self.weights.final_norm, cfg.rms_norm_eps)
 
     def _plan(
         self,

@@ -9,6 +9,7 @@ the embedding shard as the head.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,9 @@ from ranks.model.sharding import ShardLayout
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+
+LoadProgress = Callable[[int, int], None]
+"""``progress(done, total)``: ``done`` of ``total`` parts of a shard are loaded."""
 
 
 class WeightLoadError(ValueError):
@@ -125,9 +129,20 @@ def load_shard_weights(
     layout: ShardLayout,
     device: torch.device,
     dtype: torch.dtype,
+    progress: LoadProgress | None = None,
 ) -> ShardWeights:
+    """This rank's shard. ``progress(done, total)`` is called after each of ``total`` =
+    ``num_hidden_layers + 2`` parts: the embedding (with an untied head), every decoder layer,
+    the final norm."""
+
     def place(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(device=device, dtype=dtype).contiguous()
+
+    total = config.num_hidden_layers + 2
+
+    def advance(done: int) -> None:
+        if progress is not None:
+            progress(done, total)
 
     with CheckpointReader(model_dir) as reader:
         embed = place(_vocab_rows(reader, "model.embed_tokens.weight", config, layout))
@@ -135,11 +150,13 @@ def load_shard_weights(
             lm_head = embed
         else:
             lm_head = place(_vocab_rows(reader, "lm_head.weight", config, layout))
-        layers = [
-            _load_layer(reader, f"model.layers.{i}.", config, layout, place)
-            for i in range(config.num_hidden_layers)
-        ]
+        advance(1)
+        layers = []
+        for i in range(config.num_hidden_layers):
+            layers.append(_load_layer(reader, f"model.layers.{i}.", config, layout, place))
+            advance(i + 2)
         final_norm = place(reader.read("model.norm.weight", (config.hidden_size,)))
+        advance(total)
     return ShardWeights(embed=embed, layers=layers, final_norm=final_norm, lm_head=lm_head)
 
 
