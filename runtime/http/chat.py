@@ -19,7 +19,7 @@ from runtime.http.params import (
     resolve_max_tokens,
     wire_mode,
 )
-from runtime.http.protocol import ChatCompletionRequest
+from runtime.http.protocol import ChatCompletionRequest, ChatMessage, parse_messages
 from runtime.http.wire import Position, WireMode, chat_logprobs
 from runtime.text.chat_template import ChatTemplateError
 
@@ -29,6 +29,7 @@ RESERVED_TEMPLATE_KEYS = {"messages", "add_generation_prompt"}
 @dataclass
 class PreparedChat:
     request: ChatCompletionRequest
+    messages: list[ChatMessage]
     jobs: list[ChoiceJob]
     role: str
     echo: str | None
@@ -48,22 +49,17 @@ def _check_logprobs(req: ChatCompletionRequest) -> int | None:
     return (req.top_logprobs or 0) if req.logprobs else None
 
 
-def _render(req: ChatCompletionRequest, assets: ModelAssets) -> str:
+def _render(req: ChatCompletionRequest, messages: list[ChatMessage], assets: ModelAssets) -> str:
     template = assets.chat_template
     if template is None:
         raise RequestError(
             "messages", "this model has no chat template (tokenizer_config.json chat_template)"
         )
-    messages = []
-    for message in req.messages:
-        item = message.model_dump(exclude_none=True)
-        item["content"] = message.text()
-        messages.append(item)
     kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items()
               if k not in RESERVED_TEMPLATE_KEYS and k != "continue_final_message"}
     try:
         return template.render(
-            messages,
+            [dict(message.fields) for message in messages],
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
             **kwargs,
@@ -76,12 +72,13 @@ def prepare_chat(
     req: ChatCompletionRequest, engine: EngineClient, assets: ModelAssets
 ) -> PreparedChat:
     """Everything refused before admission raises RequestError here (HTTP 400)."""
-    check_request(req, req.chat_unsupported())
+    check_request(req)
+    messages = parse_messages(req.messages)
     top = _check_logprobs(req)
     stops = req.stop_strings()
     check_stops(stops)
     check_choices(req.n, 1)
-    text = _render(req, assets)
+    text = _render(req, messages, assets)
     ids = assets.encode(text, add_special_tokens=req.add_special_tokens, param="messages")
     if not ids:
         raise RequestError("messages", "the rendered conversation has no tokens")
@@ -113,11 +110,12 @@ def prepare_chat(
                 raise RequestError("messages", exc.message) from exc
         jobs.append(ChoiceJob(i, ids, params, stops, req.include_stop_str_in_output,
                               req.skip_special_tokens))
-    role = "assistant" if req.add_generation_prompt else req.messages[-1].role
+    role = "assistant" if req.add_generation_prompt else messages[-1].role
     echo = None
-    if req.echo and req.messages[-1].role == role:
-        echo = req.messages[-1].text() or ""
-    return PreparedChat(req, jobs, role, echo, len(ids), wire_mode(req, top is not None))
+    if req.echo and messages[-1].role == role:
+        echo = messages[-1].content or ""
+    return PreparedChat(req, messages, jobs, role, echo, len(ids),
+                        wire_mode(req, top is not None))
 
 
 def _logprobs(prep: PreparedChat, items: list[Position], assets: ModelAssets):

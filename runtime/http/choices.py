@@ -2,7 +2,9 @@
 choices merged through a bounded queue, collected into whole outcomes or streamed as chunks.
 
 Nothing here keeps a response history: a choice's stream holds only what the detokenizer and
-the stop filter cannot release yet, and merged choices pass through a bounded queue.
+the stop filter cannot release yet plus the one delta it looks ahead past (so that the finish
+rides on the last token's chunk, see `run_choice`), and merged choices pass through a bounded
+queue.
 """
 
 from __future__ import annotations
@@ -79,8 +81,37 @@ def stop_reason_of(
     return token
 
 
+def _join(first: Delta | None, second: Delta) -> Delta:
+    """`first` followed by `second` as one delta (the finish is `second`'s)."""
+    if first is None:
+        return second
+    return Delta(
+        first.text + second.text,
+        first.positions + second.positions,
+        finish_reason=second.finish_reason,
+        stop_reason=second.stop_reason,
+        tokens=first.tokens + second.tokens,
+    )
+
+
+def _visible(delta: Delta | None) -> bool:
+    return delta is not None and bool(delta.text or delta.positions)
+
+
 async def run_choice(engine: EngineClient, job: ChoiceJob, tb: TokenBytes) -> AsyncIterator[Delta]:
-    """Engine events -> deltas; ends the engine request early when a stop string matches."""
+    """Engine events -> deltas; ends the engine request early when a stop string matches.
+
+    vLLM's stream shape: the finish rides on the delta that carries the last text/entries, so
+    this looks ahead one event. A visible delta (text or entries) is held until the next
+    visible one or the end arrives; a delta with nothing visible (text held back by the
+    detokenizer or the stop filter) is carried into the next delta (its token counts with
+    it). The end is sent on its own only when it shows a token not shown yet (the token
+    that completed a stop string, or carried ones); otherwise it joins the held delta (the
+    text it flushes, e.g. a trailing partial character, belongs to the held token). The
+    finishing delta is empty only when nothing visible was left to carry it (e.g. the first
+    token is EOS). Every delta but the last is visible; a failure first releases the held
+    delta.
+    """
     stream = OutputStream(
         tb,
         job.stops,
@@ -89,26 +120,45 @@ async def run_choice(engine: EngineClient, job: ChoiceJob, tb: TokenBytes) -> As
         prompt_ids=job.prompt_ids,
     )
     eos_ids = engine.info.eos_token_ids
-    async with aclosing(engine.generate(job.prompt_ids, job.params)) as events:
-        async for event in events:
-            if isinstance(event, GeneratedToken):
-                chunk = stream.push(event)
-                delta = Delta(chunk.text, positions(chunk.entries, job.offset_base), tokens=1)
-                if chunk.stop is not None:
-                    delta.finish_reason, delta.stop_reason = "stop", chunk.stop
-                    yield delta
+    held: Delta | None = None
+    carried: Delta | None = None
+    try:
+        async with aclosing(engine.generate(job.prompt_ids, job.params)) as events:
+            async for event in events:
+                if isinstance(event, GeneratedToken):
+                    chunk = stream.push(event)
+                    delta = Delta(chunk.text, positions(chunk.entries, job.offset_base), tokens=1)
+                    if chunk.stop is not None:
+                        delta.finish_reason, delta.stop_reason = "stop", chunk.stop
+                else:
+                    chunk = stream.finish(event)
+                    delta = Delta(
+                        chunk.text,
+                        positions(chunk.entries, job.offset_base),
+                        finish_reason=event.reason,
+                        stop_reason=stop_reason_of(event, job.params, eos_ids),
+                        tokens=0 if event.stop_token_id is None else 1,
+                    )
+                fresh = isinstance(event, GeneratedToken) or carried is not None
+                delta, carried = _join(carried, delta), None
+                if delta.finish_reason is not None:
+                    if held is not None and fresh and _visible(delta):
+                        out, held = held, None
+                        yield out
+                    last, held = _join(held, delta), None
+                    yield last
                     return
-                yield delta
-            else:
-                chunk = stream.finish(event)
-                yield Delta(
-                    chunk.text,
-                    positions(chunk.entries, job.offset_base),
-                    finish_reason=event.reason,
-                    stop_reason=stop_reason_of(event, job.params, eos_ids),
-                    tokens=0 if event.stop_token_id is None else 1,
-                )
-                return
+                if not _visible(delta):
+                    carried = delta
+                    continue
+                if held is not None:
+                    yield held
+                held = delta
+    except Exception:
+        if held is not None:
+            out, held = held, None
+            yield out
+        raise
 
 
 _END = object()

@@ -79,9 +79,7 @@ def prepare_completion(
     req: CompletionRequest, engine: EngineClient, assets: ModelAssets
 ) -> PreparedCompletion:
     """Everything refused before admission raises RequestError here (HTTP 400)."""
-    check_request(req, req.unsupported() or (
-        ("suffix", "suffix is not supported by this server") if req.suffix else None
-    ))
+    check_request(req)
     _check_logprobs(req)
     stops = req.stop_strings()
     check_stops(stops)

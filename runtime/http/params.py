@@ -107,9 +107,11 @@ def resolve_max_tokens(
     return requested
 
 
-def check_request(req: SamplingFields, unsupported: tuple[str, str] | None) -> None:
-    if unsupported:
-        raise RequestError(*unsupported)
+def check_request(req: SamplingFields) -> None:
+    """The field policy's refusals (protocol.REFUSED), then stream_options without stream."""
+    refused = req.refusal()
+    if refused is not None:
+        raise refused
     if req.stream_options is not None and not req.stream:
         raise RequestError("stream_options", "stream_options can only be set when stream=true")
 

@@ -24,7 +24,12 @@ from runtime.engine.client import EngineClient
 from runtime.http.assets import ModelAssets
 from runtime.http.chat import chat, prepare_chat, stream_chat
 from runtime.http.completions import complete, prepare_completion, stream_completion
-from runtime.http.protocol import ChatCompletionRequest, CompletionRequest
+from runtime.http.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIModel,
+    ignored_fields_message,
+)
 from runtime.http.responses import (
     error_response,
     failure_message,
@@ -35,6 +40,7 @@ from runtime.http.responses import (
 )
 
 log = logging.getLogger("runtime.http.server")
+fields_log = logging.getLogger("runtime.http")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -61,9 +67,12 @@ async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel | Re
     if not isinstance(data, dict):
         return error_response("the request body must be a JSON object", None)
     try:
-        return model.model_validate(data)
+        req = model.model_validate(data)
     except ValidationError as exc:
         return _validation_error(exc)
+    if isinstance(req, OpenAIModel) and (ignored := req.ignored_fields()):
+        fields_log.warning(ignored_fields_message(ignored))
+    return req
 
 
 def model_card(engine: EngineClient, assets: ModelAssets, created: int) -> dict[str, Any]:
