@@ -15,7 +15,19 @@ if not torch.cuda.is_available():
 
 torch.set_num_threads(1)
 
+from hypothesis import settings  # noqa: E402
+
 from tests.devices import interpreting_triton  # noqa: E402
+
+# Hypothesis: no deadline (time per example is not behaviour, and a loaded 2-core CI machine
+# is slow), and a failing example always printed as a reproducible blob. Under CI (CI=true)
+# the examples are derandomized: the same examples on every run, so a red build is never luck.
+settings.register_profile("ci", derandomize=True, print_blob=True, deadline=None)
+settings.register_profile("dev", print_blob=True, deadline=None)
+settings.load_profile(
+    os.environ.get("HYPOTHESIS_PROFILE")
+    or ("ci" if os.environ.get("CI", "").lower() in ("1", "true", "yes") else "dev")
+)
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

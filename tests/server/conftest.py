@@ -43,7 +43,7 @@ def _servers(request, tmp_path_factory):
             kind, tp, extra = SERVERS[name]
             if missing_gpus(tp) is not None:
                 continue  # its fixture skips (tests/devices.py)
-            mine[name] = launch(name, models / kind, tp, extra, shared)
+            mine[name] = launch(name, models / kind, tp, extra, shared, home=shared)
             state["servers"][name] = mine[name].state()
         state["users"] += 1
         state_path.write_text(json.dumps(state))

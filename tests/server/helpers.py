@@ -6,6 +6,7 @@ tokenizer (byte-level BPE; SentencePiece-style byte-fallback + Metaspace) and a 
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -14,7 +15,7 @@ import socket
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -70,15 +71,21 @@ def write_model(path: Path, kind: str) -> Path:
     return path
 
 
-
 def build_models(root: Path) -> dict[str, Path]:
     return {kind: write_model(root / kind, kind) for kind in ("byte_level", "byte_fallback")}
 
 
 def free_port() -> int:
+    """A port that was free a moment ago. Another process may take it before the caller
+    binds it: servers started with it go through ``launch``, which retries on a clash."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+PORT_CLASH = ("address already in use", "errno 98")
+"""What the server's log says when another process bound its port first."""
+MAX_LAUNCHES = 4
 
 
 def _alive(pid: int) -> bool:
@@ -89,15 +96,73 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _parents() -> dict[int, int]:
+    """pid -> parent pid of every process (from /proc)."""
+    out = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                out[int(pid)] = int(stat.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
+def descendants(root: int) -> set[int]:
+    """Every process below `root` (torchrun starts its workers in sessions of their own, so
+    the process group of `root` does not hold them)."""
+    children: dict[int, list[int]] = {}
+    for pid, parent in _parents().items():
+        children.setdefault(parent, []).append(pid)
+    found, todo = set(), [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def listening_pids(port: int) -> set[int] | None:
+    """Processes listening on TCP `port` (None: /proc unreadable)."""
+    inodes = set()
+    try:
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            with open(table) as lines:
+                for line in list(lines)[1:]:
+                    fields = line.split()
+                    if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                        inodes.add(f"socket:[{fields[9]}]")
+    except OSError:
+        return None
+    pids = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+            if inodes.intersection(os.readlink(f"/proc/{pid}/fd/{fd}") for fd in fds):
+                pids.add(int(pid))
+        except OSError:
+            continue
+    return pids
+
+
 @dataclass
 class Server:
     name: str
     model_dir: Path
     port: int
     pid: int
+    """Its process group too (started in a new session)."""
     log_path: Path
     proc: subprocess.Popen | None = None
     """Set in the process that started it (under xdist, another worker may have)."""
+    tp: int = 1
+    extra: tuple[str, ...] = ()
+    home: Path | None = None
+    """For servers shared between xdist workers: the folder of state.json and its lock."""
+    launches: int = 1
+    command: Callable[[int], list[str]] | None = None
+    """argv after the interpreter, given the port (None: launch.serve, under torchrun)."""
 
     @property
     def url(self) -> str:
@@ -117,21 +182,63 @@ class Server:
         return self.proc.poll() is None if self.proc is not None else _alive(self.pid)
 
     def wait_healthy(self) -> None:
+        """Until /health answers 200 from this server's own process group. A server whose
+        port another process took first is started again on a fresh port."""
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
-            if not self.running():
+            if not self.running() and not self._recover():
                 raise RuntimeError(f"server {self.name} exited:\n{self.log_tail()}")
             try:
-                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
-                    return
+                healthy = httpx.get(self.url + "/health", timeout=2.0).status_code == 200
             except httpx.HTTPError:
-                pass
+                healthy = False
+            if healthy and self.running():
+                owners = listening_pids(self.port)
+                if not owners or owners & ({self.pid} | descendants(self.pid)):  # unknown/ours
+                    return
             time.sleep(0.25)
         raise RuntimeError(f"server {self.name} did not become healthy:\n{self.log_tail()}")
 
+    def _clashed(self) -> bool:
+        text = self.log_tail().lower()
+        return any(sign in text for sign in PORT_CLASH) and self.launches < MAX_LAUNCHES
+
+    def _recover(self) -> bool:
+        """After the process ended: adopt the relaunch another xdist worker made, or relaunch
+        it on a fresh port when its port was taken. True when there is a process to wait for."""
+        if self.home is None:
+            if not self._clashed():
+                return False
+            self._relaunch()
+            return True
+        with locked(self.home / "lock"):
+            state_path = self.home / "state.json"
+            state = json.loads(state_path.read_text())
+            info = state["servers"].get(self.name)
+            if info is not None and info["pid"] != self.pid:
+                self._adopt(Server.from_state(self.name, info))
+                return True
+            if not self._clashed():
+                return False
+            self._relaunch()
+            state["servers"][self.name] = self.state()
+            state_path.write_text(json.dumps(state))
+        return True
+
+    def _relaunch(self) -> None:
+        again = launch(self.name, self.model_dir, self.tp, list(self.extra),
+                       self.log_path.parent, self.home, self.command)
+        again.launches = self.launches + 1
+        self._adopt(again)
+
+    def _adopt(self, other: Server) -> None:
+        self.port, self.pid, self.log_path = other.port, other.pid, other.log_path
+        self.proc, self.launches = other.proc, other.launches
+
     def stop(self) -> None:
-        """SIGTERM its process group (the server and, under torchrun, every rank); SIGKILL
-        after 20 s."""
+        """SIGTERM its process group (torchrun forwards it to every rank); after 20 s SIGKILL
+        for the group and every process below it, so no rank outlives the test."""
+        below = descendants(self.pid) if self.running() else set()
         for sig, wait_s in ((signal.SIGTERM, 20.0), (signal.SIGKILL, 10.0)):
             if not self.running():
                 break
@@ -139,6 +246,10 @@ class Server:
                 os.killpg(self.pid, sig)
             except ProcessLookupError:
                 break
+            if sig == signal.SIGKILL:
+                for pid in below | descendants(self.pid):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
             deadline = time.monotonic() + wait_s
             while self.running() and time.monotonic() < deadline:
                 time.sleep(0.1)
@@ -147,30 +258,42 @@ class Server:
 
     def state(self) -> dict:
         return {"model_dir": str(self.model_dir), "port": self.port, "pid": self.pid,
-                "log_path": str(self.log_path)}
+                "log_path": str(self.log_path), "tp": self.tp, "extra": list(self.extra),
+                "home": None if self.home is None else str(self.home),
+                "launches": self.launches}
 
     @classmethod
     def from_state(cls, name: str, state: dict) -> Server:
+        home = state.get("home")
         return cls(name, Path(state["model_dir"]), state["port"], state["pid"],
-                   Path(state["log_path"]))
+                   Path(state["log_path"]), tp=state.get("tp", 1),
+                   extra=tuple(state.get("extra", ())),
+                   home=None if home is None else Path(home), launches=state.get("launches", 1))
 
 
 SERVERS = {
     # fixture name: (model kind, tensor-parallel degree, extra serve arguments)
     "server": ("byte_level", 1, ["--capacity", "16"]),
     "plain_server": ("byte_level", 1, ["--capacity", "4", "--no-logprobs"]),
-    "tp4_server": ("byte_fallback", 4, ["--capacity", "4"]),
+    "scoring_server": ("byte_level", 1, ["--capacity", "8", "--prompt-logprobs"]),
+    "tp4_server": ("byte_fallback", 4, ["--capacity", "4", "--prompt-logprobs"]),
 }
 
 
-def launch(name: str, model_dir: Path, tp: int, extra: list[str], log_dir: Path) -> Server:
-    """Start a server (under torchrun when tp > 1) on the CPU with gloo, even on a GPU host
-    (tests/devices.py); skips the calling test when its ranks cannot run here."""
+def launch(name: str, model_dir: Path, tp: int, extra: list[str], log_dir: Path,
+           home: Path | None = None, command: Callable[[int], list[str]] | None = None
+           ) -> Server:
+    """Start a server (launch.serve, under torchrun when tp > 1; or ``command(port)``) on the
+    CPU with gloo, even on a GPU host (tests/devices.py); skips the calling test when its
+    ranks cannot run here. Its port is picked here; ``wait_healthy`` starts it again on
+    another port if some other process bound this one first."""
     skip_without_gpus(tp)
     port = free_port()
     serve = ["-m", "launch.serve", "--model", str(model_dir), "--host", "127.0.0.1",
              "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN), *extra]
-    if tp == 1:
+    if command is not None:
+        cmd = [sys.executable, *command(port)]
+    elif tp == 1:
         cmd = [sys.executable, *serve]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -180,10 +303,11 @@ def launch(name: str, model_dir: Path, tp: int, extra: list[str], log_dir: Path)
     with log_path.open("wb") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
-    return Server(name, model_dir, port, proc.pid, log_path, proc)
+    return Server(name, model_dir, port, proc.pid, log_path, proc, tp, tuple(extra), home,
+                  command=command)
 
 
-@contextmanager
+@contextlib.contextmanager
 def locked(path: Path):
     with path.open("a+") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
