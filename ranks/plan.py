@@ -27,8 +27,22 @@ class RequestSpec:
     logprob_token_ids: tuple[int, ...] = ()
     prompt_logprobs: bool = False
     """The prompt is prefilled with scored_prefill chunks (SlotWork.targets)."""
+    thinking_budget: int | None = None
+    """Tokens allowed inside a thinking span before the commit forces ``think_end``."""
+    think_start: tuple[int, ...] = ()
+    """The reasoning start string's token ids (opens a thinking span)."""
+    think_end: tuple[int, ...] = ()
+    """The reasoning end string's token ids, forced one per position once the budget is
+    spent."""
 
     def __post_init__(self) -> None:
+        if self.thinking_budget is not None:
+            if self.thinking_budget < 0:
+                raise RequestError("thinking_token_budget",
+                                   f"must be >= 0, got {self.thinking_budget}")
+            if not self.think_start or not self.think_end:
+                raise RequestError("thinking_token_budget",
+                                   "needs the reasoning start and end token ids")
         if self.max_tokens < (0 if self.prompt_logprobs else 1):
             raise RequestError("max_tokens", f"must be >= 1 when sampling, got {self.max_tokens}")
         if len(self.logprob_token_ids) > MAX_TOKEN_IDS:
@@ -40,7 +54,11 @@ class RequestSpec:
 @message("ranks.slot_work")
 @dataclass(frozen=True)
 class SlotWork:
-    """One slot's part of a submission: a prefill chunk or one decode token."""
+    """One slot's part of a submission: a prefill chunk, one decode token, or a speculative
+    round: ``tokens`` = (last token, p1..pN) at consecutive positions, ``proposals`` =
+    (p1..pN). A round samples one row per token (the rows are contiguous in the logits):
+    row i is the target's token at generated position len(output) + i, and proposal i+1 is
+    accepted exactly when it equals row i's token (ranks/speculative.py)."""
 
     slot: int
     epoch: int
@@ -54,10 +72,20 @@ class SlotWork:
     targets: tuple[int, ...] = ()
     """A scored_prefill chunk: targets[j] is the prompt token after tokens[j], or -1 at the
     prompt end. Empty for every other work item."""
+    proposals: tuple[int, ...] = ()
+    """A speculative round's proposed tokens (tokens[1:]); empty for every other item."""
 
     def __post_init__(self) -> None:
         if not self.tokens:
             raise ValueError(f"slot {self.slot}: a work item needs at least one token")
+        if self.proposals and (
+            not self.samples or self.targets or self.request is not None
+            or self.tokens[1:] != self.proposals
+        ):
+            raise ValueError(
+                f"slot {self.slot}: a speculative round feeds (last token, *proposals) of a "
+                f"running request and samples every row"
+            )
         if self.targets and len(self.targets) != len(self.tokens):
             raise ValueError(
                 f"slot {self.slot}: {len(self.targets)} targets for {len(self.tokens)} tokens"
@@ -87,3 +115,8 @@ class StepPlan:
     @property
     def frame(self) -> int:
         return self.submission % 2
+
+    @property
+    def sampling_rows(self) -> int:
+        """Logit rows the submission samples: one per sampling item, plus one per proposal."""
+        return sum(1 + len(w.proposals) for w in self.work if w.samples)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kernels.layout import EXPORT_K
+from ranks.declarations import resolve_completion_token_capacity
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,9 @@ class StepConfig:
     """--prompt-logprobs: allocate the scored-prefill ladder (capacities up to chunk_limit)."""
     chunk_limit: int = 256
     """The largest prefill chunk the coordinator plans (the largest scored capacity)."""
+    speculative_tokens: int = 0
+    """N, the most proposals a speculative round verifies (0: no rounds); a round emits at
+    most N + 1 tokens, so N + 1 <= T."""
 
     def __post_init__(self) -> None:
         if self.capacity < 1:
@@ -35,6 +39,17 @@ class StepConfig:
                              f"got max_logprobs={self.max_logprobs}")
         if self.chunk_limit < 1:
             raise ValueError(f"chunk_limit must be >= 1, got {self.chunk_limit}")
+        tokens = resolve_completion_token_capacity(self.token_capacity)
+        if not 0 <= self.speculative_tokens < tokens:
+            raise ValueError(
+                f"speculative_tokens must be in [0, T - 1 = {tokens - 1}] (a round emits up "
+                f"to N + 1 tokens into one record), got {self.speculative_tokens}"
+            )
+
+    @property
+    def max_rows(self) -> int:
+        """Sampling rows of one submission: capacity x (1 + N)."""
+        return self.capacity * (1 + self.speculative_tokens)
 
     @property
     def logprobs(self) -> bool:

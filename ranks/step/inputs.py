@@ -1,9 +1,12 @@
 """Phase one of a step: the plan -> graph inputs, slot states and admission records.
 
-Sampling row r (row r of the forward's logits and of the logits the reduction reads) is the
-r-th work item that samples, in plan order. ``row_slots`` / ``row_epochs`` give each row's
-physical slot and epoch as device vectors of the bundle's capacity (-1 past the last row):
-they are what the reduction's gate compares with the committed records.
+Sampling rows (the rows of the forward's logits and of the logits the reduction reads) follow
+plan order: an ordinary sampling item has one row (its last token's), a speculative round
+(SlotWork.proposals = p1..pN) has 1 + N contiguous rows, row i being the logits after
+(last, p1..pi), i.e. emitted position i of the slot's record (packed targets). ``row_slots``
+/ ``row_epochs`` / ``row_positions`` give each row's physical slot, epoch and emitted
+position as device vectors of the step's ``max_rows`` (-1 past the last row): they are what
+the reduction's gate compares with the committed records.
 """
 
 from __future__ import annotations
@@ -20,10 +23,18 @@ from ranks.upload import LaneRequest
 
 @dataclass(frozen=True)
 class SampleRow:
-    """One sampling row: the slot whose last planned token's logits it holds."""
+    """One sampling work item: the slot, its first logit row, and its proposals (a round's
+    rows are first_row .. first_row + len(proposals))."""
 
     slot: int
     state: SlotState
+    first_row: int = 0
+    proposals: tuple[int, ...] = ()
+
+    @property
+    def count(self) -> int:
+        """Logit rows of this item."""
+        return 1 + len(self.proposals)
 
 
 @dataclass(frozen=True)
@@ -38,10 +49,14 @@ class StepInputs:
     logit_index: torch.Tensor
     """int64 [rows]: the token whose logits sampling row r takes."""
     rows: tuple[SampleRow, ...]
+    """The sampling work items, in plan order (row order)."""
     row_slots: torch.Tensor
-    """int64 [capacity]: sampling row r's slot; -1 past the last row."""
+    """int64 [max_rows]: sampling row r's slot; -1 past the last row."""
     row_epochs: torch.Tensor
-    """int64 [capacity]: sampling row r's slot epoch; -1 past the last row."""
+    """int64 [max_rows]: sampling row r's slot epoch; -1 past the last row."""
+    row_positions: torch.Tensor
+    """int64 [max_rows]: sampling row r's emitted position in its slot's record (0 for an
+    ordinary sample, i for row i of a round); -1 past the last row."""
     records: RecordBatch
     """This submission's records so far: the admission records of chunks that do not sample."""
     lanes: dict[int, LaneRequest]
@@ -89,8 +104,15 @@ def prepare_inputs(
         if not work.samples:
             records.admission(work.slot, state, scored=bool(work.targets))
             continue
-        logit_index.append(len(ids) - 1)
-        rows.append(SampleRow(work.slot, state))
+        if work.proposals and not config.speculative_tokens:
+            raise RuntimeError(f"slot {work.slot}: a speculative round on a step built "
+                               f"without speculative_tokens")
+        if len(work.proposals) > config.speculative_tokens:
+            raise RuntimeError(f"slot {work.slot}: {len(work.proposals)} proposals, the step "
+                               f"verifies at most {config.speculative_tokens}")
+        first_row = len(logit_index)
+        logit_index.extend(range(len(ids) - 1 - len(work.proposals), len(ids)))
+        rows.append(SampleRow(work.slot, state, first_row, work.proposals))
         if state.spec.logprobs:
             if not config.logprobs:
                 raise RuntimeError(
@@ -98,10 +120,13 @@ def prepare_inputs(
                 )
             token_ids = state.spec.logprob_token_ids or None
             lanes[work.slot] = LaneRequest(logprobs=config.max_logprobs, token_ids=token_ids)
-    row_slots = [-1] * config.capacity
-    row_epochs = [-1] * config.capacity
-    for r, row in enumerate(rows):
-        row_slots[r], row_epochs[r] = row.slot, row.state.epoch
+    row_slots = [-1] * config.max_rows
+    row_epochs = [-1] * config.max_rows
+    row_positions = [-1] * config.max_rows
+    for row in rows:
+        for i in range(row.count):
+            r = row.first_row + i
+            row_slots[r], row_epochs[r], row_positions[r] = row.slot, row.state.epoch, i
 
     def as_long(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=device)
@@ -115,6 +140,7 @@ def prepare_inputs(
         rows=tuple(rows),
         row_slots=as_long(row_slots),
         row_epochs=as_long(row_epochs),
+        row_positions=as_long(row_positions),
         records=records,
         lanes=lanes,
         scored_index=as_long(scored_index),

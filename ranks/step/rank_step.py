@@ -4,16 +4,16 @@
              the upload of the logprob flags, counts and ID prefixes
     forward  the sharded model -> logits [sampling rows, local vocabulary]
     sample   the sharded sampler -> one token per sampling row, identical on every rank
-    commit   ABI6 records into the active frame (the token writer)
+             (a speculative round's rows are its verification: ranks/speculative.py)
+    commit   ABI6 records into the active frame (the token writer): acceptance, limits,
+             thinking-budget forcing, stop tokens
     reduce   the gated logprob reduction, which reads the committed records
     score    the submission's scored_prefill chunk -> prompt_logprobs rows (ranks/step/scoring)
 
-Speculative rounds, scored prefill and graph capture each replace or wrap one phase.
+Scored prefill and graph capture each replace or wrap one phase.
 """
 
 from __future__ import annotations
-
-from dataclasses import replace
 
 import torch
 
@@ -22,6 +22,7 @@ from ranks.completion import CompletionOutputs
 from ranks.core import capabilities
 from ranks.plan import StepPlan
 from ranks.sampler import ShardedSampler
+from ranks.speculative import sampler_rows, split_rows
 from ranks.step.config import StepConfig
 from ranks.step.inputs import StepInputs, prepare_inputs
 from ranks.step.reduce import StepReduction
@@ -65,7 +66,7 @@ class RankStep:
             local_valid=model.local_valid,
             local_width=model.local_width,
             vocab_size=model.vocab_size,
-            max_rows=config.capacity,
+            max_rows=config.max_rows,
             device=self.device,
         )
         self.uploader: LogprobUploader | None = None
@@ -76,7 +77,8 @@ class RankStep:
                 self.outputs, model.vocab_size, caps.k, caps.supports_token_ids
             )
             self.reduction = StepReduction(
-                model, group, self.outputs, config.reduction_backend, self.device
+                model, group, self.outputs, config.reduction_backend, self.device,
+                rows=config.max_rows,
             )
 
     def run(self, plan: StepPlan) -> None:
@@ -111,25 +113,20 @@ class RankStep:
     def sample(self, inputs: StepInputs, logits: torch.Tensor | None) -> list[int]:
         if not inputs.rows:
             return []
-        states = [row.state for row in inputs.rows]
-        tokens = self.sampler.sample(
-            logits,
-            [replace(s.spec.sampling, position=len(s.output)) for s in states],
-            [s.prompt for s in states],
-            [s.output for s in states],
-        )
-        return tokens.tolist()
+        params, prompts, histories = sampler_rows(inputs.rows)
+        return self.sampler.sample(logits, params, prompts, histories).tolist()
 
     def commit(self, inputs: StepInputs, tokens: list[int]) -> None:
-        for logit_row, (row, token) in enumerate(zip(inputs.rows, tokens, strict=True)):
-            inputs.records.sample(row.slot, row.state, token, logit_row)
+        for row, sampled in zip(inputs.rows, split_rows(inputs.rows, tokens), strict=True):
+            inputs.records.emit(row.slot, row.state, sampled, row.proposals, row.first_row)
         inputs.records.flush(self.outputs.completion_records[inputs.frame])
 
     def reduce(self, inputs: StepInputs, logits: torch.Tensor | None) -> None:
         # Whether any lane requests is the same on every rank (the same plan and upload).
         if self.reduction is None or not self.upload.requesting_slots or not inputs.rows:
             return
-        self.reduction(inputs.frame, logits, inputs.row_slots, inputs.row_epochs)
+        self.reduction(inputs.frame, logits, inputs.row_slots, inputs.row_epochs,
+                       inputs.row_positions)
 
     def score(self, inputs: StepInputs, hidden: torch.Tensor | None) -> None:
         if self.scorer is None:

@@ -7,13 +7,19 @@ every flag zero that runs (and compiles) each launch and both exchanges with the
 arguments. Every rank constructs it at the same point, since the driver and the warm-up are
 collective.
 
-The reduction reads the active completion frame after its token writer finishes. Logit row r
-of ``logits`` is sampling row r of the submission; its slot and epoch come from the step's
-inputs. Row r is reduced only when the committed record of that slot (device tensor ops, no
-host lists) has the row's slot and epoch, kind SAMPLE, at least one emitted token, position
-zero not forced, FIRST_LOGIT_ROW r, and the slot's uploaded flag set. Ordinary sampling emits
-position zero, whose chosen token is the record's first token slot. Every rank computes the
-same records and flags, so every rank gates the same rows.
+The reduction reads the active completion frame after its token writer finishes (for a
+speculative round, after the commit's acceptance walk, so it consumes the same emitted count
+and physical ownership as the commit). Logit row r of ``logits`` is sampling row r of the
+submission; its slot, epoch and emitted position i come from the step's inputs. Row r is
+reduced only when the committed record of that slot (device tensor ops, no host lists) has
+the row's slot and epoch, kind SAMPLE or SPECULATIVE, i < EMITTED, position i not forced,
+FIRST_LOGIT_ROW + i = r, and the slot's uploaded flag set; its chosen token is the record's
+token slot i, and its packed words go to payload position i of the slot. Ordinary sampling
+emits position zero. Rows of duplicate, inactive or stale slots, rejected or exhausted
+positions (past the emitted count: after a mismatch, max_tokens, EOS or a stop id) and
+unoffered positions fail the gate and do no reduction; a slot's payload positions past its
+emitted prefix are neither read nor written. Every rank computes the same records and flags,
+so every rank gates the same rows.
 """
 
 from __future__ import annotations
@@ -35,13 +41,17 @@ class StepReduction:
         outputs: CompletionOutputs,
         backend: str,
         device: torch.device,
+        rows: int | None = None,
     ) -> None:
-        cap = outputs.capacity
+        """``rows``: the most sampling rows of one submission (capacity x (1 + N) with
+        speculative rounds; the capacity without)."""
+        cap = rows or outputs.capacity
         self.outputs = outputs
         self.k = outputs.k
         self.logits = torch.zeros(cap, model.local_width, dtype=model.dtype, device=device)
         """The logits the reduction reads: row r holds sampling row r (FIRST_LOGIT_ROW)."""
         self.rows = torch.arange(cap, dtype=torch.int64, device=device)
+        self.kinds = torch.tensor([int(Kind.SAMPLE), int(Kind.SPECULATIVE)], device=device)
         self.chosen = torch.zeros(cap, dtype=torch.int64, device=device)
         self.requested = torch.zeros(cap, dtype=torch.int32, device=device)
         self.ids = torch.full((cap, MAX_TOKEN_IDS), -1, dtype=torch.int32, device=device)
@@ -78,42 +88,53 @@ class StepReduction:
         logits: torch.Tensor,
         row_slots: torch.Tensor,
         row_epochs: torch.Tensor,
+        row_positions: torch.Tensor | None = None,
     ) -> None:
-        """Reduce the gated rows of ``logits`` [rows, local_width] into position zero of their
-        slots in ``frame``'s packed output."""
+        """Reduce the gated rows of ``logits`` [rows, local_width] into their emitted
+        positions (``row_positions``; all zero when omitted) in ``frame``'s packed output."""
         rows = logits.shape[0]
+        if row_positions is None:
+            row_positions = torch.where(row_slots >= 0, 0, -1)
         self.logits[:rows].copy_(logits)
-        self.gate(self.outputs.completion_records[frame], row_slots, row_epochs)
+        self.gate(self.outputs.completion_records[frame], row_slots, row_epochs, row_positions)
         self.driver(self.logits, self.request, self.out)
-        self.write(frame, row_slots[:rows])
+        self.write(frame, row_slots[:rows], row_positions[:rows])
 
     def gate(
-        self, records: torch.Tensor, row_slots: torch.Tensor, row_epochs: torch.Tensor
+        self,
+        records: torch.Tensor,
+        row_slots: torch.Tensor,
+        row_epochs: torch.Tensor,
+        row_positions: torch.Tensor,
     ) -> None:
         """The per-row request (flag, chosen token, selected IDs) from the committed records
         [capacity, 16+T] and the uploaded flag vector."""
         slots = row_slots.clamp(min=0)
+        positions = row_positions.clamp(min=0, max=records.shape[1] - HEADER - 1)
         committed = records.index_select(0, slots)
-        gate = row_slots >= 0
+        gate = (row_slots >= 0) & (row_positions >= 0)
         gate &= committed[:, SLOT] == row_slots
         gate &= committed[:, EPOCH] == row_epochs
-        gate &= committed[:, KIND] == int(Kind.SAMPLE)
-        gate &= committed[:, EMITTED] >= 1
-        gate &= (committed[:, FORCED_MASK] & 1) == 0
-        gate &= committed[:, FIRST_LOGIT_ROW] == self.rows
+        gate &= torch.isin(committed[:, KIND], self.kinds)
+        gate &= row_positions < committed[:, EMITTED]
+        gate &= ((committed[:, FORCED_MASK] >> positions) & 1) == 0
+        gate &= committed[:, FIRST_LOGIT_ROW] + row_positions == self.rows
         gate &= self.outputs.logprob_requested.index_select(0, slots) != 0
         self.requested.copy_(gate)
-        self.chosen.copy_(committed[:, HEADER])
+        self.chosen.copy_(committed.gather(1, (HEADER + positions).unsqueeze(1)).squeeze(1))
         if self.outputs.supports_token_ids:
             torch.index_select(self.outputs.logprob_token_ids, 0, slots, out=self.ids)
             torch.index_select(self.outputs.logprob_token_id_counts, 0, slots, out=self.counts)
 
-    def write(self, frame: int, slots: torch.Tensor) -> None:
-        """Position zero of each gated row's slot gets the row's packed words (the payload's
-        2+2K or 258). Ungated rows write back their own words unchanged, so the write is one
-        fixed-shape index copy; the inactive frame is never touched."""
-        target = self.outputs.completion_logprobs[frame, :, 0]
-        words = target.shape[-1]
+    def write(self, frame: int, slots: torch.Tensor, positions: torch.Tensor) -> None:
+        """Emitted position i of each gated row's slot gets the row's packed words (the
+        payload's 2+2K or 258). Ungated rows write back the words already at their (slot,
+        position) unchanged, so the write is one fixed-shape index copy over the frame's
+        [capacity x T] positions; the inactive frame is never touched."""
+        payload = self.outputs.completion_logprobs[frame]
+        tokens, words = payload.shape[1], payload.shape[2]
+        target = payload.view(-1, words)
+        index = slots * tokens + positions.clamp(min=0)
         gated = self.requested[: slots.shape[0], None] != 0
-        merged = torch.where(gated, self.out[: slots.shape[0], :words], target[slots])
-        target.index_copy_(0, slots, merged)
+        merged = torch.where(gated, self.out[: slots.shape[0], :words], target[index])
+        target.index_copy_(0, index, merged)
