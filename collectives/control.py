@@ -1,21 +1,26 @@
 """Control plane: the coordinator (rank 0) talks to its peers over ZeroMQ.
 
-Sockets. The coordinator binds two ROUTER sockets on random ports of one host (default:
-``default_host()``) and publishes ``tcp://host:port`` for both in the torch.distributed
-store under ``helios/<job_id>/control/{endpoint,heartbeat}``. Each peer connects a DEALER
-(routing id ``rank-<r>``) to each. The first pair carries messages in both directions, in
-order; the second belongs to one background heartbeat thread on each side (ZMQ sockets are
-never shared between threads). Every peer sends ``PeerReady`` first and the coordinator's
-``wait_ready`` collects all of them, so nothing sent afterwards can be dropped: a ROUTER
-with ``ROUTER_MANDATORY`` raises (``PeerLost``) instead of dropping a message to a peer
+Sockets. The coordinator binds a ROUTER socket on a random port of one host (default:
+``default_host()``) and publishes ``tcp://host:port`` in the torch.distributed store under
+``helios/<job_id>/control/endpoint``. Each peer connects a DEALER (routing id ``rank-<r>``)
+to it: this pair carries messages in both directions, in order. Each peer also binds a
+liveness socket and publishes it as ``.../heartbeat-<r>``; once every peer is ready the
+coordinator connects one liveness socket to each (one connection per peer, so a closed
+connection names its rank). Liveness sockets belong to one background thread on each side
+(ZMQ sockets are never shared between threads). Every peer sends ``PeerReady`` first and the
+coordinator's ``wait_ready`` collects all of them, so nothing sent afterwards can be dropped:
+a ROUTER with ``ROUTER_MANDATORY`` raises (``PeerLost``) instead of dropping a message to a peer
 that is not connected, and a send that blocks longer than ``send_timeout_s`` raises
 ``ControlTimeout``.
 
-Liveness. Both sides send a ``Heartbeat`` every ``heartbeat_interval_s``; any frame counts
-as a sign of life. ``CoordinatorChannel.dead_peers()`` lists peers silent for longer than
-``heartbeat_timeout_s`` and ``poll`` raises ``PeerLost`` for them; ``PeerChannel.poll``
-raises ``CoordinatorLost`` after the same silence from the coordinator. A malformed payload
-raises ``CodecError`` from ``poll`` after it was consumed: the channel stays usable.
+Liveness is libzmq's own ZMTP heartbeating on the liveness connections: each side's I/O
+thread pings every ``heartbeat_interval_s`` and answers pings without the Python interpreter,
+so a rank busy in Python (a long tokenization holding the interpreter lock) stays alive to
+the others. A connection silent for ``heartbeat_timeout_s`` (a SIGSTOPped process) is closed
+by libzmq, and a dead process's by its kernel; socket monitors report the disconnect: the
+coordinator's ``dead_peers()`` then names the rank (and ``poll`` raises ``PeerLost``), a
+peer's ``poll`` raises ``CoordinatorLost``. A malformed payload raises ``CodecError`` from
+``poll`` after it was consumed: the channel stays usable.
 
 A channel's sockets belong to the thread that uses it (besides its own heartbeat thread);
 ``dead_peers``, ``last_seen``, ``silence`` and ``coordinator_alive`` may be called from any
@@ -74,35 +79,14 @@ class CoordinatorChannel(Channel):
             host = socket.gethostbyname(host)
         base = f"tcp://[{host}]" if ":" in host else f"tcp://{host}"
         self._sock = self._socket(zmq.ROUTER, ":" in host)
-        hb = self._socket(zmq.ROUTER, ":" in host)
         try:
             self.endpoint = f"{base}:{self._sock.bind_to_random_port(base)}"
-            self.heartbeat_endpoint = f"{base}:{hb.bind_to_random_port(base)}"
-        except BaseException:
-            hb.close(linger=0)
-            self.close()
-            raise
-        seen: set[bytes] = set()
-
-        def beat(sock: zmq.Socket) -> None:
-            payload = encode(Heartbeat(0, time.time()))
-            for ident in seen:
-                try:
-                    sock.send_multipart([ident, payload], zmq.NOBLOCK)
-                except zmq.ZMQError:
-                    pass  # gone or full: its silence is reported by dead_peers()
-
-        def on_frames(frames: list[bytes]) -> None:
-            if self._touch(frames[0]) is not None:
-                seen.add(frames[0])
-
-        self._start_heartbeat(hb, beat, on_frames)
-        try:
             store.set(self.config.key("endpoint"), self.endpoint)
-            store.set(self.config.key("heartbeat"), self.heartbeat_endpoint)
         except BaseException:
             self.close()
             raise
+        self._store = store
+        self._lost: dict[int, float] = {}
 
     def _touch(self, ident: bytes) -> int | None:
         rank = int(ident[5:]) if ident[:5] == b"rank-" and ident[5:].isdigit() else None
@@ -118,6 +102,28 @@ class CoordinatorChannel(Channel):
         missing = [r for r in self.peers if r not in self._ready]
         self.gather(PeerReady, self.config.connect_timeout_s if timeout is None else timeout,
                     ranks=missing)
+        if self._thread is None and self.peers:
+            self._watch_peers()
+
+    def _watch_peers(self) -> None:
+        """One liveness connection to each ready peer; a disconnect marks that rank lost."""
+        watched = {}
+        for rank in self.peers:
+            endpoint = store_get(self._store, self.config.key(f"heartbeat-{rank}"),
+                                 self.config.connect_timeout_s)
+            sock = self._liveness_socket(zmq.DEALER, "[" in endpoint)
+            sock.connect(endpoint)
+            monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            watched[sock] = _ignore
+            watched[monitor] = self._marker(rank)
+        self._start_watch(watched)
+
+    def _marker(self, rank: int):
+        def lost(frames: list[bytes]) -> None:
+            with self._lock:
+                self._lost.setdefault(rank, time.monotonic())
+
+        return lost
 
     def send(self, rank: int, msg: Any) -> None:
         self._send(rank, encode(msg))
@@ -222,8 +228,9 @@ class CoordinatorChannel(Channel):
             return {rank: now - t for rank, t in sorted(self._last_seen.items())}
 
     def dead_peers(self) -> tuple[int, ...]:
-        timeout = self.config.heartbeat_timeout_s
-        return tuple(r for r, age in self.last_seen().items() if age > timeout)
+        """Peers whose liveness connection libzmq closed (dead, or silent past the timeout)."""
+        with self._lock:
+            return tuple(sorted(self._lost))
 
     def check_peers(self) -> None:
         dead = self.dead_peers()
@@ -255,42 +262,44 @@ class PeerChannel(Channel):
         try:
             timeout = self.config.connect_timeout_s
             self.endpoint = store_get(store, self.config.key("endpoint"), timeout)
-            self.heartbeat_endpoint = store_get(store, self.config.key("heartbeat"), timeout)
             self._sock = self._socket(zmq.DEALER, "[" in self.endpoint)
-            hb = self._socket(zmq.DEALER, "[" in self.endpoint)
-            for sock, endpoint in ((self._sock, self.endpoint), (hb, self.heartbeat_endpoint)):
-                sock.setsockopt(zmq.ROUTING_ID, identity(rank))
-                sock.connect(endpoint)
+            self._sock.setsockopt(zmq.ROUTING_ID, identity(rank))
+            self._sock.connect(self.endpoint)
+            host = socket.gethostbyname(default_host())
+            base = f"tcp://{host}"
+            hb = self._liveness_socket(zmq.DEALER, False)
+            self.heartbeat_endpoint = f"{base}:{hb.bind_to_random_port(base)}"
+            watched = {hb: _ignore}
+            for sock in (hb, self._sock):  # the coordinator's liveness connection, and a
+                # dead coordinator's reset main connection (before it connected liveness)
+                watched[sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)] = self._on_lost
+            store.set(self.config.key(f"heartbeat-{rank}"), self.heartbeat_endpoint)
         except BaseException:
             self.close()
             raise
-        self._last_heard = time.monotonic()
-
-        def beat(sock: zmq.Socket) -> None:
-            try:
-                sock.send(encode(Heartbeat(rank, time.time())), zmq.NOBLOCK)
-            except zmq.Again:
-                pass
-
-        self._start_heartbeat(hb, beat, lambda frames: self._touch())
+        self._lost_at: float | None = None
+        self._start_watch(watched)
         self.send(PeerReady(rank))
 
-    def _touch(self) -> None:
+    def _on_lost(self, frames: list[bytes]) -> None:
         with self._lock:
-            self._last_heard = time.monotonic()
+            if self._lost_at is None:
+                self._lost_at = time.monotonic()
 
     def silence(self) -> float:
-        """Seconds since the coordinator was last heard from."""
+        """Seconds since libzmq closed the connection to the coordinator (0 while it is up)."""
         with self._lock:
-            return time.monotonic() - self._last_heard
+            return 0.0 if self._lost_at is None else time.monotonic() - self._lost_at
 
     def coordinator_alive(self) -> bool:
-        return self.silence() <= self.config.heartbeat_timeout_s
+        with self._lock:
+            return self._lost_at is None
 
     def check_coordinator(self) -> None:
         if not self.coordinator_alive():
-            raise CoordinatorLost(f"control plane: rank {self.rank} heard nothing from the "
-                                  f"coordinator for {self.silence():.1f} s")
+            raise CoordinatorLost(f"control plane: rank {self.rank} lost its connection to the "
+                                  f"coordinator (dead, or silent for more than "
+                                  f"{self.config.heartbeat_timeout_s} s)")
 
     def send(self, msg: Any) -> None:
         self.send_bytes(encode(msg))
@@ -308,9 +317,7 @@ class PeerChannel(Channel):
         deadline, wait = time.monotonic() + max(timeout, 0.0), 0.0
         while True:
             if self._sock.poll(wait * 1000):
-                data = self._sock.recv(zmq.NOBLOCK)
-                self._touch()
-                msg = decode(data)
+                msg = decode(self._sock.recv(zmq.NOBLOCK))
                 if not isinstance(msg, Heartbeat):
                     return msg
                 wait = 0.0
@@ -320,6 +327,10 @@ class PeerChannel(Channel):
             if left <= 0:
                 return None
             wait = min(left, self.config.heartbeat_interval_s)
+
+
+def _ignore(frames: list[bytes]) -> None:
+    """Nothing is ever sent on a liveness connection; libzmq's pings are not messages."""
 
 
 def open_control(rank: int, world_size: int, store: dist.Store | None = None,

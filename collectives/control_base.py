@@ -10,7 +10,6 @@ import logging
 import os
 import socket
 import threading
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -193,27 +192,39 @@ class Channel:
             sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted peer takes its id over
         return sock
 
-    def _start_heartbeat(self, sock: zmq.Socket, beat: Callable[[zmq.Socket], None],
-                         on_frames: Callable[[list[bytes]], None]) -> None:
-        """Run the heartbeat thread; it owns ``sock`` from here on (handed over at start)."""
+    def _liveness_socket(self, kind: int, ipv6: bool) -> zmq.Socket:
+        """A socket whose connection libzmq itself keeps alive: ZMTP PING every interval from
+        libzmq's I/O thread (no Python thread, so a process busy in Python for minutes still
+        answers), and the connection is closed after ``heartbeat_timeout_s`` without traffic
+        (a SIGSTOPped or dead peer)."""
+        sock = self._socket(kind, ipv6)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, int(self.config.heartbeat_interval_s * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(self.config.heartbeat_timeout_s * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_TTL, int(self.config.heartbeat_timeout_s * 1000))
+        return sock
+
+    def _start_watch(self, sockets: dict[zmq.Socket, Callable[[list[bytes]], None]]) -> None:
+        """Run the liveness thread; it owns ``sockets`` from here on (handed over at start)
+        and passes each arrival to its handler. Only the handlers' bookkeeping runs in Python:
+        the keep-alive itself is libzmq's, so this thread being starved delays what this
+        side notices, never what the other side sees."""
 
         def run() -> None:
-            next_beat = 0.0
+            poller = zmq.Poller()
+            for sock in sockets:
+                poller.register(sock, zmq.POLLIN)
             try:
                 while not self._stop.is_set():
-                    if time.monotonic() >= next_beat:
-                        beat(sock)
-                        next_beat = time.monotonic() + self.config.heartbeat_interval_s
-                    wait_ms = max(0.0, next_beat - time.monotonic()) * 1000
-                    if sock.poll(min(wait_ms, 100.0)):
-                        on_frames(sock.recv_multipart(zmq.NOBLOCK))
+                    for sock, _ in poller.poll(100):
+                        sockets[sock](sock.recv_multipart(zmq.NOBLOCK))
             except zmq.ZMQError as exc:
                 if not self._stop.is_set():
-                    log.error("control plane: heartbeat thread stopped: %s", exc)
+                    log.error("control plane: liveness thread stopped: %s", exc)
             except Exception:
-                log.exception("control plane: heartbeat thread failed")
+                log.exception("control plane: liveness thread failed")
             finally:
-                sock.close(linger=0)
+                for sock in sockets:
+                    sock.close(linger=0)
 
         self._thread = threading.Thread(target=run, name=f"{type(self).__name__}-hb", daemon=True)
         self._thread.start()
