@@ -36,6 +36,15 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     """None: no prompt scoring. 0..20: every prompt position after the first is scored (its
     token's logprob and rank, plus that many natural alternatives); needs a scoring core."""
+    thinking_token_budget: int | None = None
+    """None: no budget. n >= 0: at most n tokens inside a thinking span (after the reasoning
+    start string); then the reasoning end string's tokens are forced, one per position. Forced
+    tokens are part of the text but have no logprob entry. Needs an engine with a reasoning
+    configuration (reasoning_parser / reasoning_config)."""
+    speculative: bool = True
+    """False opts this request out of speculative rounds (on an engine that runs them). Either
+    way the tokens and logprobs are the same for greedy and seeded requests; speculation only
+    changes how many tokens one step emits."""
 
     def __post_init__(self) -> None:
         # Everything else is checked once, by the engine's check (ranks.requests and the

@@ -10,8 +10,10 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from kernels.layout import EXPORT_K
+from ranks.declarations import DEFAULT_COMPLETION_TOKEN_CAPACITY
 from ranks.step import StepConfig
 from runtime.engine.scheduler import SchedulerConfig
+from runtime.text.reasoning import load_reasoning, reasoning_strings
 
 BACKENDS = ("torch", "triton")
 MAX_MODEL_LEN_CAP = 4096
@@ -51,6 +53,21 @@ class RuntimeConfig:
     """Seconds before a silent peer fails a collective."""
     heartbeat_timeout_s: float = 5.0
     """Seconds without a heartbeat before a peer (or the coordinator) counts as lost."""
+    speculative_tokens: int = 0
+    """N: speculative decoding with history proposals (prompt lookup over each request's own
+    prompt and output, vLLM's ``ngram`` method); each decode verifies up to N proposed tokens
+    in the same forward and emits up to N + 1 tokens. 0 (the default) is off. Needs N + 1 <= T.
+    Tokens and logprobs of greedy and seeded requests are the same on and off."""
+    ngram_min: int = 2
+    """The shortest suffix n-gram matched against the history for a proposal."""
+    ngram_max: int = 4
+    """The longest suffix n-gram matched (the longest match wins)."""
+    reasoning_parser: str | None = None
+    """``qwen3`` or ``deepseek_r1``: thinking spans are ``<think>`` ... ``</think>``; enables the
+    requests' ``thinking_token_budget``. None: no reasoning delimiters (budgets are refused)."""
+    reasoning_config: dict | None = None
+    """{"reasoning_start_str": ..., "reasoning_end_str": ...}: the delimiters, overriding the
+    parser's (without a parser both are needed)."""
 
     def __post_init__(self) -> None:
         positive = ("capacity", "chunk_size", "max_pending_frames", "collective_timeout_s",
@@ -71,6 +88,19 @@ class RuntimeConfig:
             raise ValueError(
                 f"completion_token_capacity must be >= 0, got {self.completion_token_capacity}"
             )
+        if self.speculative_tokens < 0:
+            raise ValueError(f"speculative_tokens must be >= 0, got {self.speculative_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got ngram_min="
+                             f"{self.ngram_min}, ngram_max={self.ngram_max}")
+        tokens = self.completion_token_capacity or DEFAULT_COMPLETION_TOKEN_CAPACITY
+        if self.speculative_tokens >= tokens:
+            raise ValueError(
+                f"speculative_tokens={self.speculative_tokens} needs "
+                f"completion_token_capacity >= {self.speculative_tokens + 1} (a round emits up "
+                f"to N + 1 tokens into one record), got T={tokens}"
+            )
+        reasoning_strings(self.reasoning_parser, self.reasoning_config)
         if self.reduction_backend not in BACKENDS:
             raise ValueError(f"reduction_backend must be one of {BACKENDS}, "
                              f"got {self.reduction_backend!r}")
@@ -96,8 +126,20 @@ class RuntimeConfig:
             max_logprobs=self.max_logprobs if self.logprobs else 0,
             prompt_logprobs=self.prompt_logprobs,
             chunk_limit=self.chunk_size,
+            speculative_tokens=self.speculative_tokens,
         )
 
     def scheduler_config(self, max_seq_len: int) -> SchedulerConfig:
-        batched = self.max_batched_tokens or 2 * max(self.chunk_size, self.capacity)
-        return SchedulerConfig(self.capacity, max_seq_len, self.chunk_size, batched)
+        """The coordinator's planning settings; resolves the reasoning delimiters' token ids
+        with the model's tokenizer."""
+        batched = self.max_batched_tokens or 2 * max(
+            self.chunk_size, self.capacity * (1 + self.speculative_tokens)
+        )
+        return SchedulerConfig(
+            self.capacity, max_seq_len, self.chunk_size, batched,
+            speculative_tokens=self.speculative_tokens,
+            ngram_min=self.ngram_min,
+            ngram_max=self.ngram_max,
+            reasoning=load_reasoning(self.reasoning_parser, self.reasoning_config,
+                                     self.model_dir),
+        )

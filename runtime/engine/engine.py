@@ -8,19 +8,17 @@ scripts and tests. Every rank runs the same plan: the coordinator sends it to it
 from __future__ import annotations
 
 import asyncio
-import secrets
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 
-from ranks.plan import RequestSpec, StepPlan
+from ranks.plan import StepPlan
 from ranks.requests import (
     RequestError,
     check_logprob_request,
     check_prompt_logprobs,
     check_token_ids,
 )
-from ranks.sampling_params import RowSampling
 from ranks.step import RankStep
 from runtime.engine.client import (
     EngineError,
@@ -31,9 +29,15 @@ from runtime.engine.client import (
     SamplingParams,
 )
 from runtime.engine.executor import FrameExecutor
-from runtime.engine.frame_reader import read_frame
+from runtime.engine.frame_reader import SpeculationCounters, read_frame
 from runtime.engine.prompt_reader import PromptReader
-from runtime.engine.scheduler import Request, Scheduler, SchedulerConfig
+from runtime.engine.scheduler import (
+    Request,
+    Scheduler,
+    SchedulerConfig,
+    check_thinking_budget,
+    request_spec,
+)
 
 
 class _Sink:
@@ -98,6 +102,7 @@ class Engine:
         self.scheduler = Scheduler(config)
         self.executor = FrameExecutor(step.outputs, step.capabilities.allow_logprobs)
         self.prompts = PromptReader(step.scorer) if step.scorer is not None else None
+        self.speculation = SpeculationCounters()
         self._lock = threading.Condition()
         self._incoming: list[Request] = []
         self._aborted: set[int] = set()
@@ -141,7 +146,10 @@ class Engine:
         check_token_ids("stop_token_ids", params.stop_token_ids, info.vocab_size)
         check_token_ids("allowed_token_ids", params.allowed_token_ids or (), info.vocab_size)
         check_token_ids("logit_bias", [t for t, _ in params.logit_bias], info.vocab_size)
-        request_spec(info, 0, prompt_ids, params)
+        check_thinking_budget(params.thinking_token_budget, self.config.reasoning)
+        if not isinstance(params.speculative, bool):
+            raise RequestError("speculative", f"must be a boolean, got {params.speculative!r}")
+        request_spec(info, 0, prompt_ids, params, self.config.reasoning)
 
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams
@@ -183,6 +191,23 @@ class Engine:
             raise events[-1]
         return events
 
+    def run_offline(
+        self, jobs: list[tuple[list[int], SamplingParams]]
+    ) -> list[list[PromptScores | GeneratedToken | Finished | EngineError]]:
+        """Every job's events, stepping on the calling thread (the step thread must not run).
+        Plans depend only on the jobs and the emitted tokens, so every rank of a group that
+        runs the same greedy or seeded jobs plans the same submissions (tests, benchmarks)."""
+        sinks = []
+        for prompt_ids, params in jobs:
+            self.check(prompt_ids, params)
+            sinks.append(_Sink(None, None))
+            self._submit(prompt_ids, params, sinks[-1])
+        with self._lock:
+            incoming, self._incoming = self._incoming, []
+        while self.step_once(incoming):
+            incoming = []
+        return [list(sink.events) for sink in sinks]
+
     def abort(self, request: Request) -> None:
         with self._lock:
             self._aborted.add(request.ordinal)
@@ -194,8 +219,9 @@ class Engine:
             if self._failure is not None:
                 raise EngineError(f"engine is unhealthy: {self._failure}")
             self._ordinal += 1
-            request = Request(self._ordinal, list(prompt_ids), params,
-                              request_spec(self.info, self._ordinal, prompt_ids, params), sink)
+            spec = request_spec(self.info, self._ordinal, prompt_ids, params,
+                                self.config.reasoning)
+            request = Request(self._ordinal, list(prompt_ids), params, spec, sink)
             if params.max_tokens == 0 and params.prompt_logprobs is None:
                 sink.put(Finished("length"))
                 return request
@@ -214,15 +240,23 @@ class Engine:
                         break
                     incoming, self._incoming = self._incoming, []
                     aborted, self._aborted = self._aborted, set()
-                for request in incoming:
-                    self.scheduler.add(request)
-                self._drop_aborted(aborted)
-                nxt = self.scheduler.next_plan()
-                if nxt is not None:
-                    self._run(*nxt)
+                self.step_once(incoming, aborted)
         except BaseException as exc:  # noqa: BLE001 - any failure ends every request
             self._fail_all(f"{type(exc).__name__}: {exc}")
             raise
+
+    def step_once(self, incoming: list[Request] = (), aborted: set[int] = frozenset()) -> bool:
+        """One iteration of the step thread: admit, drop aborted requests, plan and run one
+        submission; False when there was nothing to run. Scripts that drive an engine without
+        its thread (every rank of a test group running the same requests) call this."""
+        for request in incoming:
+            self.scheduler.add(request)
+        self._drop_aborted(aborted)
+        nxt = self.scheduler.next_plan()
+        if nxt is None:
+            return False
+        self._run(*nxt)
+        return True
 
     def _drop_aborted(self, ordinals: set[int]) -> None:
         if not ordinals:
@@ -244,6 +278,7 @@ class Engine:
         outcomes = read_frame(host, sampling, self.info.vocab_size)
         for request in sampling:
             outcome = outcomes[request.ordinal]
+            self.speculation.add(request.proposals, outcome)
             for token in outcome.tokens:
                 if not request.sink.put(token):
                     outcome.error = (
@@ -294,36 +329,3 @@ class Engine:
         with self._lock:
             self._stopped = True
             self._lock.notify_all()
-
-
-def request_spec(
-    info: EngineInfo, ordinal: int, prompt_ids: list[int], params: SamplingParams
-) -> RequestSpec:
-    """What the ranks need to know about a request; the seed is drawn here when unset."""
-    stops = set(params.stop_token_ids)
-    if not params.ignore_eos:
-        stops.update(info.eos_token_ids)
-    room = info.max_model_len - len(prompt_ids)
-    sampling = RowSampling(
-        seed=params.seed if params.seed is not None else secrets.randbits(63),
-        position=0,
-        temperature=params.temperature,
-        top_k=params.top_k,
-        top_p=params.top_p,
-        min_p=params.min_p,
-        presence_penalty=params.presence_penalty,
-        frequency_penalty=params.frequency_penalty,
-        repetition_penalty=params.repetition_penalty,
-        logit_bias=params.logit_bias,
-        allowed_token_ids=params.allowed_token_ids,
-    )
-    scored = params.prompt_logprobs is not None
-    return RequestSpec(
-        ordinal=ordinal,
-        max_tokens=max(0 if scored else 1, min(params.max_tokens, room)),
-        sampling=sampling,
-        stop_token_ids=tuple(sorted(stops)),
-        logprobs=params.wants_logprobs,
-        logprob_token_ids=tuple(params.logprob_token_ids or ()),
-        prompt_logprobs=scored,
-    )

@@ -1,4 +1,11 @@
-"""Turns one host frame into per-request outcomes in generated-token order."""
+"""Turns one host frame into per-request outcomes in generated-token order.
+
+A record emits positions 0..EMITTED-1 in generated order (a speculative round's accepted
+proposals, then its correction or bonus token); each becomes one GeneratedToken, with its
+logprob entry unless the position is forced. A speculative record must agree with the plan:
+OFFERED = the proposals the scheduler sent, ACCEPTED <= OFFERED, EMITTED <= ACCEPTED + 1,
+and the first ACCEPTED emitted tokens are those proposals; anything else fails the request.
+"""
 
 from __future__ import annotations
 
@@ -22,6 +29,45 @@ class SlotOutcome:
     tokens: list[GeneratedToken] = field(default_factory=list)
     finish: Finished | None = None
     error: str | None = None
+    offered: int = 0
+    accepted: int = 0
+
+
+@dataclass
+class SpeculationCounters:
+    """Speculative rounds the coordinator read: proposals offered and accepted, tokens
+    emitted by rounds (acceptance rate = accepted / offered)."""
+
+    rounds: int = 0
+    offered: int = 0
+    accepted: int = 0
+    emitted: int = 0
+
+    def add(self, proposals: tuple[int, ...], outcome: SlotOutcome) -> None:
+        if proposals:
+            self.rounds += 1
+            self.offered += outcome.offered
+            self.accepted += outcome.accepted
+            self.emitted += len(outcome.tokens)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.offered if self.offered else 0.0
+
+
+def round_error(record: list[int], proposals: tuple[int, ...]) -> str | None:
+    """Why a record disagrees with the round the plan sent, or None."""
+    kind = abi6.Kind.SPECULATIVE if proposals else abi6.Kind.SAMPLE
+    offered, accepted = record[abi6.OFFERED], record[abi6.ACCEPTED]
+    emitted = record[abi6.HEADER : abi6.HEADER + record[abi6.EMITTED]]
+    if record[abi6.KIND] != kind or offered != len(proposals):
+        return (f"record kind {record[abi6.KIND]} offers {offered}, the plan proposed "
+                f"{len(proposals)}")
+    if not 0 <= accepted <= offered or len(emitted) > accepted + 1:
+        return f"record accepts {accepted} of {offered} and emits {len(emitted)}"
+    if emitted[:accepted] != list(proposals[:accepted]):
+        return "accepted tokens differ from the proposals"
+    return None
 
 
 def expectation(request: Request) -> LaneExpectation:
@@ -60,6 +106,11 @@ def read_frame(
                 f"expected {host.submission}"
             )
             continue
+        error = round_error(record, request.proposals)
+        if error is not None:
+            outcome.error = f"slot {request.slot}: {error}"
+            continue
+        outcome.offered, outcome.accepted = record[abi6.OFFERED], record[abi6.ACCEPTED]
         emitted = record[abi6.HEADER : abi6.HEADER + record[abi6.EMITTED]]
         entries = {}
         if request.wants_logprobs:

@@ -1,12 +1,20 @@
-"""Admission, slots, epochs and chunked prefill: turns waiting requests into step plans."""
+"""Admission, slots, epochs, chunked prefill and speculative rounds: turns waiting requests
+into step plans."""
 
 from __future__ import annotations
 
+import secrets
 from collections import deque
 from dataclasses import dataclass, field
 
 from ranks.plan import RequestSpec, SlotWork, StepPlan
-from runtime.engine.client import SamplingParams
+from ranks.requests import RequestError
+from ranks.sampling_params import RowSampling
+from runtime.engine.client import EngineInfo, SamplingParams
+from runtime.engine.proposer import HistoryProposer
+from runtime.text.reasoning import ReasoningTokens
+
+THINKING_BUDGET = "thinking_token_budget"
 
 
 @dataclass(frozen=True)
@@ -15,10 +23,21 @@ class SchedulerConfig:
     max_seq_len: int
     chunk_size: int = 256
     max_batched_tokens: int = 1024
+    speculative_tokens: int = 0
+    """N: history proposals per decode (0: no speculative rounds)."""
+    ngram_min: int = 2
+    ngram_max: int = 4
+    reasoning: ReasoningTokens | None = None
+    """The reasoning delimiters' ids (thinking_token_budget needs them); None: refused."""
 
     def __post_init__(self) -> None:
         if self.capacity < 1 or self.chunk_size < 1 or self.max_batched_tokens < 1:
             raise ValueError("capacity, chunk_size and max_batched_tokens must be >= 1")
+        if self.speculative_tokens < 0:
+            raise ValueError(f"speculative_tokens must be >= 0, got {self.speculative_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, "
+                             f"{self.ngram_max}")
 
 
 @dataclass
@@ -34,6 +53,8 @@ class Request:
     prefilled: int = 0
     generated: list[int] = field(default_factory=list)
     done: bool = False
+    proposals: tuple[int, ...] = ()
+    """The proposals of the request's round in the last plan (empty: an ordinary decode)."""
 
     @property
     def wants_logprobs(self) -> bool:
@@ -47,6 +68,10 @@ class Scheduler:
         self.running: dict[int, Request] = {}
         self.epochs = [0] * config.capacity
         self.submission = 0
+        self.proposer = None
+        if config.speculative_tokens:
+            self.proposer = HistoryProposer(config.speculative_tokens, config.ngram_min,
+                                            config.ngram_max)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -56,6 +81,8 @@ class Scheduler:
 
     def finish(self, request: Request) -> None:
         request.done = True
+        if self.proposer is not None:
+            self.proposer.release(request.ordinal)
         if self.running.get(request.slot) is request:
             del self.running[request.slot]
         elif request in self.waiting:
@@ -86,10 +113,12 @@ class Scheduler:
             if budget < 1:
                 break
             position = len(request.prompt) + len(request.generated) - 1
-            work.append(SlotWork(request.slot, request.epoch, (request.generated[-1],), position,
-                                 samples=True))
+            proposals = self._propose(request, position, budget - 1)
+            request.proposals = proposals
+            work.append(SlotWork(request.slot, request.epoch, (request.generated[-1], *proposals),
+                                 position, samples=True, proposals=proposals))
             carried.append(request)
-            budget -= 1
+            budget -= 1 + len(proposals)
         scored = False
         for request in prefills:
             take = min(self.config.chunk_size, budget, len(request.prompt) - request.prefilled)
@@ -117,7 +146,74 @@ class Scheduler:
         return plan, carried
 
 
+    def _propose(self, request: Request, position: int, budget: int) -> tuple[int, ...]:
+        """History proposals for a decode whose last token sits at ``position``: at most N,
+        the submission's remaining token budget, and the positions left below max_seq_len
+        (as vLLM, not clipped at max_tokens: the commit clips the emitted run)."""
+        if self.proposer is None or not request.params.speculative:
+            return ()
+        limit = min(budget, self.config.max_seq_len - 1 - position)
+        return self.proposer.propose(request.ordinal, request.prompt, request.generated, limit)
+
+
 def scored_targets(prompt: list[int], start: int, take: int) -> tuple[int, ...]:
     """A scored chunk's targets: row j predicts prompt[start + j + 1]; -1 at the prompt end."""
     targets = prompt[start + 1 : start + take + 1]
     return (*targets, *([-1] * (take - len(targets))))
+
+
+def check_thinking_budget(budget: object, reasoning: ReasoningTokens | None) -> None:
+    """thinking_token_budget: None, or an integer >= 0 on an engine with reasoning
+    delimiters."""
+    if budget is None:
+        return
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+        raise RequestError(THINKING_BUDGET, f"must be an integer >= 0, got {budget!r}")
+    if reasoning is None:
+        raise RequestError(
+            THINKING_BUDGET,
+            "needs a server started with a reasoning configuration (--reasoning-parser or "
+            "--reasoning-config): this one has no thinking delimiters",
+        )
+
+
+def request_spec(
+    info: EngineInfo,
+    ordinal: int,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    reasoning: ReasoningTokens | None = None,
+) -> RequestSpec:
+    """What the ranks need to know about a request; the seed is drawn here when unset."""
+    stops = set(params.stop_token_ids)
+    if not params.ignore_eos:
+        stops.update(info.eos_token_ids)
+    room = info.max_model_len - len(prompt_ids)
+    sampling = RowSampling(
+        seed=params.seed if params.seed is not None else secrets.randbits(63),
+        position=0,
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p,
+        min_p=params.min_p,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
+        logit_bias=params.logit_bias,
+        allowed_token_ids=params.allowed_token_ids,
+    )
+    scored = params.prompt_logprobs is not None
+    thinking = {}
+    if params.thinking_token_budget is not None and reasoning is not None:
+        thinking = {"thinking_budget": params.thinking_token_budget,
+                    "think_start": reasoning.start, "think_end": reasoning.end}
+    return RequestSpec(
+        ordinal=ordinal,
+        max_tokens=max(0 if scored else 1, min(params.max_tokens, room)),
+        sampling=sampling,
+        stop_token_ids=tuple(sorted(stops)),
+        logprobs=params.wants_logprobs,
+        logprob_token_ids=tuple(params.logprob_token_ids or ()),
+        prompt_logprobs=scored,
+        **thinking,
+    )

@@ -1,0 +1,85 @@
+"""Reasoning delimiters: which strings open and close a thinking span, as token ids.
+
+A serving configuration names a parser (``reasoning_parser``: ``qwen3`` or ``deepseek_r1``,
+both ``<think>`` / ``</think>``) and/or gives a dict ``reasoning_config`` with
+``reasoning_start_str`` and ``reasoning_end_str``, which override the parser's strings (with
+no parser, the dict must give both). The strings are tokenized with the model's tokenizer
+(``tokenizer.json``), without special tokens; an end string of several tokens is forced
+token by token when a request's ``thinking_token_budget`` is spent (ranks/commit.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+PARSERS: dict[str, tuple[str, str]] = {
+    "qwen3": ("<think>", "</think>"),
+    "deepseek_r1": ("<think>", "</think>"),
+}
+CONFIG_KEYS = ("reasoning_start_str", "reasoning_end_str")
+
+
+@dataclass(frozen=True)
+class ReasoningStrings:
+    start: str
+    end: str
+
+
+@dataclass(frozen=True)
+class ReasoningTokens:
+    """The delimiters' token ids; what a request's thinking budget is enforced with."""
+
+    start: tuple[int, ...]
+    end: tuple[int, ...]
+    strings: ReasoningStrings | None = None
+
+
+def reasoning_strings(parser: str | None, config: dict | None) -> ReasoningStrings | None:
+    """The configured delimiters, or None when neither a parser nor a config is given.
+    Raises ValueError for an unknown parser, unknown keys, or missing/empty strings."""
+    if parser is None and config is None:
+        return None
+    if parser is not None and parser not in PARSERS:
+        raise ValueError(f"reasoning_parser must be one of {sorted(PARSERS)}, got {parser!r}")
+    start, end = PARSERS[parser] if parser is not None else (None, None)
+    if config is not None:
+        if not isinstance(config, dict):
+            raise ValueError(f"reasoning_config must be a dict, got {type(config).__name__}")
+        unknown = sorted(set(config) - set(CONFIG_KEYS))
+        if unknown:
+            raise ValueError(f"reasoning_config: unknown keys {unknown}; expected {CONFIG_KEYS}")
+        start = config.get("reasoning_start_str", start)
+        end = config.get("reasoning_end_str", end)
+    for key, value in zip(CONFIG_KEYS, (start, end), strict=True):
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"reasoning_config: {key} must be a non-empty string, "
+                             f"got {value!r}")
+    return ReasoningStrings(start, end)
+
+
+def resolve_tokens(strings: ReasoningStrings, tokenizer) -> ReasoningTokens:
+    """Token ids of both strings with a ``tokenizers.Tokenizer``."""
+
+    def ids(text: str) -> tuple[int, ...]:
+        encoded = tuple(tokenizer.encode(text, add_special_tokens=False).ids)
+        if not encoded:
+            raise ValueError(f"reasoning string {text!r} encodes to no tokens")
+        return encoded
+
+    return ReasoningTokens(ids(strings.start), ids(strings.end), strings)
+
+
+def load_reasoning(
+    parser: str | None, config: dict | None, model_dir: str | Path
+) -> ReasoningTokens | None:
+    """The delimiters' ids with the model directory's tokenizer.json; None when unset."""
+    strings = reasoning_strings(parser, config)
+    if strings is None:
+        return None
+    import tokenizers
+
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        raise ValueError(f"a reasoning configuration needs {path} to resolve its token ids")
+    return resolve_tokens(strings, tokenizers.Tokenizer.from_file(str(path)))
