@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from ranks import abi6
-from runtime.engine.client import EngineError, Finished, GeneratedToken
+from runtime.engine.client import EngineError, Finished, GeneratedToken, SamplingParams
 from tests.checkpoints import hf_logprobs
 
 SENTINEL = -7
@@ -15,6 +15,23 @@ TOL = 1e-4
 SAME = 2e-5
 """Speculation on vs off: the same logits up to FP32 rounding of a wider forward (a round's
 query rows attend as one block), so the same tokens and logprobs equal within this."""
+
+
+SEEDED = dict(temperature=0.8, top_k=50, top_p=0.9, seed=11, repetition_penalty=1.2,
+              presence_penalty=0.3, frequency_penalty=0.2)
+JOBS = [
+    ([5, 6, 7, 8] * 3 + [5, 6], SamplingParams(max_tokens=20, temperature=0.0, logprobs=20)),
+    ([3, 9, 27, 81] * 3, SamplingParams(max_tokens=16, logprobs=5, **SEEDED)),
+    ([11, 12, 11, 12, 11], SamplingParams(max_tokens=18, temperature=0.0,
+                                          logprob_token_ids=(300, 0, 7, 150, 12))),
+    ([40, 41, 40, 41], SamplingParams(max_tokens=14, temperature=0.7, seed=5)),
+    ([7, 7, 7], SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, speculative=False)),
+    ([9, 8, 9, 8, 9], SamplingParams(max_tokens=15, temperature=1.0, seed=3, min_p=0.05,
+                                     logprobs=0)),
+]
+JOBS = [(p, SamplingParams(**{**vars(s), "ignore_eos": True})) for p, s in JOBS]
+"""Greedy and seeded jobs for the random Qwen2 (vocabulary 301) with repetition in the
+prompts: K=20, K=5, selected ids, no logprobs, opted out, K=0."""
 
 
 class FrameWatch:

@@ -18,6 +18,7 @@ from runtime.engine.proposer import HistoryProposer
 from tests.checkpoints import write_qwen2
 from tests.scripted_checkpoint import EOS, encode, write_scripted
 from tests.spec_helpers import (
+    JOBS,
     FrameWatch,
     assert_matches_transformers,
     assert_same_results,
@@ -136,19 +137,6 @@ def engine_for(model_dir, n: int, **overrides):
     return build_engine(config, load_rank(config, None))
 
 
-SEEDED = dict(temperature=0.8, top_k=50, top_p=0.9, seed=11, repetition_penalty=1.2,
-              presence_penalty=0.3, frequency_penalty=0.2)
-JOBS = [
-    ([5, 6, 7, 8] * 3 + [5, 6], SamplingParams(max_tokens=20, temperature=0.0, logprobs=20)),
-    ([3, 9, 27, 81] * 3, SamplingParams(max_tokens=16, logprobs=5, **SEEDED)),
-    ([11, 12, 11, 12, 11], SamplingParams(max_tokens=18, temperature=0.0,
-                                          logprob_token_ids=(300, 0, 7, 150, 12))),
-    ([40, 41, 40, 41], SamplingParams(max_tokens=14, temperature=0.7, seed=5)),
-    ([7, 7, 7], SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, speculative=False)),
-    ([9, 8, 9, 8, 9], SamplingParams(max_tokens=15, temperature=1.0, seed=3, min_p=0.05,
-                                     logprobs=0)),
-]
-JOBS = [(p, SamplingParams(**{**vars(s), "ignore_eos": True})) for p, s in JOBS]
 
 
 @pytest.fixture(scope="module")
