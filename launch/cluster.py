@@ -1,23 +1,29 @@
-"""Joining the torchrun job: process group, this rank's shard, the control channel."""
+"""Joining the torchrun job: process group, this rank's shard, the control channel; stop
+signals, load progress and the few lines rank 0 prints (``say``)."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import os
+import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 import torch
 
-from collectives.control import ControlConfig, open_control
+from collectives.control import ControlConfig, default_store, open_control
 from collectives.groups import barrier, destroy, init_from_env, world_group
+from ranks.model import ShardedCausalLM
+from ranks.model.weights import LoadProgress
 from ranks.step import RankStep
 from ranks.worker import run_peer
-from runtime.engine.bootstrap import build_engine, load_rank
+from runtime.engine.bootstrap import build_engine
 from runtime.engine.config import RuntimeConfig
 from runtime.engine.engine import Engine
 
@@ -78,6 +84,211 @@ def runtime_config(args: argparse.Namespace, device: str) -> RuntimeConfig:
     )
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+ECHO_S = 2.0
+"""Under torchrun a terminal's Ctrl-C reaches every rank twice: from the terminal and
+forwarded by torchrun. A repeat within this many seconds of the first signal is that echo."""
+START_GRACE_S = 5.0
+"""A rank stopped while starting up exits (status ``StopSignals.status``) this long after the
+signal even if its main thread is still blocked, e.g. in a store or collective wait for a rank
+that has already left."""
+STOP_GRACE_S = 15.0
+"""A rank stopped while serving that is still running this long after the signal (a peer that
+never got the coordinator's Shutdown, say) logs an error and exits with status 1."""
+
+
+def say(text: str) -> None:
+    """One ``helios: <text>`` line on stderr, in one write(2) call: safe in a signal handler,
+    never interleaved with another line. On a terminal it first erases a progress line."""
+    erase = "\r\033[K" if os.isatty(2) else ""
+    try:
+        os.write(2, f"{erase}helios: {text}\n".encode())
+    except OSError:
+        pass
+
+
+def env_rank() -> int:
+    """This process's rank as torchrun exports it (0 without torchrun)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+class Interrupted(BaseException):
+    """A stop signal arrived while this rank was still starting up (see StopSignals)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class StopSignals:
+    """SIGINT, SIGTERM and SIGHUP end this rank without a traceback; rank 0 announces the
+    stop in one line, ``helios: shutting down (<reason>)``, and every other rank stays silent.
+
+    Until ``serving()`` a signal raises Interrupted in the main thread, so a long load or
+    start-up ends at once. From ``serving()`` on it only requests a stop: the ``on_stop``
+    callbacks run (the coordinator's stops uvicorn, a peer's asks the coordinator to stop the
+    job) and the process leaves through its normal cleanup. A repeat within ECHO_S of the
+    first signal is ignored; a later one runs the ``on_force`` callbacks.
+
+    Python runs signal handlers in the main thread only, and only between bytecodes: a main
+    thread blocked in C++ (a store wait, a collective) would never see them. So the signals
+    also go to a thread (``signal.set_wakeup_fd``) that requests the stop at once, and a
+    deadline ends the process if its cleanup does not: START_GRACE_S after a signal during
+    start-up (quietly, with ``status``), STOP_GRACE_S after one while serving (status 1).
+    Handlers are installed even where SIGINT was ignored at start (a background job), as
+    torchrun forwards SIGINT to its workers.
+    """
+
+    def __init__(self, rank: int, status: int = 0) -> None:
+        self.rank = rank
+        self.status = status
+        self.reason: str | None = None
+        self.signum: int | None = None
+        self._raise = True
+        self._raised = False
+        self._at = 0.0
+        self._lock = threading.RLock()  # re-entrant: the handler may interrupt its own thread
+        self._on_stop: list[Callable[[], None]] = []
+        self._on_force: list[Callable[[], None]] = []
+
+    def install(self) -> StopSignals:
+        """Install the handlers and the signal thread (from the main thread)."""
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._handle)
+        threading.Thread(target=self._watch, args=(read_fd,), name="stop-signals",
+                         daemon=True).start()
+        return self
+
+    @property
+    def requested(self) -> bool:
+        return self.reason is not None
+
+    def serving(self) -> None:
+        """From now on a signal requests a stop instead of raising Interrupted."""
+        self._raise = False
+
+    def on_stop(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` when a stop is requested (now, if it already was)."""
+        with self._lock:
+            self._on_stop.append(fn)
+            now = self.requested
+        if now:
+            _call(fn)
+
+    def on_force(self, fn: Callable[[], None]) -> None:
+        self._on_force.append(fn)
+
+    def request(self, reason: str, signum: int | None = None) -> bool:
+        """Ask for a stop, from any thread; the first request wins and is the one announced.
+        Returns whether this was the first."""
+        with self._lock:
+            if self.reason is not None:
+                return False
+            self.reason, self.signum, self._at = reason, signum, time.monotonic()
+            callbacks = list(self._on_stop)
+            starting = self._raise
+        if self.rank == 0:
+            say(f"shutting down ({reason})")
+        grace = START_GRACE_S if starting else STOP_GRACE_S
+        deadline = threading.Timer(grace, self._deadline, args=(grace, starting))
+        deadline.daemon = True
+        deadline.start()
+        for fn in callbacks:
+            _call(fn)
+        return True
+
+    def _handle(self, signum: int, frame: object) -> None:
+        # The main thread, once it runs Python again; the signal thread has usually already
+        # requested the stop (and counted any repeat).
+        self.request(signal.Signals(signum).name, signum)
+        if self._raise and not self._raised:
+            self._raised = True
+            raise Interrupted(signum)
+
+    def _watch(self, fd: int) -> None:
+        while True:
+            for signum in os.read(fd, 64):  # one byte per signal that has a Python handler
+                if signum not in STOP_SIGNALS:
+                    continue
+                first = self.request(signal.Signals(signum).name, signum)
+                if not first and time.monotonic() - self._at > ECHO_S:
+                    for fn in list(self._on_force):
+                        _call(fn)
+
+    def _deadline(self, grace: float, starting: bool) -> None:
+        if starting:
+            exit_process(self.status)
+        log.error("rank %d: still running %.0f s after %s; exiting", self.rank, grace,
+                  self.reason)
+        exit_process(1)
+
+
+def _call(fn: Callable[[], None]) -> None:
+    try:
+        fn()
+    except Exception:  # noqa: BLE001 - a stop callback must not turn into a traceback
+        log.warning("stop callback %r failed", fn, exc_info=True)
+
+
+def stop_key() -> str:
+    """Where a signalled peer asks the coordinator to stop the job (torch.distributed store);
+    per torchrun restart, so a restarted job does not see its predecessor's request."""
+    job = os.environ.get("TORCHELASTIC_RUN_ID", "default")
+    return f"helios/{job}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/stop"
+
+
+class ProgressLine:
+    """Rank 0's weight-loading progress on stderr, as a ``progress(done, total)`` callback.
+
+    On a terminal: one line redrawn in place (at most every REDRAW_S), erased when the load
+    ends. Otherwise (logs, tests): nothing for a load that ends within FIRST_S, then a line
+    every EVERY_S and one when it is done.
+    """
+
+    REDRAW_S = 0.1
+    FIRST_S = 5.0
+    EVERY_S = 10.0
+
+    def __init__(self, stream: TextIO | None = None, tty: bool | None = None) -> None:
+        self.stream = sys.stderr if stream is None else stream
+        self.tty = self.stream.isatty() if tty is None else tty
+        self.start = time.monotonic()
+        self._last: float | None = None
+        self._drawn = False
+        self._logged = False
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        elapsed = now - self.start
+        if self.tty:
+            if done < total and (self._last is None or now - self._last >= self.REDRAW_S):
+                self._write(f"\r\033[Khelios: {self._text(done, total, elapsed)}")
+                self._drawn = True
+                self._last = now
+        elif elapsed >= self.FIRST_S and (self._last is None or now - self._last >= self.EVERY_S):
+            self._write(f"helios: {self._text(done, total, elapsed)}\n")
+            self._logged = True
+            self._last = now
+
+    def close(self) -> None:
+        if self._drawn:
+            self._write("\r\033[K")
+        elif self._logged:
+            self._write(f"helios: loaded weights in {time.monotonic() - self.start:.0f} s\n")
+        self._drawn = self._logged = False
+
+    @staticmethod
+    def _text(done: int, total: int, elapsed: float) -> str:
+        return f"loading weights {100 * done // max(total, 1)}% ({elapsed:.0f} s)"
+
+    def _write(self, text: str) -> None:
+        self.stream.write(text)
+        self.stream.flush()
+
+
 @dataclass
 class Cluster:
     rank: int
@@ -91,18 +302,47 @@ class Cluster:
     def is_coordinator(self) -> bool:
         return self.rank == 0
 
-    def run_peer(self) -> int:
+    def run_peer(self, stop: StopSignals | None = None) -> int:
+        """The peer loop until the coordinator's Shutdown; returns the exit status.
+
+        With ``stop`` a signal does not end the loop: it asks the coordinator to stop the job
+        and the loop ends on the coordinator's Shutdown, as every other stop does (or at
+        StopSignals' deadline). A failure after the signal (the coordinator gone mid-step)
+        ends the loop quietly with status 0.
+        """
+        if stop is not None:
+            stop.on_stop(lambda: self._ask_to_stop(stop))
+            stop.serving()
         try:
             return run_peer(self.step, self.channel)
+        except Exception:
+            if stop is None or not stop.requested:
+                raise
+            log.info("rank %d: loop ended during the shutdown", self.rank, exc_info=True)
+            return 0
         finally:
             self.channel.close()
             destroy()
 
-    def engine(self) -> Engine:
+    def _ask_to_stop(self, stop: StopSignals) -> None:
+        reason = f"{stop.reason} on rank {self.rank}"
+
+        def publish() -> None:
+            try:
+                default_store().set(stop_key(), reason)
+            except Exception:  # noqa: BLE001 - the job is going away anyway
+                log.info("rank %d: could not publish the stop", self.rank, exc_info=True)
+
+        threading.Thread(target=publish, name="stop-publish", daemon=True).start()
+
+    def engine(self, stop: StopSignals | None = None) -> Engine:
+        """The coordinator's engine, started; with peers, a thread watches them (and, with
+        ``stop``, passes a stop a peer asked for on to it)."""
         broadcast = self.channel.broadcast if self.channel is not None else None
         engine = build_engine(self.config, self.step, broadcast).start()
         if self.channel is not None:
-            threading.Thread(target=watch_peers, args=(self.channel, engine), daemon=True).start()
+            threading.Thread(target=watch_peers, args=(self.channel, engine, stop),
+                             name="watch-peers", daemon=True).start()
         return engine
 
     def close(self, engine: Engine | None) -> None:
@@ -133,14 +373,31 @@ def join(args: argparse.Namespace) -> Cluster:
             runtime_config(args, "cpu")
         barrier(group)
     config = runtime_config(args, "cuda" if cuda else "cpu")
-    step = load_rank(config, group)
+    progress = ProgressLine() if rank == 0 else None
+    try:
+        step = load_rank(config, group, progress)
+    finally:
+        if progress is not None:
+            progress.close()
     control = ControlConfig(heartbeat_timeout_s=config.heartbeat_timeout_s)
     channel = open_control(rank, world, config=control) if world > 1 else None
     return Cluster(rank, world, group, config, step, channel)
 
 
-def watch_peers(channel, engine: Engine, grace_s: float = 2.0) -> None:
-    """Fail every request and end the job when a peer stops answering."""
+def load_rank(config: RuntimeConfig, group, progress: LoadProgress | None = None) -> RankStep:
+    """runtime.engine.bootstrap.load_rank, with load progress."""
+    model = ShardedCausalLM.load(config.model_dir, group, device=torch.device(config.device),
+                                 progress=progress)
+    limit = config.resolve_max_model_len(model.config.max_position_embeddings)
+    return RankStep(model, group, config.step_config(limit), device=config.device)
+
+
+def watch_peers(channel, engine: Engine, stop: StopSignals | None = None,
+                grace_s: float = 2.0) -> None:
+    """Fail every request and end the job when a peer stops answering; hand a stop that a
+    signalled peer asked for (``stop_key`` in the store) to ``stop``."""
+    store = default_store() if stop is not None else None
+    key = stop_key()
     while engine.healthy():
         dead = channel.dead_peers()
         if dead:
@@ -148,6 +405,12 @@ def watch_peers(channel, engine: Engine, grace_s: float = 2.0) -> None:
             log.error("peer rank(s) %s stopped answering; requests failed, exiting", list(dead))
             time.sleep(grace_s)
             os._exit(1)
+        if store is not None and not stop.requested:
+            try:
+                if store.check([key]):
+                    stop.request(store.get(key).decode())
+            except Exception:  # noqa: BLE001 - the store's host (torchrun) is going away
+                store = None
         time.sleep(0.5)
 
 

@@ -17,8 +17,16 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from launch.cluster import add_runtime_arguments, exit_process, join
-from runtime.engine.client import EngineError, RequestError, SamplingParams
+from launch.cluster import (
+    Interrupted,
+    StopSignals,
+    add_runtime_arguments,
+    env_rank,
+    exit_process,
+    join,
+)
+from ranks.requests import RequestError
+from runtime.engine.client import EngineError, SamplingParams
 
 
 def _value(x: float) -> float:
@@ -58,16 +66,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=Path, required=True)
     p.add_argument("--output", type=Path, required=True)
     args = p.parse_args(argv)
-    cluster = join(args)
-    if not cluster.is_coordinator:
-        return cluster.run_peer()
-    engine = cluster.engine()
-    print("engine ready", file=sys.stderr, flush=True)
-    healthy = False
+    # A stop signal (any rank) fails the requests in flight and ends the job with status 1,
+    # without writing the output; see launch.cluster.StopSignals.
+    stop = StopSignals(env_rank(), status=1).install()
+    cluster = engine = pool = None
     try:
+        cluster = join(args)
+        if not cluster.is_coordinator:
+            return cluster.run_peer(stop)
+        engine = cluster.engine(stop)
+        stop.on_stop(lambda: engine.fail(f"stopped ({stop.reason})"))
+        print("engine ready", file=sys.stderr, flush=True)
         items = json.loads(args.requests.read_text())
-        with ThreadPoolExecutor(max_workers=max(1, cluster.config.capacity)) as pool:
-            results = list(pool.map(lambda item: run_one(engine, item), items))
+        pool = ThreadPoolExecutor(max_workers=max(1, cluster.config.capacity))
+        results = list(pool.map(lambda item: run_one(engine, item), items))
+        if stop.requested:
+            return 1
         counters = engine.executor.counters
         out = {
             "results": results,
@@ -75,10 +89,14 @@ def main(argv: list[str] | None = None) -> int:
             "healthy": engine.healthy(),
         }
         args.output.write_text(json.dumps(out, allow_nan=False))
-        healthy = engine.healthy()
+        return 0 if engine.healthy() else 1
+    except Interrupted:
+        return 1
     finally:
-        cluster.close(engine)
-    return 0 if healthy else 1
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+        if cluster is not None and cluster.is_coordinator:
+            cluster.close(engine)
 
 
 if __name__ == "__main__":

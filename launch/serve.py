@@ -2,38 +2,163 @@
 
 Without torchrun it runs one rank (TP1) in this process. Rank 0 is the coordinator: it runs
 the engine and the HTTP server; every other rank runs the peer loop.
+
+Rank 0 writes two lines to stderr (every other rank is silent unless something fails):
+``helios: serving <model> at http://<host>:<port>/v1 (TP=<n>, logprobs: K=<k>|off, prompt
+scoring: on|off)`` once uvicorn listens, and ``helios: shutting down (<reason>)`` on SIGINT,
+SIGTERM or SIGHUP to any rank (``SIGINT``; ``SIGTERM on rank 1`` when only a peer got it).
+Then uvicorn stops listening, requests in flight get DRAIN_S to finish before they fail, the
+peers get Shutdown, and every rank exits with status 0 (launch.cluster.StopSignals). A bare
+`torchrun` still prints its own SignalException traceback on SIGINT; `helios-serve --tp N`
+(launch.wrapper) runs torchrun quietly.
 """
 
 from __future__ import annotations
 
-import argparse
+import os
+import signal
 
-from launch.cluster import add_runtime_arguments, exit_process, join
+
+def _stop_while_importing(signum: int, frame: object) -> None:
+    """A stop signal before main() installs StopSignals: nothing to clean up yet."""
+    if os.environ.get("RANK", "0") == "0":
+        os.write(2, f"helios: shutting down ({signal.Signals(signum).name})\n".encode())
+    os._exit(0)
+
+
+if __name__ == "__main__":  # before the imports below, which take seconds (torch)
+    for _sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(_sig, _stop_while_importing)
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import threading  # noqa: E402
+from collections.abc import Callable, Iterator  # noqa: E402
+
+import uvicorn  # noqa: E402
+
+from launch.cluster import (  # noqa: E402
+    Interrupted,
+    StopSignals,
+    add_runtime_arguments,
+    env_rank,
+    exit_process,
+    join,
+    say,
+)
+
+DRAIN_S = 3.0
+"""How long requests in flight may still finish after a stop (see serve_http)."""
+GRACEFUL_S = 5
+"""uvicorn's timeout_graceful_shutdown: it cancels what is still running after this long."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="launch.serve", description=__doc__)
     add_runtime_arguments(p)
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="0: any free port (printed)")
     return p.parse_args(argv)
+
+
+def ready_line(model: str, host: str, port: int, tp: int, max_logprobs: int,
+               prompt_scoring: bool) -> str:
+    """The start-up line (after ``helios: ``)."""
+    where = f"[{host}]" if ":" in host else host
+    logprobs = f"K={max_logprobs}" if max_logprobs > 0 else "off"
+    scoring = "on" if prompt_scoring else "off"
+    return (f"serving {model} at http://{where}:{port}/v1 "
+            f"(TP={tp}, logprobs: {logprobs}, prompt scoring: {scoring})")
+
+
+class HttpServer(uvicorn.Server):
+    """uvicorn that calls ``on_ready(port)`` once it listens and leaves the signals to
+    StopSignals (uvicorn's own handlers would re-raise SIGINT as KeyboardInterrupt)."""
+
+    def __init__(self, config: uvicorn.Config, on_ready: Callable[[int], None]) -> None:
+        super().__init__(config)
+        self.on_ready = on_ready
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            self.on_ready(self.servers[0].sockets[0].getsockname()[1])
+
+
+def serve_http(app, engine, host: str, port: int, stop: StopSignals,
+               on_ready: Callable[[int], None]) -> bool:
+    """Run uvicorn in this (main) thread until ``stop`` is requested; returns whether the
+    engine was healthy then.
+
+    A stop closes the listening socket at once; requests in flight get DRAIN_S to finish,
+    then the engine fails them (a stream ends with an error event), before uvicorn's own
+    GRACEFUL_S would cancel them mid-response. A forced stop fails them at once."""
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=GRACEFUL_S,
+        lifespan="off",
+        loop="asyncio",  # uvloop would take over signal.set_wakeup_fd (see StopSignals)
+    )
+    server = HttpServer(config, on_ready)
+    healthy_at_stop: list[bool] = []
+
+    def fail_in_flight() -> None:
+        engine.fail("the server is shutting down")
+
+    def exit_now() -> None:
+        healthy_at_stop.append(engine.healthy())
+        server.should_exit = True
+        drain = threading.Timer(DRAIN_S, fail_in_flight)
+        drain.daemon = True
+        drain.start()
+
+    def force() -> None:
+        fail_in_flight()
+        server.force_exit = True
+
+    stop.on_stop(exit_now)
+    stop.on_force(force)
+    stop.serving()
+    server.run()
+    return healthy_at_stop[0] if healthy_at_stop else engine.healthy()
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    cluster = join(args)
-    if not cluster.is_coordinator:
-        return cluster.run_peer()
-    engine = cluster.engine()
-    from runtime.http.server import create_app, serve
-
-    app = create_app(engine, cluster.config.model_dir, engine.info.model_name)
+    stop = StopSignals(env_rank()).install()
+    cluster = engine = None
     try:
-        serve(app, args.host, args.port)
+        cluster = join(args)
+        if not cluster.is_coordinator:
+            return cluster.run_peer(stop)
+        engine = cluster.engine(stop)
+        from runtime.http.server import create_app
+
+        app = create_app(engine, cluster.config.model_dir, engine.info.model_name)
+        info, world = engine.info, cluster.world
+
+        def on_ready(port: int) -> None:
+            if not stop.requested:
+                say(ready_line(info.model_name, args.host, port, world, info.max_logprobs,
+                               info.prompt_logprobs))
+
+        healthy = serve_http(app, engine, args.host, args.port, stop, on_ready)
+        return 0 if healthy else 1
+    except Interrupted:
+        return 0
+    except SystemExit as exc:  # uvicorn could not start (e.g. the port is taken)
+        return exc.code if isinstance(exc.code, int) else 1
     finally:
-        healthy = engine.healthy()
-        cluster.close(engine)
-    return 0 if healthy else 1
+        if cluster is not None and cluster.is_coordinator:
+            cluster.close(engine)
 
 
 if __name__ == "__main__":
