@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 serve: install
-	$(VENV)/bin/torchrun --standalone --nproc-per-node $(TP) -m launch.serve --port $(PORT)
+	$(VENV)/bin/helios-serve --tp $(TP) --port $(PORT)
 
 test: install
 	$(PY) -m pytest -n auto -q

@@ -19,11 +19,9 @@ import torch
 
 from collectives.control import ControlConfig, default_store, open_control
 from collectives.groups import barrier, destroy, init_from_env, world_group
-from ranks.model import ShardedCausalLM
-from ranks.model.weights import LoadProgress
 from ranks.step import RankStep
 from ranks.worker import run_peer
-from runtime.engine.bootstrap import build_engine
+from runtime.engine.bootstrap import build_engine, load_rank
 from runtime.engine.config import RuntimeConfig
 from runtime.engine.engine import Engine
 
@@ -43,6 +41,9 @@ def add_runtime_arguments(p: argparse.ArgumentParser) -> None:
                    help="prefill chunk in tokens")
     p.add_argument("--max-batched-tokens", type=int, default=d("max_batched_tokens"),
                    help="tokens per step; default: twice the larger of chunk size and capacity")
+    p.add_argument("--prompt-logprobs", action="store_true",
+                   help="allocate prompt scoring (prompt_logprobs, echo with logprobs); "
+                        "costs fixed memory, off by default")
     p.add_argument("--no-logprobs", action="store_true",
                    help="export a core without logprob buffers (K=0)")
     p.add_argument("--max-logprobs", type=int, default=d("max_logprobs"),
@@ -76,6 +77,7 @@ def runtime_config(args: argparse.Namespace, device: str) -> RuntimeConfig:
         chunk_size=args.chunk_size,
         max_batched_tokens=args.max_batched_tokens,
         logprobs=not args.no_logprobs,
+        prompt_logprobs=args.prompt_logprobs,
         max_logprobs=args.max_logprobs,
         completion_token_capacity=args.completion_token_capacity,
         reduction_backend=backend,
@@ -382,14 +384,6 @@ def join(args: argparse.Namespace) -> Cluster:
     control = ControlConfig(heartbeat_timeout_s=config.heartbeat_timeout_s)
     channel = open_control(rank, world, config=control) if world > 1 else None
     return Cluster(rank, world, group, config, step, channel)
-
-
-def load_rank(config: RuntimeConfig, group, progress: LoadProgress | None = None) -> RankStep:
-    """runtime.engine.bootstrap.load_rank, with load progress."""
-    model = ShardedCausalLM.load(config.model_dir, group, device=torch.device(config.device),
-                                 progress=progress)
-    limit = config.resolve_max_model_len(model.config.max_position_embeddings)
-    return RankStep(model, group, config.step_config(limit), device=config.device)
 
 
 def watch_peers(channel, engine: Engine, stop: StopSignals | None = None,

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from ranks.model import ShardedCausalLM
+from ranks.model.weights import LoadProgress
 from ranks.plan import StepPlan
 from ranks.step import RankStep
 from runtime.engine.client import EngineInfo
@@ -29,8 +30,10 @@ def eos_token_ids(model_dir: Path, from_config: tuple[int, ...]) -> tuple[int, .
     return tuple(ids)
 
 
-def load_rank(config: RuntimeConfig, group) -> RankStep:
-    model = ShardedCausalLM.load(config.model_dir, group, device=torch.device(config.device))
+def load_rank(config: RuntimeConfig, group, progress: LoadProgress | None = None) -> RankStep:
+    """This rank's model shard and step; ``progress(done, total)`` follows the weight load."""
+    model = ShardedCausalLM.load(config.model_dir, group, device=torch.device(config.device),
+                                 progress=progress)
     limit = config.resolve_max_model_len(model.config.max_position_embeddings)
     return RankStep(model, group, config.step_config(limit), device=config.device)
 
