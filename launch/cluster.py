@@ -7,6 +7,7 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -235,6 +236,27 @@ def _call(fn: Callable[[], None]) -> None:
         log.warning("stop callback %r failed", fn, exc_info=True)
 
 
+def process_key(rank: int) -> str:
+    """Where each rank publishes ``host:pid``, so the coordinator can end a hung peer."""
+    job = os.environ.get("TORCHELASTIC_RUN_ID", "default")
+    return f"helios/{job}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/process-{rank}"
+
+
+def end_hung_peers(ranks: tuple[int, ...]) -> None:
+    """SIGKILL the hung peers that run on this host: a stopped process cannot act on
+    torchrun's SIGTERM, and torchrun would wait ~30 s before its own SIGKILL. Killed here,
+    the whole job is gone within a few seconds of the coordinator's exit."""
+    store, host = default_store(), socket.gethostname()
+    for rank in ranks:
+        try:
+            where, _, pid = store.get(process_key(rank)).decode().rpartition(":")
+            if where == host:
+                os.kill(int(pid), signal.SIGKILL)
+                log.error("rank %d (pid %s) is hung: killed it so the job ends now", rank, pid)
+        except Exception as exc:  # noqa: BLE001 - best effort: torchrun still ends it later
+            log.error("could not end hung rank %d: %s", rank, exc)
+
+
 def stop_key() -> str:
     """Where a signalled peer asks the coordinator to stop the job (torch.distributed store);
     per torchrun restart, so a restarted job does not see its predecessor's request."""
@@ -383,6 +405,8 @@ def join(args: argparse.Namespace) -> Cluster:
             progress.close()
     control = ControlConfig(heartbeat_timeout_s=config.heartbeat_timeout_s)
     channel = open_control(rank, world, config=control) if world > 1 else None
+    if world > 1:
+        default_store().set(process_key(rank), f"{socket.gethostname()}:{os.getpid()}")
     return Cluster(rank, world, group, config, step, channel)
 
 
@@ -398,6 +422,7 @@ def watch_peers(channel, engine: Engine, stop: StopSignals | None = None,
             engine.fail(f"peer rank(s) {list(dead)} stopped answering")
             log.error("peer rank(s) %s stopped answering; requests failed, exiting", list(dead))
             time.sleep(grace_s)
+            end_hung_peers(dead)
             os._exit(1)
         if store is not None and not stop.requested:
             try:

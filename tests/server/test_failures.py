@@ -156,3 +156,31 @@ def test_poisoned_weights_are_really_non_finite(tmp_path):
     model_dir = poisoned_model(tmp_path / "model")
     rows = hf_rows(model_dir, [5, POISON, 9], [12])
     assert torch.isnan(rows).any()
+
+
+def test_a_hung_peer_ends_the_whole_job_within_seconds(tmp_path):
+    """Supervisor-friendly exit: with rank 1 SIGSTOPped, the coordinator notices after the
+    heartbeat timeout, fails its requests and ends the job: torchrun and every rank are gone
+    within a few seconds (torchrun alone would wait ~30 s on the stopped process)."""
+    model_dir = write_model(tmp_path / "model", "byte_level")
+    server = launch("tp2-hung", model_dir, 2, ["--capacity", "2", "--heartbeat-timeout", "2"],
+                    tmp_path)
+    stopped = None
+    try:
+        server.wait_healthy()
+        stopped = rank_pid(server.pid, 1)
+        os.kill(stopped, signal.SIGSTOP)
+        started = time.monotonic()
+        while server.running() and time.monotonic() - started < 60:
+            time.sleep(0.2)
+        elapsed = time.monotonic() - started
+        assert not server.running(), "the job outlived its hung peer by a minute"
+        assert elapsed < 20, f"the job took {elapsed:.1f} s to go away"
+        assert "stopped answering" in server.log_tail()
+    finally:
+        if stopped is not None:
+            try:
+                os.kill(stopped, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        server.stop()
