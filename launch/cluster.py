@@ -4,6 +4,7 @@ signals, load progress and the few lines rank 0 prints (``say``)."""
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -25,6 +26,7 @@ from ranks.worker import run_peer
 from runtime.engine.bootstrap import build_engine, load_rank
 from runtime.engine.config import RuntimeConfig
 from runtime.engine.engine import Engine
+from runtime.text.reasoning import PARSERS
 
 log = logging.getLogger("launch")
 
@@ -55,11 +57,34 @@ def add_runtime_arguments(p: argparse.ArgumentParser) -> None:
                    help="T token slots per completion record; 0 means 8")
     p.add_argument("--reduction-backend", choices=("torch", "triton"), default=None,
                    help="default: triton on CUDA, torch on CPU")
+    p.add_argument("--speculative-tokens", type=int, default=d("speculative_tokens"),
+                   help="N history proposals (prompt lookup) verified per decode; 0: off. "
+                        "Needs N + 1 <= T (--completion-token-capacity)")
+    p.add_argument("--ngram-min", type=int, default=d("ngram_min"),
+                   help="shortest suffix n-gram matched for a proposal")
+    p.add_argument("--ngram-max", type=int, default=d("ngram_max"),
+                   help="longest suffix n-gram matched for a proposal")
+    p.add_argument("--reasoning-parser", choices=sorted(PARSERS),
+                   default=d("reasoning_parser"),
+                   help="thinking spans <think>...</think>; enables thinking_token_budget")
+    p.add_argument("--reasoning-config", type=_json_object, default=d("reasoning_config"),
+                   help='JSON {"reasoning_start_str": ..., "reasoning_end_str": ...}: the '
+                        "thinking delimiters (override the parser's)")
     p.add_argument("--collective-timeout", type=float, default=d("collective_timeout_s"),
                    help="seconds before a silent peer fails a collective")
     p.add_argument("--heartbeat-timeout", type=float, default=d("heartbeat_timeout_s"),
                    help="seconds without a heartbeat before a rank counts as lost")
     p.add_argument("--log-level", default="WARNING")
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
 
 
 def runtime_config(args: argparse.Namespace, device: str) -> RuntimeConfig:
@@ -84,6 +109,11 @@ def runtime_config(args: argparse.Namespace, device: str) -> RuntimeConfig:
         reduction_backend=backend,
         collective_timeout_s=args.collective_timeout,
         heartbeat_timeout_s=args.heartbeat_timeout,
+        speculative_tokens=args.speculative_tokens,
+        ngram_min=args.ngram_min,
+        ngram_max=args.ngram_max,
+        reasoning_parser=args.reasoning_parser,
+        reasoning_config=args.reasoning_config,
     )
 
 

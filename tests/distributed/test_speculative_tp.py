@@ -96,3 +96,30 @@ def test_thinking_budget_tp4_forced_tokens_have_no_entries(tmp_path):
         assert_matches_transformers(model_dir, prompt, tokens, params)
     assert forced == 3  # one </think> in each of the first three jobs
     assert tp4[0][4]["forced"] >= 1  # at least one forced position inside a round
+
+
+def test_launch_generate_tp4_over_the_control_plane(tmp_path):
+    """Plans with proposals and budgets travel to the peers over ZeroMQ (msgpack): the
+    command-line flags give the same tokens and entries as speculation off."""
+    import json
+
+    from tests.distributed.launcher import run_ranks as run_module
+
+    model_dir = write_scripted(tmp_path / "scripted", {"c": "a", "m": THINK})
+    reqs = [{"prompt_ids": encode(model_dir, text), "params": {
+        "max_tokens": max_tokens, "temperature": 0.0, "thinking_token_budget": budget,
+        "logprobs": 3}} for text, max_tokens, budget in THINKING]
+    reqs.append({"prompt_ids": encode(model_dir, "abcab"), "params": {
+        "max_tokens": 6, "temperature": 0.0, "logprobs": 1, "speculative": False}})
+    (tmp_path / "req.json").write_text(json.dumps(reqs))
+    outs = []
+    for flags in ([], ["--speculative-tokens", "4", "--ngram-min", "2", "--ngram-max", "3"]):
+        out = tmp_path / f"out{len(flags)}.json"
+        run_module("launch.generate", [
+            "--model", str(model_dir), "--requests", str(tmp_path / "req.json"),
+            "--output", str(out), "--capacity", "4", "--reasoning-parser", "qwen3", *flags], 4)
+        outs.append(json.loads(out.read_text()))
+    assert outs[0]["healthy"] and outs[1]["healthy"]
+    assert outs[0]["results"] == outs[1]["results"]  # JSON floats: equal to the last digit
+    forced = [sum(t["logprob"] is None for t in r["tokens"]) for r in outs[1]["results"]]
+    assert forced == [1, 1, 1, 0, 0]
