@@ -152,6 +152,22 @@ def expected_rows(step: Step, reference: dict[str, torch.Tensor]) -> torch.Tenso
     return torch.stack([reference[name][pos] for name, pos in step.expected])
 
 
+def check_natural(
+    pairs: list[tuple[int, float]], row: torch.Tensor, n: int, tol: float = TOLERANCE
+) -> None:
+    """`pairs` is a valid natural top-n of `row`: values match, order by (value desc, id asc),
+    and nothing left out is larger (within tolerance, so near-ties may go either way)."""
+    assert len(pairs) == min(n, row.numel())
+    for token_id, value in pairs:
+        assert abs(value - float(row[token_id])) <= tol, (token_id, value)
+    for (id_a, a), (id_b, b) in zip(pairs, pairs[1:], strict=False):
+        assert a > b or (a == b and id_a < id_b)
+    if pairs and len(pairs) < row.numel():
+        rest = row.clone()
+        rest[[t for t, _ in pairs]] = float("-inf")
+        assert float(rest.max()) <= pairs[-1][1] + tol
+
+
 # ----------------------------------------------------------------------------- reduction
 WORDS = 258
 
@@ -168,11 +184,19 @@ def oracle(x: torch.Tensor, vocab: int) -> tuple[torch.Tensor, float] | None:
     return v - lse, lse
 
 
-def row_tolerance(x: torch.Tensor, vocab: int, lse: float) -> float:
-    finite = x[:vocab].to(torch.float64)
-    finite = finite[torch.isfinite(finite)]
-    big = float(finite.abs().max()) if finite.numel() else 0.0
-    return 16 * EPS32 * (1.0 + abs(lse) + big)
+LSE_EPS = 8
+"""The FP32 normalizer's error in units of EPS32 * max(1, |lse|). Measured: under 1 for the
+torch and reference backends over every kind of row in tests/unit/test_reduction_torch.py."""
+
+
+def tolerance(lse: float, want):
+    """Error bound of a reported FP32 value (float32 logit minus the FP32 lse, rounded) against
+    the float64 value ``want`` = x - lse: the normalizer's error, at the scale of the lse, plus
+    the rounding of the result (an ulp of |want|). It never grows with the largest logit: a row
+    holding a -1e30 logit still has its other values checked to ~1e-6."""
+    if isinstance(want, torch.Tensor):
+        return LSE_EPS * EPS32 * max(1.0, abs(lse)) + EPS32 * want.abs()
+    return LSE_EPS * EPS32 * max(1.0, abs(lse)) + EPS32 * abs(want)
 
 
 def f32_values(bits: list[int]) -> list[float]:
@@ -192,10 +216,12 @@ def check_row(
         assert all(-1 <= i < vocab for i in pair_ids)
         return
     v64, lse = ref
-    tol = row_tolerance(x, vocab, lse)
+
+    def tol(want: float) -> float:
+        return tolerance(lse, want)
 
     def close(got: float, want: float) -> bool:
-        return got == want if math.isinf(want) else abs(got - want) <= tol
+        return got == want if math.isinf(want) else abs(got - want) <= tol(want)
 
     assert close(f32_values([w[1]])[0], float(v64[chosen])), (w[1], float(v64[chosen]))
     if ids:
@@ -220,13 +246,16 @@ def check_row(
         assert close(got_vals[j], want_vals[j]), (j, got_vals[j], want_vals[j])
         above = want_vals[j - 1] - want_vals[j] if j else math.inf
         below = want_vals[j] - want_vals[j + 1] if j + 1 < vocab else math.inf
-        if above > 2 * tol and below > 2 * tol:
+        margin = 2 * tol(want_vals[j]) if math.isfinite(want_vals[j]) else 0.0
+        if above > margin and below > margin:
             assert got_ids[j] == want_ids[j], (j, got_ids, want_ids[:real])
     if real:
         rest = torch.ones(vocab, dtype=torch.bool)
         rest[got_ids] = False
         if bool(rest.any()):
-            assert float(v64[rest].max()) <= got_vals[-1] + tol, "a better id was skipped"
+            best_left = float(v64[rest].max())
+            slack = tol(best_left) if math.isfinite(best_left) else 0.0
+            assert best_left <= got_vals[-1] + slack, "a better id was skipped"
 
 
 def check_payload(out, logits, vocab, chosen, k, token_ids, requested) -> None:

@@ -26,6 +26,7 @@ import tokenizers
 
 from tests.checkpoints import write_llama
 from tests.devices import rank_env, skip_without_gpus
+from tests.oracles import check_natural as check_natural  # re-exported
 from tests.unit.tokenizer_fixtures import byte_fallback_tokenizer, byte_level_tokenizer, eos_id
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -357,20 +358,6 @@ def hf_rows(model_dir: Path, prompt_ids: list[int], generated: list[int]):
     rows = hf_logprobs(model_dir, list(prompt_ids) + list(generated))
     start = len(prompt_ids) - 1
     return rows[start : start + len(generated)]
-
-
-def check_natural(pairs: list[tuple[int, float]], row, n: int) -> None:
-    """`pairs` is a valid natural top-n of `row`: values match, order by (value desc, id asc),
-    and nothing left out is larger (within tolerance, so near-ties may go either way)."""
-    assert len(pairs) == min(n, row.numel())
-    for token_id, value in pairs:
-        assert abs(value - float(row[token_id])) <= TOLERANCE, (token_id, value)
-    for (id_a, a), (id_b, b) in zip(pairs, pairs[1:], strict=False):
-        assert a > b or (a == b and id_a < id_b)
-    if pairs and len(pairs) < row.numel():
-        rest = row.clone()
-        rest[[t for t, _ in pairs]] = float("-inf")
-        assert float(rest.max()) <= pairs[-1][1] + TOLERANCE
 
 
 def token_id_of(text: str) -> int:

@@ -158,8 +158,14 @@ def test_streamed_entries_equal_non_streamed(server, sampling):
 
 
 def test_usage_and_model_card(server):
-    card = strict_json(post(server, "/v1/completions", {"prompt": "x"}).content)
-    assert card["usage"]["completion_tokens"] <= 16
+    # No max_tokens: the completions default is 16 (ignore_eos, so exactly 16 come back).
+    body = {"prompt": "x", "ignore_eos": True, "logprobs": 0, **IDS}
+    card = strict_json(post(server, "/v1/completions", body).content)
+    choice, usage = card["choices"][0], card["usage"]
+    assert len(choice["logprobs"]["tokens"]) == usage["completion_tokens"] == 16
+    assert choice["finish_reason"] == "length"
+    assert usage["prompt_tokens"] == len(encoder(server.model_dir).encode("x").ids)
+    assert usage["total_tokens"] == usage["prompt_tokens"] + 16
     models = server.client().models.list().data
     assert len(models) == 1
     raw = strict_json(httpx.get(server.url + "/v1/models").content)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -10,10 +12,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kernels.layout import EXPORT_K, FIRST_PAIR
+from ranks.requests import RequestError
 from runtime.engine.bootstrap import build_engine, load_rank
-from runtime.engine.client import EngineError, RequestError, SamplingParams
+from runtime.engine.client import EngineError, GeneratedToken, SamplingParams
 from runtime.engine.config import RuntimeConfig
 from tests.checkpoints import hf_logprobs, write_llama
+from tests.oracles import check_natural
 
 
 @pytest.fixture(scope="module")
@@ -103,8 +107,11 @@ def test_requests_refused_before_admission(engine):
         engine.generate_sync(list(range(1, 70)), SamplingParams())
     assert err.value.param == "prompt"
     with pytest.raises(RequestError) as err:
-        SamplingParams(logprobs=21)
+        engine.check([5], SamplingParams(logprobs=21))
     assert err.value.param == "logprobs"
+    with pytest.raises(RequestError) as err:
+        engine.check([5], SamplingParams(top_p=0.0))
+    assert err.value.param == "top_p"
 
 
 def test_core_without_logprob_buffers_refuses_logprobs(model_dir):
@@ -130,18 +137,45 @@ def test_non_finite_logits_fail_only_the_requesting_request(model_dir, tmp_path)
     weights["lm_head.weight"][17] = float("nan")
     save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
     config = RuntimeConfig(model_dir=broken, capacity=2, max_model_len=64)
-    engine = build_engine(config, load_rank(config, None)).start()
+    step = load_rank(config, None)
+    sampled_together: list[set[int]] = []  # per step, the slots that sampled a token
+    run = step.run
+
+    def recording(plan):
+        sampled_together.append({work.slot for work in plan.work if work.samples})
+        return run(plan)
+
+    step.run = recording
+    engine = build_engine(config, step)  # started once both requests are in: one batch
+    lp = SamplingParams(max_tokens=2, temperature=0.0, logprobs=1, ignore_eos=True)
+    plain = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True,
+                           allowed_token_ids=tuple(range(20, 40)))
+
+    async def collect(params: SamplingParams):
+        tokens = []
+        try:
+            async for event in engine.generate([5, 6], params):
+                if isinstance(event, GeneratedToken):
+                    tokens.append(event)
+        except EngineError as exc:
+            return exc
+        return tokens
+
+    async def both() -> list:
+        tasks = [asyncio.ensure_future(collect(p)) for p in (lp, plain)]
+        await asyncio.sleep(0)  # each task runs up to its first wait: both are submitted
+        engine.start()
+        return await asyncio.gather(*tasks)
+
     try:
-        lp = SamplingParams(max_tokens=2, temperature=0.0, logprobs=1, ignore_eos=True)
-        plain = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True,
-                               allowed_token_ids=tuple(range(20, 40)))
-        with pytest.raises(EngineError, match="non-finite|NaN"):
-            engine.generate_sync([5, 6], lp)
-        tokens, finish = engine.generate_sync([5, 6], plain)
-        assert len(tokens) == 2 and all(20 <= t.token_id < 40 for t in tokens)
-        assert engine.healthy()
+        failed, tokens = asyncio.run(both())
+        healthy = engine.healthy()
     finally:
         engine.shutdown()
+    assert sampled_together[0] == {0, 1}, sampled_together  # the same batch
+    assert isinstance(failed, EngineError) and re.search("non-finite|NaN", str(failed)), failed
+    assert len(tokens) == 2 and all(20 <= t.token_id < 40 for t in tokens)
+    assert healthy
 
 
 def test_generated_logprobs_match_transformers_with_chunked_prefill(model_dir):
@@ -154,10 +188,13 @@ def test_generated_logprobs_match_transformers_with_chunked_prefill(model_dir):
     finally:
         engine.shutdown()
     ref = hf_logprobs(model_dir, prompt + [t.token_id for t in tokens])
+    assert len(tokens) == 5
     for t in tokens:
         row = ref[len(prompt) - 1 + t.index]
         assert t.token_id == int(torch.argmax(row))
         assert math.isclose(t.logprob, float(row[t.token_id]), abs_tol=1e-4)
+        # The 20 alternatives asked for: transformers' natural top-20 of the same row.
+        check_natural([(a.token_id, a.logprob) for a in t.alternatives], row, 20)
 
 
 @pytest.mark.parametrize(

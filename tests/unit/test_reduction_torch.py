@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_flatten
 from kernels.api import pack_token_ids, reduce_logprobs, reduce_logprobs_sharded
 from kernels.rows import RowRequest
 from kernels.torch_backend import reduce_torch
-from tests.oracles import WORDS, check_payload, check_row, f32_values
+from tests.oracles import WORDS, check_payload, check_row, f32_values, tolerance
 
 
 def run_all(logits, chosen, *, k, vocab, token_ids, requested, tile):
@@ -53,12 +53,15 @@ def make_logits(kind: str, rows: int, vocab: int, pad: int, seed: int) -> torch.
         x[:, int(torch.randint(0, vocab, (1,), generator=g))] = 1e30
     elif kind == "scaled":
         x = x * 1000.0
+    elif kind == "far_negative":  # a finite logit far below the rest: no looser check for it
+        x[:, int(torch.randint(0, vocab, (1,), generator=g))] = -1e30
     garbage = torch.tensor([math.nan, math.inf, 1e30, -math.inf], dtype=torch.float64)
     padding = garbage[torch.randint(0, 4, (rows, pad), generator=g)]
     return torch.cat([x, padding], dim=1).to(torch.float32)
 
 
-KINDS = ["normal", "ties", "subtraction", "signed_zero", "neg_inf", "huge", "scaled"]
+KINDS = ["normal", "ties", "subtraction", "signed_zero", "neg_inf", "huge", "scaled",
+         "far_negative"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
@@ -68,7 +71,7 @@ def cases(draw):
     rows = draw(st.integers(1, 4))
     kind = draw(st.sampled_from(KINDS))
     dtype = draw(st.sampled_from(DTYPES))
-    if kind in ("subtraction", "huge", "scaled") and dtype != torch.float32:
+    if kind in ("subtraction", "huge", "scaled", "far_negative") and dtype != torch.float32:
         dtype = torch.float32  # these values only exist in FP32
     seed = draw(st.integers(0, 2**30))
     logits = make_logits(kind, rows, vocab, draw(st.sampled_from([0, 1, 17])), seed).to(dtype)
@@ -97,6 +100,18 @@ def test_torch_and_reference_match_float64_oracle(case) -> None:
 
 
 BACKENDS = ["reference", "torch"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_far_negative_logit_does_not_loosen_the_check(backend: str) -> None:
+    """Rows holding a -1e30 logit: the other values are still checked to FP32 precision at the
+    lse's scale (a tolerance that grew with the largest |logit| would accept errors of 1e24)."""
+    x = make_logits("far_negative", 4, 1000, 5, 7)
+    chosen = torch.tensor([0, 999, 500, 17])
+    out = reduce_logprobs(x, chosen, vocab_size=1000, backend=backend)
+    check_payload(out, x, 1000, chosen, 20, None, None)
+    lse = float(torch.logsumexp(x[0, :1000].double(), 0))
+    assert tolerance(lse, -3.0) < 2e-5  # lse ~ 11: about 90 FP32 ulps of it
 
 
 def _pairs(out: torch.Tensor, row: int = 0) -> tuple[list[int], list[float]]:

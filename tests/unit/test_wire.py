@@ -9,10 +9,7 @@ from openai.types.chat import ChatCompletionTokenLogprob
 from openai.types.chat.chat_completion import ChoiceLogprobs
 from openai.types.completion_choice import Logprobs
 
-from runtime.text.detokenizer import detokenize
 from runtime.engine.client import GeneratedToken, SamplingParams, TokenLogprob
-from runtime.text.stops import OutputStream
-from runtime.text.token_bytes import TokenBytes
 from runtime.http.wire import (
     NonFiniteLogprob,
     Position,
@@ -24,6 +21,9 @@ from runtime.http.wire import (
     top_logprobs_dict,
     wire_logprob,
 )
+from runtime.text.detokenizer import detokenize
+from runtime.text.stops import OutputStream
+from runtime.text.token_bytes import TokenBytes
 from tests.unit.tokenizer_fixtures import byte_fallback_tokenizer, byte_level_tokenizer
 
 SELECTED = WireMode(selected=True)
@@ -59,23 +59,29 @@ def test_wire_logprob_values() -> None:
     for bad in (math.nan, math.inf):
         with pytest.raises(NonFiniteLogprob):
             wire_logprob(bad)
-    assert math.isnan(max(math.nan, -9999.0))  # the peer failure a plain clamp has
+    # A plain clamp max(x, -9999.0) passes NaN on and floors real values: ours does neither
+    # (for alternatives and whole responses too: test_nan_never_reaches_json).
+    assert wire_logprob(-1e30) == -1e30
 
 
 def test_completion_natural_mode(level) -> None:
     tok, tb = level
     h, w, x = (tok.encode(s).ids[0] for s in ("He", " wor", "x"))
-    pos = [
-        Position(h, -0.5, alts((h, -0.5), (x, -1.5)), 0),
-        Position(w, -math.inf, alts((x, -0.1), (h, -0.2)), 2),
-    ]
+    # Offsets come from the output stream (the detokenizer), not from the test: each token
+    # starts where the text decoded so far ends.
+    stream = OutputStream(tb)
+    generated = [GeneratedToken(0, h, -0.5, alts((h, -0.5), (x, -1.5))),
+                 GeneratedToken(1, w, -math.inf, alts((x, -0.1), (h, -0.2)))]
+    entries = [e for g in generated for e in stream.push(g).entries]
+    entries += stream.finish().entries
+    pos = positions(entries)
     out = completion_logprobs(pos, tb)
     assert out["tokens"] == [tb.token_string(h), tb.token_string(w)]
     assert out["token_logprobs"] == [-0.5, -9999.0]
     # Chosen first, then natural alternatives by rank; the chosen token is not repeated.
     assert list(out["top_logprobs"][0].items()) == [(tb.token_string(h), -0.5), ("x", -1.5)]
     assert list(out["top_logprobs"][1]) == [tb.token_string(w), "x", tb.token_string(h)]
-    assert out["text_offset"] == [0, 2]
+    assert out["text_offset"] == [0, len(tok.decode([h]))] == [0, 2]
     Logprobs.model_validate(json.loads(strict_dumps(out)))
 
 
