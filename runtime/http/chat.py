@@ -1,4 +1,9 @@
-"""POST /v1/chat/completions in vLLM's wire format (non-streaming and SSE)."""
+"""POST /v1/chat/completions in vLLM's wire format (non-streaming and SSE).
+
+`prompt_logprobs: N` (a server started with --prompt-logprobs) scores the rendered
+conversation once (choice 0's engine request) and returns vLLM's top-level `prompt_logprobs`
+list. Streams carry it, in prompt order, on top-level `prompt_logprobs` fields of choice 0's
+first chunks (vLLM refuses prompt_logprobs > 0 with stream)."""
 
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ from runtime.http.params import (
     wire_mode,
 )
 from runtime.http.protocol import ChatCompletionRequest, ChatMessage, parse_messages
-from runtime.http.wire import Position, WireMode, chat_logprobs
+from runtime.http.wire import Position, WireMode, chat_logprobs, prompt_logprobs_list
 from runtime.text.chat_template import ChatTemplateError
 
 RESERVED_TEMPLATE_KEYS = {"messages", "add_generation_prompt"}
@@ -49,7 +54,9 @@ def _check_logprobs(req: ChatCompletionRequest) -> int | None:
     return (req.top_logprobs or 0) if req.logprobs else None
 
 
-def _render(req: ChatCompletionRequest, messages: list[ChatMessage], assets: ModelAssets) -> str:
+def render(req: Any, messages: list[ChatMessage], assets: ModelAssets) -> str:
+    """The conversation as text: `req` has add_generation_prompt, continue_final_message and
+    chat_template_kwargs (a chat or a tokenize request); template errors name `messages`."""
     template = assets.chat_template
     if template is None:
         raise RequestError(
@@ -78,7 +85,7 @@ def prepare_chat(
     stops = req.stop_strings()
     check_stops(stops)
     check_choices(req.n, 1)
-    text = _render(req, messages, assets)
+    text = render(req, messages, assets)
     ids = assets.encode(text, add_special_tokens=req.add_special_tokens, param="messages")
     if not ids:
         raise RequestError("messages", "the rendered conversation has no tokens")
@@ -95,6 +102,7 @@ def prepare_chat(
             req, max_tokens=max_tokens, logprobs=top,
             logprob_token_ids=req.logprob_token_ids if top is not None else None,
             seed=choice_seed(req.seed, i),
+            prompt_logprobs=req.prompt_logprobs if i == 0 else None,
         )
         if i == 0:
             info = engine.info
@@ -124,6 +132,14 @@ def _logprobs(prep: PreparedChat, items: list[Position], assets: ModelAssets):
     return chat_logprobs(items, assets.token_bytes, prep.mode)
 
 
+def _prompt_logprobs(prep: PreparedChat, prompt: list, assets: ModelAssets):
+    req = prep.request
+    if req.prompt_logprobs is None:
+        return None
+    mode = WireMode(as_token_ids=bool(req.return_tokens_as_token_ids))
+    return prompt_logprobs_list(prompt, assets.token_bytes, req.prompt_logprobs, mode)
+
+
 async def chat(prep: PreparedChat, engine: EngineClient, assets: ModelAssets) -> dict:
     """The whole response; raises EngineError (or another error) after admission."""
     totals = Totals(prep.prompt_tokens)
@@ -141,7 +157,7 @@ async def chat(prep: PreparedChat, engine: EngineClient, assets: ModelAssets) ->
         "choices": choices,
         "usage": totals.usage(),
         "system_fingerprint": None,
-        "prompt_logprobs": None,
+        "prompt_logprobs": _prompt_logprobs(prep, outcomes[0].prompt, assets),
     }
 
 
@@ -168,9 +184,15 @@ def stream_chat(
             out["stop_reason"] = delta.stop_reason
         return out
 
+    def extra(index: int, delta: Delta) -> dict[str, Any]:
+        if not delta.prompt:
+            return {}
+        return {"prompt_logprobs": _prompt_logprobs(prep, delta.prompt, assets)}
+
     return stream_chunks(
         prep.jobs, engine, assets, id_prefix="chatcmpl", obj="chat.completion.chunk",
         options=prep.request.stream_options, totals=Totals(prep.prompt_tokens),
         prompt_tokens=dict.fromkeys(range(len(prep.jobs)), prep.prompt_tokens),
         choice=choice, opening=opening,
+        extra=extra if prep.request.prompt_logprobs is not None else None,
     )

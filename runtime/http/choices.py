@@ -5,6 +5,11 @@ Nothing here keeps a response history: a choice's stream holds only what the det
 the stop filter cannot release yet plus the one delta it looks ahead past (so that the finish
 rides on the last token's chunk, see `run_choice`), and merged choices pass through a bounded
 queue.
+
+A choice whose engine request scores its prompt (params.prompt_logprobs set) first yields its
+prompt scores, in prompt order, as deltas without text: `Delta.prompt` holds None for prompt
+position 0 (no context; it rides with the first scored chunk) and then the engine's
+PromptLogprob entries. The endpoints turn them into `prompt_logprobs` or echoed positions.
 """
 
 from __future__ import annotations
@@ -15,7 +20,14 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.engine.client import EngineClient, Finished, GeneratedToken, SamplingParams
+from runtime.engine.client import (
+    EngineClient,
+    Finished,
+    GeneratedToken,
+    PromptLogprob,
+    PromptScores,
+    SamplingParams,
+)
 from runtime.http.assets import ModelAssets
 from runtime.http.protocol import StreamOptions
 from runtime.http.responses import new_id, now
@@ -48,6 +60,8 @@ class Delta:
     stop_reason: str | int | None = None
     tokens: int = 0
     """Generated tokens this delta accounts for (usage), terminating stop tokens included."""
+    prompt: list[PromptLogprob | None] = field(default_factory=list)
+    """Prompt scores released in this delta, in prompt order (None: prompt position 0)."""
 
 
 @dataclass
@@ -91,11 +105,12 @@ def _join(first: Delta | None, second: Delta) -> Delta:
         finish_reason=second.finish_reason,
         stop_reason=second.stop_reason,
         tokens=first.tokens + second.tokens,
+        prompt=first.prompt + second.prompt,
     )
 
 
 def _visible(delta: Delta | None) -> bool:
-    return delta is not None and bool(delta.text or delta.positions)
+    return delta is not None and bool(delta.text or delta.positions or delta.prompt)
 
 
 async def run_choice(engine: EngineClient, job: ChoiceJob, tb: TokenBytes) -> AsyncIterator[Delta]:
@@ -110,7 +125,8 @@ async def run_choice(engine: EngineClient, job: ChoiceJob, tb: TokenBytes) -> As
     text it flushes, e.g. a trailing partial character, belongs to the held token). The
     finishing delta is empty only when nothing visible was left to carry it (e.g. the first
     token is EOS). Every delta but the last is visible; a failure first releases the held
-    delta.
+    delta. Prompt scores come first, one delta per scored chunk; prompt position 0 (None) is
+    carried into the first of them.
     """
     stream = OutputStream(
         tb,
@@ -122,10 +138,14 @@ async def run_choice(engine: EngineClient, job: ChoiceJob, tb: TokenBytes) -> As
     eos_ids = engine.info.eos_token_ids
     held: Delta | None = None
     carried: Delta | None = None
+    if job.params.prompt_logprobs is not None:
+        carried = Delta("", [], prompt=[None])
     try:
         async with aclosing(engine.generate(job.prompt_ids, job.params)) as events:
             async for event in events:
-                if isinstance(event, GeneratedToken):
+                if isinstance(event, PromptScores):
+                    delta = Delta("", [], prompt=list(event.entries))
+                elif isinstance(event, GeneratedToken):
                     chunk = stream.push(event)
                     delta = Delta(chunk.text, positions(chunk.entries, job.offset_base), tokens=1)
                     if chunk.stop is not None:
@@ -216,6 +236,8 @@ class ChoiceOutcome:
     text: str
     positions: list[Position]
     end: Delta | None
+    prompt: list[PromptLogprob | None] = field(default_factory=list)
+    """Prompt scores (None for position 0) when the choice's request scored its prompt."""
 
     @property
     def finish_reason(self) -> str | None:
@@ -236,16 +258,19 @@ async def collect(
     """Every choice run to its end, in job order; `prefixes` start a choice's text (echo)."""
     texts = {job.index: [prefixes.get(job.index, "")] for job in jobs}
     items: dict[int, list[Position]] = {job.index: [] for job in jobs}
+    prompts: dict[int, list[PromptLogprob | None]] = {job.index: [] for job in jobs}
     ends: dict[int, Delta] = {}
     indices = [job.index for job in jobs]
     async for k, delta in merge(_streams(jobs, engine, assets)):
         index = indices[k]
         texts[index].append(delta.text)
         items[index].extend(delta.positions)
+        prompts[index].extend(delta.prompt)
         totals.add(index, delta)
         if delta.finish_reason is not None:
             ends[index] = delta
-    return [ChoiceOutcome(i, "".join(texts[i]), items[i], ends.get(i)) for i in indices]
+    return [ChoiceOutcome(i, "".join(texts[i]), items[i], ends.get(i), prompts[i])
+            for i in indices]
 
 
 async def stream_chunks(
@@ -261,16 +286,19 @@ async def stream_chunks(
     choice: Callable[[int, str, Delta], dict[str, Any]],
     opening: Sequence[dict[str, Any]] = (),
     prefixes: Mapping[int, str] | None = None,
+    extra: Callable[[int, Delta], dict[str, Any]] | None = None,
 ) -> AsyncIterator[dict[str, Any]]:
     """Chunk objects: the `opening` choices, then one per non-empty delta (its text led by the
-    choice's prefix, once), then the usage chunk when asked for."""
+    choice's prefix, once), then the usage chunk when asked for. `extra(index, delta)` adds
+    top-level fields to a delta's chunk (chat's `prompt_logprobs`)."""
     head = envelope(id_prefix, obj, assets)
     include_usage = bool(options and options.include_usage)
     continuous = bool(options and options.continuous_usage_stats)
     pending = dict(prefixes or {})
 
-    def chunk(body: dict[str, Any], index: int) -> dict[str, Any]:
-        out = {**head, "choices": [body]}
+    def chunk(body: dict[str, Any], index: int, more: dict[str, Any] | None = None
+              ) -> dict[str, Any]:
+        out = {**head, "choices": [body], **(more or {})}
         if continuous:
             prompt = prompt_tokens[index]
             done = totals.per_choice.get(index, 0)
@@ -285,8 +313,10 @@ async def stream_chunks(
         index = indices[k]
         totals.add(index, delta)
         text = pending.pop(index, "") + delta.text
-        if not text and not delta.positions and delta.finish_reason is None:
+        if (not text and not delta.positions and not delta.prompt
+                and delta.finish_reason is None):
             continue
-        yield chunk(choice(index, text, delta), index)
+        yield chunk(choice(index, text, delta), index,
+                    extra(index, delta) if extra is not None else None)
     if include_usage:
         yield {**head, "choices": [], "usage": totals.usage()}

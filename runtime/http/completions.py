@@ -1,4 +1,12 @@
-"""POST /v1/completions in vLLM's wire format (non-streaming and SSE)."""
+"""POST /v1/completions in vLLM's wire format (non-streaming and SSE).
+
+Prompt scores (a server started with --prompt-logprobs): `prompt_logprobs: N` returns each
+choice's `prompt_logprobs` (vLLM's list: null for position 0, then a dict per position);
+`echo` with `logprobs` prepends the prompt positions to the choice's logprobs arrays (the
+first entry null), with offsets into the echoed prompt text. The engine is asked for
+max(prompt_logprobs, logprobs) natural alternatives; each use takes its own first N. In
+streams the prompt entries come first, in prompt order, one chunk per scored chunk (the first
+also carries the echoed text)."""
 
 from __future__ import annotations
 
@@ -20,10 +28,26 @@ from runtime.http.params import (
     wire_mode,
 )
 from runtime.http.protocol import CompletionRequest
-from runtime.http.wire import Position, WireMode, completion_logprobs
+from runtime.http.wire import (
+    Position,
+    WireMode,
+    completion_logprobs,
+    prompt_logprobs_list,
+    prompt_position,
+)
 from runtime.text.detokenizer import detokenize
+from runtime.text.token_bytes import TokenBytes
 
 DEFAULT_MAX_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class EchoedPrompt:
+    """A prompt whose positions lead the choice's logprobs (echo with logprobs)."""
+
+    ids: list[int]
+    offsets: list[int]
+    """Character offset of each prompt token in the echoed text."""
 
 
 @dataclass
@@ -36,21 +60,53 @@ class PreparedCompletion:
     total_prompt_tokens: int
     mode: WireMode | None
     """None: no logprobs requested."""
+    echoed: dict[int, EchoedPrompt]
+    """By choice index: the prompts whose positions are echoed in logprobs."""
 
 
-def _check_logprobs(req: CompletionRequest) -> None:
-    """The endpoint's own pairing rules; ranges and what the core serves are checked once,
-    by the engine."""
+def _check_logprobs(req: CompletionRequest, scoring: bool) -> bool:
+    """The endpoint's own pairing rules; whether the prompt positions are echoed in logprobs.
+    Ranges and what the core serves are checked once, by the engine."""
     if req.logprob_token_ids is not None and req.logprobs is None:
         raise RequestError(
             "logprob_token_ids", "when using logprob_token_ids, logprobs must be set"
         )
-    if req.echo and (req.logprobs is not None or req.logprob_token_ids is not None):
+    if not req.echo or req.logprobs is None:
+        return False
+    if req.logprob_token_ids is not None:
         raise RequestError(
             "echo",
-            "echo with logprobs needs prompt logprobs, which this core cannot compute (it has no "
-            "prompt scoring buffers); request echo or logprobs, not both",
+            "echo with logprobs reports the prompt positions' natural alternatives; it cannot "
+            "be combined with logprob_token_ids",
         )
+    if not scoring:
+        raise RequestError(
+            "echo",
+            "echo with logprobs needs prompt logprobs: this server was started without "
+            "--prompt-logprobs (no prompt scoring buffers); request echo or logprobs, not both",
+        )
+    return True
+
+
+def _engine_prompt_logprobs(req: CompletionRequest, echo_logprobs: bool) -> int | None:
+    """What the engine scores: max(prompt_logprobs, logprobs) when echo asks for logprobs."""
+    if not echo_logprobs:
+        return req.prompt_logprobs
+    return max(req.prompt_logprobs or 0, req.logprobs or 0)
+
+
+def echo_text(tb: TokenBytes, text: str | None, ids: list[int]) -> tuple[str, list[int]]:
+    """The echoed prompt text and each prompt token's character offset in it.
+
+    A token-id prompt is decoded with its special tokens kept (as vLLM echoes one). A text
+    prompt is echoed as sent; its offsets come from the decoding that reproduces it (special
+    tokens kept, else skipped: e.g. a BOS the tokenizer added sits at offset 0). When no
+    decoding reproduces it (a lossy tokenizer), offsets are clipped to the text."""
+    decoded, offsets = detokenize(tb, ids, skip_special_tokens=False)
+    if text is None or decoded == text:
+        return decoded, offsets
+    _, skipped_offsets = detokenize(tb, ids, skip_special_tokens=True)
+    return text, [min(offset, len(text)) for offset in skipped_offsets]
 
 
 def _prompts(req: CompletionRequest, assets: ModelAssets) -> list[tuple[str | None, list[int]]]:
@@ -80,32 +136,37 @@ def prepare_completion(
 ) -> PreparedCompletion:
     """Everything refused before admission raises RequestError here (HTTP 400)."""
     check_request(req)
-    _check_logprobs(req)
+    info = engine.info
+    echo_logprobs = _check_logprobs(req, info.prompt_logprobs)
+    engine_prompt_logprobs = _engine_prompt_logprobs(req, echo_logprobs)
     stops = req.stop_strings()
     check_stops(stops)
     prompts = _prompts(req, assets)
     check_choices(req.n, len(prompts))
-    info = engine.info
     explicit = req.max_tokens if "max_tokens" in req.model_fields_set else None
-    jobs, echo_texts, prompt_tokens = [], {}, {}
+    jobs, echo_texts, prompt_tokens, echoed = [], {}, {}, {}
     total = 0
     for p, (text, ids) in enumerate(prompts):
         if not ids:
             raise RequestError("prompt", "the prompt must contain at least one token")
         max_tokens = resolve_max_tokens(
             explicit, len(ids), info.max_model_len, "max_tokens",
-            default=DEFAULT_MAX_TOKENS, allow_zero=bool(req.echo),
+            default=DEFAULT_MAX_TOKENS,
+            allow_zero=bool(req.echo) or req.prompt_logprobs is not None,
         )
         total += len(ids)
-        echo = None
+        echo, prompt = None, None
         if req.echo:
-            echo = text if text is not None else detokenize(
-                assets.token_bytes, ids, skip_special_tokens=req.skip_special_tokens
-            )[0]
+            if text is not None and not echo_logprobs:
+                echo = text
+            else:
+                echo, offsets = echo_text(assets.token_bytes, text, ids)
+                prompt = EchoedPrompt(ids, offsets) if echo_logprobs else None
         for i in range(req.n):
             params = build_params(
                 req, max_tokens=max_tokens, logprobs=req.logprobs,
                 logprob_token_ids=req.logprob_token_ids, seed=choice_seed(req.seed, i),
+                prompt_logprobs=engine_prompt_logprobs,
             )
             if i == 0:
                 engine.check(ids, params)
@@ -117,14 +178,34 @@ def prepare_completion(
             prompt_tokens[index] = len(ids)
             if echo is not None:
                 echo_texts[index] = echo
+            if prompt is not None:
+                echoed[index] = prompt
     mode = wire_mode(req, req.logprobs is not None)
-    return PreparedCompletion(req, jobs, echo_texts, prompt_tokens, total, mode)
+    return PreparedCompletion(req, jobs, echo_texts, prompt_tokens, total, mode, echoed)
 
 
-def _logprobs(prep: PreparedCompletion, items: list[Position], assets: ModelAssets):
+def _logprobs(prep: PreparedCompletion, index: int, prompt: list, items: list[Position],
+              assets: ModelAssets):
+    """The choice's logprobs: the echoed prompt positions (if any) before `items`."""
     if prep.mode is None:
         return None
+    echoed = prep.echoed.get(index)
+    if echoed is not None and prompt:
+        top_n = prep.request.logprobs or 0
+        items = [
+            prompt_position(entry, echoed.ids[0],
+                            echoed.offsets[0 if entry is None else entry.position], top_n)
+            for entry in prompt
+        ] + items
     return completion_logprobs(items, assets.token_bytes, prep.mode)
+
+
+def _prompt_logprobs(prep: PreparedCompletion, prompt: list, assets: ModelAssets):
+    req = prep.request
+    if req.prompt_logprobs is None:
+        return None
+    mode = WireMode(as_token_ids=bool(req.return_tokens_as_token_ids))
+    return prompt_logprobs_list(prompt, assets.token_bytes, req.prompt_logprobs, mode)
 
 
 async def complete(prep: PreparedCompletion, engine: EngineClient, assets: ModelAssets) -> dict:
@@ -134,10 +215,10 @@ async def complete(prep: PreparedCompletion, engine: EngineClient, assets: Model
     choices = [{
         "index": out.index,
         "text": out.text,
-        "logprobs": _logprobs(prep, out.positions, assets),
+        "logprobs": _logprobs(prep, out.index, out.prompt, out.positions, assets),
         "finish_reason": out.finish_reason,
         "stop_reason": out.stop_reason,
-        "prompt_logprobs": None,
+        "prompt_logprobs": _prompt_logprobs(prep, out.prompt, assets),
     } for out in outcomes]
     return {
         **envelope("cmpl", "text_completion", assets),
@@ -152,14 +233,19 @@ def stream_completion(
 ) -> AsyncIterator[dict[str, Any]]:
     """Chunk objects (the caller encodes them as SSE, adds errors and [DONE])."""
 
+    scored = prep.request.prompt_logprobs is not None
+
     def choice(index: int, text: str, delta: Delta) -> dict[str, Any]:
-        return {
+        body = {
             "index": index,
             "text": text,
-            "logprobs": _logprobs(prep, delta.positions, assets),
+            "logprobs": _logprobs(prep, index, delta.prompt, delta.positions, assets),
             "finish_reason": delta.finish_reason,
             "stop_reason": delta.stop_reason,
         }
+        if scored:
+            body["prompt_logprobs"] = _prompt_logprobs(prep, delta.prompt, assets) or None
+        return body
 
     return stream_chunks(
         prep.jobs, engine, assets, id_prefix="cmpl", obj="text_completion",

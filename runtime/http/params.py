@@ -46,8 +46,10 @@ def build_params(
     logprobs: int | None,
     logprob_token_ids: list[int] | None,
     seed: int | None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
-    """SamplingParams for one choice (its __post_init__ raises RequestError naming the field)."""
+    """SamplingParams for one choice (its __post_init__ raises RequestError naming the field).
+    `prompt_logprobs`: what the engine scores (None: the prompt is not scored)."""
     allowed = None
     if req.allowed_token_ids is not None:
         allowed = tuple(dict.fromkeys(req.allowed_token_ids))
@@ -67,6 +69,7 @@ def build_params(
         ignore_eos=req.ignore_eos,
         logprobs=None if logprob_token_ids is not None else logprobs,
         logprob_token_ids=None if logprob_token_ids is None else tuple(logprob_token_ids),
+        prompt_logprobs=prompt_logprobs,
     )
 
 

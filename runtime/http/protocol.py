@@ -96,9 +96,6 @@ REFUSED: dict[str, Refusal] = {
     "spaces_between_special_tokens": Refusal("only the default (true) is supported", _false),
     "return_token_ids": Refusal("return_token_ids is not supported by this server", _truthy),
     # prompt handling
-    "prompt_logprobs": Refusal(
-        "prompt logprobs are not supported: this core has no prompt scoring buffers"
-    ),
     "prompt_embeds": Refusal("prompt_embeds is not supported by this server"),
     "truncate_prompt_tokens": Refusal("truncate_prompt_tokens is not supported by this server"),
     "truncation_side": Refusal("truncation_side is not supported (no prompt truncation)"),
@@ -135,7 +132,7 @@ vLLM takes on its endpoint (`REFUSED_FIELDS`); elsewhere they are unknown fields
 COMMON_REFUSED = (
     "use_beam_search", "length_penalty", "best_of", "min_tokens", "bad_words",
     "logits_processors", "vllm_xargs", "thinking_token_budget", "repetition_detection",
-    "watermarking", "spaces_between_special_tokens", "return_token_ids", "prompt_logprobs",
+    "watermarking", "spaces_between_special_tokens", "return_token_ids",
     "truncate_prompt_tokens", "truncation_side", "kv_transfer_params", "response_format",
     "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
     "guided_decoding_backend", "guided_whitespace_pattern",
@@ -167,6 +164,15 @@ def ignored_fields_message(names: list[str]) -> str:
 
 class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    REFUSED_FIELDS: ClassVar[tuple[str, ...]] = ()
+
+    def refusal(self) -> RequestError | None:
+        """The first field set that this server cannot honour (REFUSED order), else None."""
+        for name in REFUSED:
+            if name in self.REFUSED_FIELDS and REFUSED[name].is_set(getattr(self, name), self):
+                return RequestError(name, f"{name}: {REFUSED[name].why}")
+        return None
 
     def ignored_fields(self) -> list[str]:
         """Unknown fields, nested ones as `outer.inner` (accepted and ignored, as vLLM does)."""
@@ -209,6 +215,8 @@ class SamplingFields(OpenAIModel):
     allowed_token_ids: list[int] | None = None
     logprob_token_ids: list[int] | None = None
     return_tokens_as_token_ids: bool | None = None
+    prompt_logprobs: int | None = None
+    """0..20 on a server started with --prompt-logprobs (the engine checks it)."""
     # Accepted and ignored (IGNORED).
     user: str | None = None
     priority: int = 0
@@ -229,7 +237,6 @@ class SamplingFields(OpenAIModel):
     watermarking: Any = None
     spaces_between_special_tokens: bool = True
     return_token_ids: bool | None = None
-    prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = None
     truncation_side: Any = None
     kv_transfer_params: Any = None
@@ -246,13 +253,6 @@ class SamplingFields(OpenAIModel):
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
-
-    def refusal(self) -> RequestError | None:
-        """The first field set that this server cannot honour (REFUSED order), else None."""
-        for name in REFUSED:
-            if name in self.REFUSED_FIELDS and REFUSED[name].is_set(getattr(self, name), self):
-                return RequestError(name, f"{name}: {REFUSED[name].why}")
-        return None
 
 
 class CompletionRequest(SamplingFields):
@@ -372,6 +372,42 @@ class ChatCompletionRequest(SamplingFields):
     modalities: Any = None
     audio: Any = None
     web_search_options: Any = None
+
+
+TOKENIZE_CHAT_REFUSED = ("tools", "chat_template", "mm_processor_kwargs")
+
+
+class TokenizeCompletionRequest(OpenAIModel):
+    """POST /tokenize with a prompt (vLLM's TokenizeCompletionRequest)."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(OpenAIModel):
+    """POST /tokenize with messages (vLLM's TokenizeChatRequest), rendered as chat does."""
+
+    REFUSED_FIELDS: ClassVar[tuple[str, ...]] = TOKENIZE_CHAT_REFUSED
+
+    model: str | None = None
+    messages: list[dict[str, Any]]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: bool | None = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    chat_template: Any = None
+    mm_processor_kwargs: Any = None
+
+
+class DetokenizeRequest(OpenAIModel):
+    """POST /detokenize (vLLM's DetokenizeRequest)."""
+
+    model: str | None = None
+    tokens: list[int]
 
 
 def error_body(message: str, param: str | None, code: int = 400) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server (FastAPI), and its uvicorn runner.
 
-Routes: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions.
+Routes: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions, and
+vLLM's tokenizer routes POST /tokenize, POST /detokenize, GET /tokenizer_info.
 Every refusal before admission is HTTP 400 with vLLM's error object naming the parameter;
 bodies are encoded with allow_nan=False, so NaN or Infinity never reach a client.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,7 @@ from runtime.http.completions import complete, prepare_completion, stream_comple
 from runtime.http.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     OpenAIModel,
     ignored_fields_message,
 )
@@ -38,6 +41,7 @@ from runtime.http.responses import (
     request_error_response,
     sse_stream,
 )
+from runtime.http.tokenization import detokenize_ids, tokenize, tokenize_model, tokenizer_info
 
 log = logging.getLogger("runtime.http.server")
 fields_log = logging.getLogger("runtime.http")
@@ -58,7 +62,9 @@ def _validation_error(exc: ValidationError | RequestValidationError) -> Response
     return error_response(f"{where}: {message}" if where else message, param)
 
 
-async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel | Response:
+async def parse_body(request: Request, model: type[BaseModel] | Callable[[dict], type[BaseModel]]
+                     ) -> BaseModel | Response:
+    """The body as `model` (or as the model `model(data)` picks for the decoded object)."""
     raw = await request.body()
     try:
         data = json.loads(raw, parse_constant=_reject_constant)
@@ -66,6 +72,8 @@ async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel | Re
         return error_response(f"invalid JSON body: {exc}", None)
     if not isinstance(data, dict):
         return error_response("the request body must be a JSON object", None)
+    if not isinstance(model, type):
+        model = model(data)
     try:
         req = model.model_validate(data)
     except ValidationError as exc:
@@ -75,8 +83,18 @@ async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel | Re
     return req
 
 
+def capabilities(engine: EngineClient) -> dict[str, Any]:
+    """What the core serves: K (natural alternatives; 0 = no logprobs), logprob_token_ids,
+    and prompt scoring (prompt_logprobs, echo with logprobs: --prompt-logprobs)."""
+    info = engine.info
+    return {"max_logprobs": info.max_logprobs,
+            "logprob_token_ids": info.supports_token_ids and info.allow_logprobs,
+            "prompt_logprobs": info.prompt_logprobs}
+
+
 def model_card(engine: EngineClient, assets: ModelAssets, created: int) -> dict[str, Any]:
-    """vLLM's model card, with the permission entry that advertises allow_logprobs."""
+    """vLLM's model card, with the permission entry that advertises allow_logprobs, and
+    `capabilities` (this server's addition)."""
     name = assets.served_model_name
     return {
         "id": name,
@@ -100,6 +118,7 @@ def model_card(engine: EngineClient, assets: ModelAssets, created: int) -> dict[
             "group": None,
             "is_blocking": False,
         }],
+        "capabilities": capabilities(engine),
     }
 
 
@@ -137,7 +156,7 @@ def create_app(engine: EngineClient, model_dir: str | Path, served_model_name: s
     async def models() -> Response:
         return json_response({"object": "list", "data": [model_card(engine, assets, created)]})
 
-    def precheck(req: CompletionRequest | ChatCompletionRequest) -> Response | None:
+    def precheck(req: Any) -> Response | None:
         if not assets.accepts_model(req.model):
             return error_response(f"The model `{req.model}` does not exist.", "model", 404)
         if not engine.healthy():
@@ -180,6 +199,34 @@ def create_app(engine: EngineClient, model_dir: str | Path, served_model_name: s
         return await serve_request(
             request, ChatCompletionRequest, prepare_chat, chat, stream_chat
         )
+
+    async def serve_tokenizer(request: Request, model, answer) -> Response:
+        req = await parse_body(request, model)
+        if isinstance(req, Response):
+            return req
+        if not assets.accepts_model(req.model):
+            return error_response(f"The model `{req.model}` does not exist.", "model", 404)
+        try:
+            return json_response(answer(req))
+        except RequestError as exc:
+            return request_error_response(exc)
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request) -> Response:
+        return await serve_tokenizer(
+            request, tokenize_model, lambda req: tokenize(req, assets, engine.info.max_model_len)
+        )
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request) -> Response:
+        return await serve_tokenizer(
+            request, DetokenizeRequest,
+            lambda req: detokenize_ids(req, assets, engine.info.vocab_size),
+        )
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info_route() -> Response:
+        return json_response(tokenizer_info(assets))
 
     return app
 

@@ -25,6 +25,17 @@ the chosen token. Chat positions without a logprob (forced tokens) have no entry
 Streaming: call the builders on each chunk's positions only. Offsets are absolute (they come
 from the detokenizer, plus `offset_base`, e.g. the prompt text length under echo), so chunked
 and whole responses agree.
+
+Prompt scores (vLLM's `prompt_logprobs`): a list with null for prompt position 0 (no context),
+then per position a dict token id (a string, as JSON keys are) -> {"logprob", "rank",
+"decoded_token"}: the prompt token first, then the natural top-N by rank without repeating it
+(N or N + 1 entries, as vLLM's dict). `rank` is 1 + the number of vocabulary ids with a
+strictly greater logprob (the prompt token's comes from the engine; an alternative's is
+computed from the ones before it in the natural top-N, which hold every greater value; vLLM
+numbers alternatives 1..N, the same except among equal values). `decoded_token` is the token
+text as above ("token_id:N" with return_tokens_as_token_ids). Echo with logprobs reports the
+prompt positions as Completions positions: `Position(id, None)` for position 0, else the prompt
+token's logprob with the first `logprobs` natural alternatives (`prompt_position`).
 """
 
 from __future__ import annotations
@@ -34,7 +45,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from runtime.engine.client import GeneratedToken, SamplingParams, TokenLogprob
+from runtime.engine.client import GeneratedToken, PromptLogprob, SamplingParams, TokenLogprob
 from runtime.text.token_bytes import TokenBytes, token_id_string
 
 WIRE_FLOOR = -9999.0
@@ -170,3 +181,53 @@ def chat_logprobs(
             if position.logprob is not None
         ]
     }
+
+
+# ----------------------------------------------------------------------------- prompt scores
+def natural_ranks(alternatives: Sequence[TokenLogprob]) -> list[int]:
+    """1 + the number of strictly greater values, for a natural top-N (value desc, id asc):
+    every greater value of the vocabulary is among the earlier alternatives."""
+    ranks: list[int] = []
+    for i, alt in enumerate(alternatives):
+        if i and alt.logprob == alternatives[i - 1].logprob:
+            ranks.append(ranks[-1])
+        else:
+            ranks.append(i + 1)
+    return ranks
+
+
+def prompt_logprobs_entry(
+    entry: PromptLogprob | None, tb: TokenBytes, top_n: int, mode: WireMode = WireMode()
+) -> dict[str, dict[str, Any]] | None:
+    """vLLM's prompt_logprobs item for one prompt position (None: position 0). The prompt
+    token first, then the first `top_n` natural alternatives without repeating it."""
+    if entry is None:
+        return None
+
+    def item(token_id: int, logprob: float, rank: int) -> dict[str, Any]:
+        return {"logprob": wire_logprob(logprob), "rank": rank,
+                "decoded_token": token_text(tb, token_id, mode)}
+
+    out = {str(entry.token_id): item(entry.token_id, entry.logprob, entry.rank)}
+    alternatives = entry.alternatives[:top_n]
+    for alt, rank in zip(alternatives, natural_ranks(alternatives), strict=True):
+        if alt.token_id != entry.token_id:
+            out[str(alt.token_id)] = item(alt.token_id, alt.logprob, rank)
+    return out
+
+
+def prompt_logprobs_list(
+    entries: Iterable[PromptLogprob | None], tb: TokenBytes, top_n: int,
+    mode: WireMode = WireMode(),
+) -> list[dict[str, dict[str, Any]] | None]:
+    return [prompt_logprobs_entry(entry, tb, top_n, mode) for entry in entries]
+
+
+def prompt_position(
+    entry: PromptLogprob | None, first_token: int, text_offset: int, top_n: int
+) -> Position:
+    """A prompt position as a Completions position (echo with logprobs): position 0 (None)
+    has no logprob; others carry the first `top_n` natural alternatives."""
+    if entry is None:
+        return Position(first_token, None, (), text_offset)
+    return Position(entry.token_id, entry.logprob, entry.alternatives[:top_n], text_offset)
