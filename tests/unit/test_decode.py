@@ -8,8 +8,8 @@ import torch
 
 from ranks.abi6 import Kind
 from ranks.completion import CompletionOutputs, write_record
-from runtime.engine.decode import DecodedEntry, DecodeError, LaneExpectation, decode_frame
 from runtime.engine.client import EngineError
+from runtime.engine.decode import DecodedEntry, DecodeError, LaneExpectation, decode_frame
 
 CAPACITY = 4
 T = 4

@@ -4,8 +4,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runtime.text.detokenizer import Detokenizer, TokenStart
 from runtime.engine.client import Finished, GeneratedToken, TokenLogprob
+from runtime.text.detokenizer import Detokenizer, TokenStart
 from runtime.text.stops import OutputStream, StopFilter
 from runtime.text.token_bytes import TokenBytes
 from tests.unit.tokenizer_fixtures import (

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from ranks.completion import CompletionOutputs
-from ranks.upload import LaneRequest, LogprobUploader, UploadError, UploadResult, check_request
+from ranks.requests import RequestError, check_logprob_request
+from ranks.upload import LaneRequest, LogprobUploader, UploadResult
 
 VOCAB = 1000
 SENTINEL = 555
@@ -15,10 +16,10 @@ def uploader(capacity: int = 4, k: int = 20, supports_token_ids: bool = True) ->
     return LogprobUploader(outputs, VOCAB, k, supports_token_ids)
 
 
-def refused(lanes: dict[int, LaneRequest], **kwargs) -> UploadError:
+def refused(lanes: dict[int, LaneRequest], **kwargs) -> RequestError:
     target = uploader(**kwargs)
     target.outputs.logprob_token_ids.fill_(SENTINEL)
-    with pytest.raises(UploadError) as caught:
+    with pytest.raises(RequestError) as caught:
         target.upload(lanes)
     assert torch.all(target.outputs.logprob_requested == 0)
     assert torch.all(target.outputs.logprob_token_id_counts == 0)
@@ -164,7 +165,7 @@ def test_core_without_logprobs_refuses_token_ids():
 def test_one_refused_lane_writes_nothing_for_the_others():
     target = uploader()
     target.upload({0: LaneRequest(logprobs=1)})
-    with pytest.raises(UploadError):
+    with pytest.raises(RequestError):
         target.upload({1: LaneRequest(logprobs=2), 2: LaneRequest(logprobs=21)})
     assert target.outputs.logprob_requested.tolist() == [1, 0, 0, 0]
 
@@ -172,24 +173,24 @@ def test_one_refused_lane_writes_nothing_for_the_others():
 def test_slot_outside_capacity_is_an_internal_error():
     with pytest.raises(ValueError, match="slot: expected 0..3, got 4") as caught:
         uploader().upload({4: LaneRequest(logprobs=1)})
-    assert not isinstance(caught.value, UploadError)
+    assert not isinstance(caught.value, RequestError)
 
 
 def test_upload_error_is_a_value_error_naming_its_param():
-    error = UploadError("logprobs", "must be in [0, 20], got 21")
+    error = RequestError("logprobs", "must be in [0, 20], got 21")
     assert isinstance(error, ValueError)
     assert str(error) == "logprobs: must be in [0, 20], got 21"
 
 
 def test_check_request_accepts_what_the_core_serves():
-    check_request(20, None, VOCAB, 20, True)
-    check_request(None, list(range(128)), VOCAB, 20, True)
-    check_request(None, None, VOCAB, 0, False)
+    check_logprob_request(20, None, VOCAB, 20, True)
+    check_logprob_request(None, list(range(128)), VOCAB, 20, True)
+    check_logprob_request(None, None, VOCAB, 0, False)
 
 
 def test_check_request_refuses_before_admission():
-    with pytest.raises(UploadError, match="logprob_token_ids: ids must be distinct"):
-        check_request(None, [1, 1], VOCAB, 20, True)
+    with pytest.raises(RequestError, match="logprob_token_ids: ids must be distinct"):
+        check_logprob_request(None, [1, 1], VOCAB, 20, True)
 
 
 def test_lane_request_refuses_a_string_of_ids():
