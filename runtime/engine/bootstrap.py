@@ -43,6 +43,7 @@ def build_engine(
 ) -> Engine:
     caps = step.capabilities
     model = step.model
+    scheduler = config.scheduler_config(step.config.max_seq_len)
     info = EngineInfo(
         model_name=config.model_name,
         vocab_size=model.vocab_size,
@@ -51,7 +52,7 @@ def build_engine(
         supports_token_ids=caps.supports_token_ids,
         eos_token_ids=eos_token_ids(Path(config.model_dir), model.config.eos_token_ids),
         prompt_logprobs=caps.prompt_scoring,
+        reasoning=scheduler.reasoning,
     )
-    scheduler = config.scheduler_config(step.config.max_seq_len)
     pending = config.max_pending_frames * step.outputs.token_capacity
     return Engine(step, info, scheduler, broadcast, max_pending_events=pending)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 from ranks.requests import RequestError
+from runtime.text.reasoning import ReasoningTokens
 
 
 class EngineError(RuntimeError):
@@ -115,6 +116,8 @@ class EngineInfo:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     prompt_logprobs: bool = False
     """Whether the core scores prompts (--prompt-logprobs)."""
+    reasoning: ReasoningTokens | None = None
+    """The reasoning delimiters' token ids; None: thinking_token_budget is refused."""
 
     @property
     def allow_logprobs(self) -> bool:

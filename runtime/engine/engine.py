@@ -146,10 +146,10 @@ class Engine:
         check_token_ids("stop_token_ids", params.stop_token_ids, info.vocab_size)
         check_token_ids("allowed_token_ids", params.allowed_token_ids or (), info.vocab_size)
         check_token_ids("logit_bias", [t for t, _ in params.logit_bias], info.vocab_size)
-        check_thinking_budget(params.thinking_token_budget, self.config.reasoning)
+        check_thinking_budget(params.thinking_token_budget, info.reasoning)
         if not isinstance(params.speculative, bool):
             raise RequestError("speculative", f"must be a boolean, got {params.speculative!r}")
-        request_spec(info, 0, prompt_ids, params, self.config.reasoning)
+        request_spec(info, 0, prompt_ids, params, info.reasoning)
 
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams
@@ -220,7 +220,7 @@ class Engine:
                 raise EngineError(f"engine is unhealthy: {self._failure}")
             self._ordinal += 1
             spec = request_spec(self.info, self._ordinal, prompt_ids, params,
-                                self.config.reasoning)
+                                self.info.reasoning)
             request = Request(self._ordinal, list(prompt_ids), params, spec, sink)
             if params.max_tokens == 0 and params.prompt_logprobs is None:
                 sink.put(Finished("length"))

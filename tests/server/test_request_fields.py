@@ -126,7 +126,7 @@ REFUSED_VALUES = {
     "watermarking": True,
     "spaces_between_special_tokens": False,
     "return_token_ids": True,
-    "prompt_logprobs": 0,
+
     "truncate_prompt_tokens": 5,
     "truncation_side": "left",
     "kv_transfer_params": {"do_remote_decode": True},

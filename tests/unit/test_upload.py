@@ -157,8 +157,10 @@ def test_core_without_logprobs_refuses_logprobs():
 
 
 def test_core_without_logprobs_refuses_token_ids():
+    # A core without logprob outputs names `logprobs` for any logprob request: the whole
+    # feature is off, not just the selected IDs.
     error = refused({0: LaneRequest(token_ids=(1,))}, k=0, supports_token_ids=False)
-    assert error.param == "logprob_token_ids"
+    assert error.param == "logprobs"
     assert "declares no logprob outputs" in error.message
 
 
