@@ -3,9 +3,11 @@
 Without torchrun it runs one rank (TP1) in this process. Rank 0 is the coordinator: it runs
 the engine and the HTTP server; every other rank runs the peer loop.
 
-Rank 0 writes two lines to stderr (every other rank is silent unless something fails):
+Rank 0 writes these lines to stderr (every other rank is silent unless something fails):
 ``helios: serving <model> at http://<host>:<port>/v1 (TP=<n>, logprobs: K=<k>|off, prompt
-scoring: on|off)`` once uvicorn listens, and ``helios: shutting down (<reason>)`` on SIGINT,
+scoring: on|off)`` once uvicorn listens, followed by one capacity line (``helios: frames
+<x> MiB device (...), <y> MiB host; KV capacity <slots> x <len> tokens (...); queue limit
+<n>``), and ``helios: shutting down (<reason>)`` on SIGINT,
 SIGTERM or SIGHUP to any rank (``SIGINT``; ``SIGTERM on rank 1`` when only a peer got it).
 Then uvicorn stops listening, requests in flight get DRAIN_S to finish before they fail, the
 peers get Shutdown, and every rank exits with status 0 (launch.cluster.StopSignals). A bare
@@ -53,11 +55,29 @@ GRACEFUL_S = 5
 """uvicorn's timeout_graceful_shutdown: it cancels what is still running after this long."""
 
 
+MAX_REQUEST_BYTES = 8 * 1024 * 1024
+"""--max-request-bytes' default (runtime.http.limits.DEFAULT_MAX_REQUEST_BYTES)."""
+MIB = 1024 * 1024
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="launch.serve", description=__doc__)
     add_runtime_arguments(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0: any free port (printed)")
+    p.add_argument("--max-request-bytes", type=_positive, default=MAX_REQUEST_BYTES,
+                   help="largest request body in bytes; a larger one gets HTTP 413 "
+                        "(default: 8 MiB)")
+    p.add_argument("--max-queued-requests", type=_positive, default=None,
+                   help="engine requests (one per choice) waiting or running at once; beyond "
+                        "it HTTP 429 with Retry-After (default: 4 x --capacity)")
     return p.parse_args(argv)
 
 
@@ -69,6 +89,23 @@ def ready_line(model: str, host: str, port: int, tp: int, max_logprobs: int,
     scoring = "on" if prompt_scoring else "off"
     return (f"serving {model} at http://{where}:{port}/v1 "
             f"(TP={tp}, logprobs: {logprobs}, prompt scoring: {scoring})")
+
+
+def capacity_line(engine, world: int, queue_limit: int | None) -> str:
+    """One line (after ``helios: ``) of what the coordinator's frames and each rank's KV cache
+    hold, from ranks.sizing (the figures launch.capacity prints)."""
+    from ranks.sizing import frame_bytes, rank_sizing
+
+    step = engine.step
+    frames = frame_bytes(step.config)
+    rank = rank_sizing(step.model.config, step.config, world, 0, step.model.dtype)
+    config = step.config
+    queue = "unbounded" if queue_limit is None else str(queue_limit)
+    return (f"frames {frames.device / MIB:.1f} MiB device (completion "
+            f"{frames.completion / MIB:.1f}, scored {frames.scored / MIB:.1f}), "
+            f"{frames.host / MIB:.1f} MiB host; KV capacity {config.capacity} x "
+            f"{config.max_seq_len} tokens ({rank.kv_cache_bytes / MIB:.1f} MiB per rank); "
+            f"queue limit {queue}")
 
 
 class HttpServer(uvicorn.Server):
@@ -142,13 +179,20 @@ def main(argv: list[str] | None = None) -> int:
         engine = cluster.engine(stop)
         from runtime.http.server import create_app
 
-        app = create_app(engine, cluster.config.model_dir, engine.info.model_name)
+        app = create_app(engine, cluster.config.model_dir, engine.info.model_name,
+                         max_request_bytes=args.max_request_bytes,
+                         max_queued_requests=args.max_queued_requests)
         info, world = engine.info, cluster.world
+        try:
+            sizing = capacity_line(engine, world, app.state.admission.limit)
+        except Exception as exc:  # noqa: BLE001 - a report, never a reason not to serve
+            sizing = f"capacity summary unavailable ({type(exc).__name__}: {exc})"
 
         def on_ready(port: int) -> None:
             if not stop.requested:
                 say(ready_line(info.model_name, args.host, port, world, info.max_logprobs,
                                info.prompt_logprobs))
+                say(sizing)
 
         healthy = serve_http(app, engine, args.host, args.port, stop, on_ready)
         return 0 if healthy else 1

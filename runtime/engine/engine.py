@@ -119,6 +119,15 @@ class Engine:
     def healthy(self) -> bool:
         return self._failure is None and not self._stopped
 
+    def load(self) -> tuple[int, int]:
+        """(waiting, running): requests submitted but not in a slot (incoming and the
+        scheduler's queue), and requests holding a slot. Cheap; any thread may call it (the
+        admission limit of the HTTP server and its /metrics read it)."""
+        with self._lock:
+            incoming = len(self._incoming)
+        scheduler = self.scheduler
+        return incoming + len(scheduler.waiting), len(scheduler.running)
+
     def shutdown(self) -> None:
         with self._lock:
             self._stopped = True

@@ -8,7 +8,7 @@ first chunks (vLLM refuses prompt_logprobs > 0 with stream)."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ranks.requests import RequestError, check_logprob_request
@@ -40,6 +40,8 @@ class PreparedChat:
     echo: str | None
     prompt_tokens: int
     mode: WireMode | None
+    totals: Totals = field(default_factory=Totals)
+    """Usage so far (the server's metrics read it when the response ends)."""
 
 
 def _check_logprobs(req: ChatCompletionRequest) -> int | None:
@@ -86,7 +88,8 @@ def prepare_chat(
     check_stops(stops)
     check_choices(req.n, 1)
     text = render(req, messages, assets)
-    ids = assets.encode(text, add_special_tokens=req.add_special_tokens, param="messages")
+    ids = assets.encode(text, add_special_tokens=req.add_special_tokens, param="messages",
+                        max_model_len=engine.info.max_model_len)
     if not ids:
         raise RequestError("messages", "the rendered conversation has no tokens")
     info = engine.info
@@ -123,7 +126,7 @@ def prepare_chat(
     if req.echo and messages[-1].role == role:
         echo = messages[-1].content or ""
     return PreparedChat(req, messages, jobs, role, echo, len(ids),
-                        wire_mode(req, top is not None))
+                        wire_mode(req, top is not None), Totals(len(ids)))
 
 
 def _logprobs(prep: PreparedChat, items: list[Position], assets: ModelAssets):
@@ -142,7 +145,7 @@ def _prompt_logprobs(prep: PreparedChat, prompt: list, assets: ModelAssets):
 
 async def chat(prep: PreparedChat, engine: EngineClient, assets: ModelAssets) -> dict:
     """The whole response; raises EngineError (or another error) after admission."""
-    totals = Totals(prep.prompt_tokens)
+    totals = prep.totals
     prefixes = dict.fromkeys(range(len(prep.jobs)), prep.echo or "")
     outcomes = await collect(prep.jobs, engine, assets, totals, prefixes)
     choices = [{
@@ -191,7 +194,7 @@ def stream_chat(
 
     return stream_chunks(
         prep.jobs, engine, assets, id_prefix="chatcmpl", obj="chat.completion.chunk",
-        options=prep.request.stream_options, totals=Totals(prep.prompt_tokens),
+        options=prep.request.stream_options, totals=prep.totals,
         prompt_tokens=dict.fromkeys(range(len(prep.jobs)), prep.prompt_tokens),
         choice=choice, opening=opening,
         extra=extra if prep.request.prompt_logprobs is not None else None,

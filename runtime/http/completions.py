@@ -11,11 +11,11 @@ also carries the echoed text)."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from ranks.requests import RequestError
-from runtime.engine.client import EngineClient
+from ranks.requests import RequestError, check_token_ids
+from runtime.engine.client import EngineClient, EngineInfo
 from runtime.http.assets import ModelAssets
 from runtime.http.choices import ChoiceJob, Delta, Totals, collect, envelope, stream_chunks
 from runtime.http.params import (
@@ -62,6 +62,8 @@ class PreparedCompletion:
     """None: no logprobs requested."""
     echoed: dict[int, EchoedPrompt]
     """By choice index: the prompts whose positions are echoed in logprobs."""
+    totals: Totals = field(default_factory=Totals)
+    """Usage so far (the server's metrics read it when the response ends)."""
 
 
 def _check_logprobs(req: CompletionRequest, scoring: bool) -> bool:
@@ -109,7 +111,11 @@ def echo_text(tb: TokenBytes, text: str | None, ids: list[int]) -> tuple[str, li
     return text, [min(offset, len(text)) for offset in skipped_offsets]
 
 
-def _prompts(req: CompletionRequest, assets: ModelAssets) -> list[tuple[str | None, list[int]]]:
+def _prompts(req: CompletionRequest, assets: ModelAssets, info: EngineInfo
+             ) -> list[tuple[str | None, list[int]]]:
+    """Each prompt's text (None for ids) and ids. Token ids are checked against the vocabulary
+    before any use (echo decodes them); a text longer than the context can hold is refused
+    before it is tokenized."""
     prompt = req.prompt
     if isinstance(prompt, str):
         items: list = [prompt]
@@ -124,9 +130,11 @@ def _prompts(req: CompletionRequest, assets: ModelAssets) -> list[tuple[str | No
         if isinstance(item, str):
             if not item:
                 raise RequestError("prompt", "the prompt must not be empty")
-            ids = assets.encode(item, add_special_tokens=req.add_special_tokens, param="prompt")
+            ids = assets.encode(item, add_special_tokens=req.add_special_tokens, param="prompt",
+                                max_model_len=info.max_model_len)
             out.append((item, ids))
         else:
+            check_token_ids("prompt", item, min(info.vocab_size, assets.token_bytes.size))
             out.append((None, list(item)))
     return out
 
@@ -141,7 +149,7 @@ def prepare_completion(
     engine_prompt_logprobs = _engine_prompt_logprobs(req, echo_logprobs)
     stops = req.stop_strings()
     check_stops(stops)
-    prompts = _prompts(req, assets)
+    prompts = _prompts(req, assets, info)
     check_choices(req.n, len(prompts))
     explicit = req.max_tokens if "max_tokens" in req.model_fields_set else None
     jobs, echo_texts, prompt_tokens, echoed = [], {}, {}, {}
@@ -181,7 +189,8 @@ def prepare_completion(
             if prompt is not None:
                 echoed[index] = prompt
     mode = wire_mode(req, req.logprobs is not None)
-    return PreparedCompletion(req, jobs, echo_texts, prompt_tokens, total, mode, echoed)
+    return PreparedCompletion(req, jobs, echo_texts, prompt_tokens, total, mode, echoed,
+                              Totals(total))
 
 
 def _logprobs(prep: PreparedCompletion, index: int, prompt: list, items: list[Position],
@@ -210,7 +219,7 @@ def _prompt_logprobs(prep: PreparedCompletion, prompt: list, assets: ModelAssets
 
 async def complete(prep: PreparedCompletion, engine: EngineClient, assets: ModelAssets) -> dict:
     """The whole response; raises EngineError (or another error) after admission."""
-    totals = Totals(prep.total_prompt_tokens)
+    totals = prep.totals
     outcomes = await collect(prep.jobs, engine, assets, totals, prep.echo_texts)
     choices = [{
         "index": out.index,
@@ -249,6 +258,6 @@ def stream_completion(
 
     return stream_chunks(
         prep.jobs, engine, assets, id_prefix="cmpl", obj="text_completion",
-        options=prep.request.stream_options, totals=Totals(prep.total_prompt_tokens),
+        options=prep.request.stream_options, totals=prep.totals,
         prompt_tokens=prep.prompt_tokens, choice=choice, prefixes=prep.echo_texts,
     )

@@ -3,12 +3,16 @@ each request (every refusal is a RequestError naming the field: HTTP 400 before 
 
 from __future__ import annotations
 
+import re
+
 from ranks.requests import RequestError
 from runtime.engine.client import SamplingParams
 from runtime.http.protocol import MAX_CHOICES, MAX_STOP_LENGTH, MAX_STOP_STRINGS, SamplingFields
 from runtime.http.wire import WireMode
 
 LOGIT_BIAS_LIMIT = 100.0
+TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,19}", re.ASCII)
+"""A logit_bias key: ASCII digits only (`int` would also take "١", " 5", "+5" or "5_0")."""
 
 
 def parse_logit_bias(raw: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
@@ -16,10 +20,10 @@ def parse_logit_bias(raw: dict[str, float] | None) -> tuple[tuple[int, float], .
         return ()
     pairs: dict[int, float] = {}
     for key, bias in raw.items():
-        try:
-            token_id = int(key)
-        except ValueError:
-            raise RequestError("logit_bias", f"key {key!r} is not a token id") from None
+        if not TOKEN_ID_KEY.fullmatch(key):
+            shown = key if len(key) <= 32 else key[:32] + "..."
+            raise RequestError("logit_bias", f"key {shown!r} is not a token id (ASCII digits)")
+        token_id = int(key)
         if token_id in pairs:
             raise RequestError("logit_bias", f"token id {token_id} appears more than once")
         pairs[token_id] = min(max(float(bias), -LOGIT_BIAS_LIMIT), LOGIT_BIAS_LIMIT)

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from ranks.requests import RequestError
 
@@ -31,6 +31,9 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_LENGTH = 256
 MAX_CHOICES = 256
 """Upper bound on n times the number of prompts of one request (each is an engine request)."""
+
+TokenId = StrictInt
+"""A token id: a JSON integer. Booleans and floats (`false`, `1.0`) are refused, not coerced."""
 
 
 # ----------------------------------------------------------------------------- field policy
@@ -202,7 +205,7 @@ class SamplingFields(OpenAIModel):
     n: int = Field(1, ge=1)
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     temperature: float | None = None
@@ -212,8 +215,8 @@ class SamplingFields(OpenAIModel):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    allowed_token_ids: list[int] | None = None
-    logprob_token_ids: list[int] | None = None
+    allowed_token_ids: list[TokenId] | None = None
+    logprob_token_ids: list[TokenId] | None = None
     return_tokens_as_token_ids: bool | None = None
     prompt_logprobs: int | None = None
     """0..20 on a server started with --prompt-logprobs (the engine checks it)."""
@@ -258,7 +261,7 @@ class SamplingFields(OpenAIModel):
 class CompletionRequest(SamplingFields):
     REFUSED_FIELDS: ClassVar[tuple[str, ...]] = COMPLETION_REFUSED
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     echo: bool | None = False
     logprobs: int | None = None
     max_tokens: int | None = 16
@@ -407,7 +410,7 @@ class DetokenizeRequest(OpenAIModel):
     """POST /detokenize (vLLM's DetokenizeRequest)."""
 
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 def error_body(message: str, param: str | None, code: int = 400) -> dict[str, Any]:
@@ -415,6 +418,8 @@ def error_body(message: str, param: str | None, code: int = 400) -> dict[str, An
     kind = {
         400: "BadRequestError",
         404: "NotFoundError",
+        413: "RequestTooLargeError",
+        429: "RateLimitError",
         500: "InternalServerError",
         503: "ServiceUnavailableError",
     }.get(code, "Error")

@@ -60,12 +60,21 @@ def failure_message(exc: BaseException) -> str:
     return f"request failed: {type(exc).__name__}: {exc}"
 
 
-def json_response(obj: Any, status: int = 200) -> Response:
-    return Response(dumps(obj), status_code=status, media_type="application/json")
+def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None
+                  ) -> Response:
+    return Response(dumps(obj), status_code=status, media_type="application/json",
+                    headers=headers)
 
 
-def error_response(message: str, param: str | None, status: int = 400) -> Response:
-    return json_response(error_body(message, param, status), status)
+CLOSE = {"Connection": "close"}
+"""After an internal error (500) the connection is not reused."""
+
+
+def error_response(message: str, param: str | None, status: int = 400,
+                   headers: dict[str, str] | None = None) -> Response:
+    if status >= 500 and status != 503:
+        headers = {**CLOSE, **(headers or {})}
+    return json_response(error_body(message, param, status), status, headers)
 
 
 def request_error_response(exc: RequestError) -> Response:

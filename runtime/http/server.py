@@ -8,11 +8,13 @@ bodies are encoded with allow_nan=False, so NaN or Infinity never reach a client
 
 from __future__ import annotations
 
-import json
+import asyncio
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -26,6 +28,14 @@ from runtime.engine.client import EngineClient
 from runtime.http.assets import ModelAssets
 from runtime.http.chat import chat, prepare_chat, stream_chat
 from runtime.http.completions import complete, prepare_completion, stream_completion
+from runtime.http.limits import DEFAULT_MAX_REQUEST_BYTES, BodyTooLarge, decode_json, read_body
+from runtime.http.metrics import (
+    RETRY_AFTER_S,
+    Admission,
+    Metrics,
+    ServerStats,
+    default_queue_limit,
+)
 from runtime.http.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -34,6 +44,7 @@ from runtime.http.protocol import (
     ignored_fields_message,
 )
 from runtime.http.responses import (
+    dumps,
     error_response,
     failure_message,
     json_response,
@@ -46,15 +57,16 @@ from runtime.http.tokenization import detokenize_ids, tokenize, tokenize_model, 
 log = logging.getLogger("runtime.http.server")
 fields_log = logging.getLogger("runtime.http")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-def _reject_constant(name: str) -> float:
-    raise ValueError(f"{name} is not valid JSON")
+T = TypeVar("T")
 
 
 def _validation_error(exc: ValidationError | RequestValidationError) -> Response:
     errors = exc.errors()
     first = errors[0] if errors else {}
+    # A union (prompt: text, ids or lists of either) fails once per member: the deepest
+    # failure is the one that says what was wrong (e.g. `false` where a token id goes).
+    same = [e for e in errors if e.get("loc", ())[:1] == first.get("loc", ())[:1]]
+    first = max(same, key=lambda e: len(e.get("loc", ())), default=first)
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     param = loc[0] if loc else None
     where = ".".join(loc)
@@ -62,12 +74,13 @@ def _validation_error(exc: ValidationError | RequestValidationError) -> Response
     return error_response(f"{where}: {message}" if where else message, param)
 
 
-async def parse_body(request: Request, model: type[BaseModel] | Callable[[dict], type[BaseModel]]
-                     ) -> BaseModel | Response:
-    """The body as `model` (or as the model `model(data)` picks for the decoded object)."""
-    raw = await request.body()
+def _decode(raw: bytes, model: type[BaseModel] | Callable[[dict], type[BaseModel]]
+            ) -> BaseModel | Response:
+    """Parse and validate (in a worker thread: megabytes of JSON take a while)."""
     try:
-        data = json.loads(raw, parse_constant=_reject_constant)
+        data = decode_json(raw)
+    except RequestError as exc:
+        return request_error_response(exc)
     except (ValueError, UnicodeDecodeError) as exc:
         return error_response(f"invalid JSON body: {exc}", None)
     if not isinstance(data, dict):
@@ -75,12 +88,41 @@ async def parse_body(request: Request, model: type[BaseModel] | Callable[[dict],
     if not isinstance(model, type):
         model = model(data)
     try:
-        req = model.model_validate(data)
+        return model.model_validate(data)
     except ValidationError as exc:
         return _validation_error(exc)
+
+
+async def parse_body(request: Request, model: type[BaseModel] | Callable[[dict], type[BaseModel]],
+                     max_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> BaseModel | Response:
+    """The body as `model` (or as the model `model(data)` picks for the decoded object); an
+    error response for a body over `max_bytes` (413), malformed, too deeply nested, holding
+    lone surrogates or failing validation (400)."""
+    try:
+        raw = await read_body(request, max_bytes)
+    except BodyTooLarge as exc:
+        return error_response(str(exc), None, 413)
+    req = await off_loop(_decode, raw, model)
     if isinstance(req, OpenAIModel) and (ignored := req.ignored_fields()):
         fields_log.warning(ignored_fields_message(ignored))
     return req
+
+
+PREP_THREADS = 4
+_prep_pool = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="http-prepare")
+
+
+async def off_loop(fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` in the preparation pool: parsing, tokenization, template rendering and
+    detokenization never block the event loop (/health and streams keep being served)."""
+    return await asyncio.get_running_loop().run_in_executor(_prep_pool, fn, *args)
+
+
+async def until_disconnected(request: Request) -> None:
+    """Returns when the client goes away (the body has been read: the next message is the
+    disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def capabilities(engine: EngineClient) -> dict[str, Any]:
@@ -122,11 +164,23 @@ def model_card(engine: EngineClient, assets: ModelAssets, created: int) -> dict[
     }
 
 
-def create_app(engine: EngineClient, model_dir: str | Path, served_model_name: str) -> FastAPI:
+def create_app(engine: EngineClient, model_dir: str | Path, served_model_name: str, *,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               max_queued_requests: int | None = None) -> FastAPI:
+    """The app. `max_queued_requests` bounds waiting + running engine requests (None: four
+    per slot of an engine with a scheduler, else unbounded); beyond it, 429."""
     assets = ModelAssets(model_dir, served_model_name, engine.info.vocab_size)
     app = FastAPI(title="helios", docs_url=None, redoc_url=None, openapi_url=None)
+    if max_queued_requests is None:
+        capacity = getattr(getattr(engine, "config", None), "capacity", None)
+        max_queued_requests = default_queue_limit(capacity) if capacity else None
+    admission = Admission(engine, max_queued_requests)
+    stats = ServerStats()
+    metrics = Metrics(engine, admission, stats)
     app.state.engine = engine
     app.state.assets = assets
+    app.state.admission = admission
+    app.state.stats = stats
     created = now()
 
     @app.exception_handler(RequestValidationError)
@@ -152,6 +206,10 @@ def create_app(engine: EngineClient, model_dir: str | Path, served_model_name: s
             return Response(status_code=200)
         return error_response("the engine is not healthy", None, 503)
 
+    @app.get("/metrics")
+    async def metrics_route() -> Response:
+        return Response(metrics.render(), media_type=metrics.content_type)
+
     @app.get("/v1/models")
     async def models() -> Response:
         return json_response({"object": "list", "data": [model_card(engine, assets, created)]})
@@ -163,30 +221,91 @@ def create_app(engine: EngineClient, model_dir: str | Path, served_model_name: s
             return error_response("the engine is not healthy", None, 503)
         return None
 
+    def overloaded() -> Response:
+        stats.rejected["queue_full"] += 1
+        return error_response(
+            f"the server is at its limit of {admission.limit} queued requests (waiting + "
+            f"running, --max-queued-requests); retry after {RETRY_AFTER_S} s",
+            None, 429, {"Retry-After": str(RETRY_AFTER_S)},
+        )
+
+    def admitted(prepared: Any) -> None:
+        stats.prompt_tokens += prepared.totals.prompt_tokens
+        req = prepared.request
+        if prepared.mode is not None or req.prompt_logprobs is not None:
+            stats.logprob_requests += 1
+
+    def ended(prepared: Any, reasons: list[str | None]) -> None:
+        admission.release(len(prepared.jobs))
+        stats.generation_tokens += prepared.totals.completion_tokens
+        for reason in reasons:
+            stats.finished[reason or "abort"] += 1
+
+    def streamed(prepared: Any, chunks: AsyncIterator[dict[str, Any]]) -> Response:
+        reasons: dict[int, str] = {}
+
+        async def observed() -> AsyncIterator[dict[str, Any]]:
+            try:
+                async for chunk in chunks:
+                    for choice in chunk.get("choices", ()):
+                        if choice.get("finish_reason") is not None:
+                            reasons[choice["index"]] = choice["finish_reason"]
+                    yield chunk
+            except Exception:
+                reasons.update({j.index: "error" for j in prepared.jobs
+                                if j.index not in reasons})
+                raise
+
+        def close() -> None:
+            ended(prepared, [reasons.get(job.index) for job in prepared.jobs])
+
+        return TrackedStream(sse_stream(observed()), close, media_type="text/event-stream",
+                             headers=SSE_HEADERS)
+
     async def serve_request(request: Request, model: type[BaseModel], prepare, whole, chunks):
-        req = await parse_body(request, model)
+        req = await parse_body(request, model, max_request_bytes)
         if isinstance(req, Response):
+            if req.status_code == 413:
+                stats.rejected["too_large"] += 1
             return req
         refused = precheck(req)
         if refused is not None:
             return refused
         try:
-            prepared = prepare(req, engine, assets)
+            prepared = await off_loop(prepare, req, engine, assets)
         except RequestError as exc:
             return request_error_response(exc)
+        if not admission.try_admit(len(prepared.jobs)):
+            return overloaded()
+        admitted(prepared)
         if req.stream:
-            return StreamingResponse(
-                sse_stream(chunks(prepared, engine, assets)),
-                media_type="text/event-stream",
-                headers=SSE_HEADERS,
-            )
+            return streamed(prepared, chunks(prepared, engine, assets))
+        reasons: list[str | None] = [None] * len(prepared.jobs)
         try:
-            return json_response(await whole(prepared, engine, assets))
+            work = asyncio.ensure_future(whole(prepared, engine, assets))
+            gone = asyncio.ensure_future(until_disconnected(request))
+            try:
+                await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                gone.cancel()
+                if not work.done():
+                    work.cancel()  # the engine requests are aborted (run_choice's aclosing)
+                await asyncio.gather(work, gone, return_exceptions=True)
+            if work.cancelled():
+                return error_response("the client disconnected", None, 499)
+            body = work.result()
+            reasons = [choice.get("finish_reason") for choice in body["choices"]]
+            text = await off_loop(dumps, body)
+            return Response(text, media_type="application/json")
         except RequestError as exc:
+            reasons = ["error"] * len(prepared.jobs)
             return request_error_response(exc)
         except Exception as exc:  # noqa: BLE001 - failure after admission
+            reasons = ["error"] * len(prepared.jobs)
             log.warning("request failed: %s", exc)
             return error_response(failure_message(exc), None, 500)
+        finally:
+            ended(prepared, reasons)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -201,15 +320,21 @@ def create_app(engine: EngineClient, model_dir: str | Path, served_model_name: s
         )
 
     async def serve_tokenizer(request: Request, model, answer) -> Response:
-        req = await parse_body(request, model)
+        req = await parse_body(request, model, max_request_bytes)
         if isinstance(req, Response):
+            if req.status_code == 413:
+                stats.rejected["too_large"] += 1
             return req
         if not assets.accepts_model(req.model):
             return error_response(f"The model `{req.model}` does not exist.", "model", 404)
-        try:
-            return json_response(answer(req))
-        except RequestError as exc:
-            return request_error_response(exc)
+
+        def respond() -> Response:
+            try:
+                return json_response(answer(req))
+            except RequestError as exc:
+                return request_error_response(exc)
+
+        return await off_loop(respond)
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request) -> Response:
@@ -229,6 +354,24 @@ def create_app(engine: EngineClient, model_dir: str | Path, served_model_name: s
         return json_response(tokenizer_info(assets))
 
     return app
+
+
+class TrackedStream(StreamingResponse):
+    """A StreamingResponse that calls `on_close` once it ends, however it ends (finished,
+    failed, cancelled because the client went away, or never started)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None],
+                 **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with contextlib.suppress(Exception):
+                await self.body_iterator.aclose()
+            self.on_close()
 
 
 def serve(app: FastAPI, host: str, port: int, log_level: str = "warning") -> None:
