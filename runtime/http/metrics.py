@@ -103,7 +103,7 @@ class ServerCollector:
         yield _counter("generation_tokens", "Generated tokens", stats.generation_tokens)
         success = CounterMetricFamily(PREFIX + "request_success", "Finished choices by finish "
                                       "reason", labels=["finished_reason"])
-        for reason in sorted(set(stats.finished) | {"stop", "length"}):
+        for reason in sorted(set(stats.finished) | {"stop", "length", "abort", "error"}):
             success.add_metric([reason], stats.finished[reason])
         yield success
         yield _counter("requests_with_logprobs", "Admitted requests that asked for logprobs "
