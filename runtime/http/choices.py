@@ -138,6 +138,10 @@ async def run_choice(engine: EngineClient, job: ChoiceJob, tb: TokenBytes) -> As
     eos_ids = engine.info.eos_token_ids
     held: Delta | None = None
     carried: Delta | None = None
+
+    def entries(chunk) -> list:
+        return positions(chunk.entries, job.offset_base, logprobs=job.params.wants_logprobs)
+
     if job.params.prompt_logprobs is not None:
         carried = Delta("", [], prompt=[None])
     try:
@@ -147,14 +151,14 @@ async def run_choice(engine: EngineClient, job: ChoiceJob, tb: TokenBytes) -> As
                     delta = Delta("", [], prompt=list(event.entries))
                 elif isinstance(event, GeneratedToken):
                     chunk = stream.push(event)
-                    delta = Delta(chunk.text, positions(chunk.entries, job.offset_base), tokens=1)
+                    delta = Delta(chunk.text, entries(chunk), tokens=1)
                     if chunk.stop is not None:
                         delta.finish_reason, delta.stop_reason = "stop", chunk.stop
                 else:
                     chunk = stream.finish(event)
                     delta = Delta(
                         chunk.text,
-                        positions(chunk.entries, job.offset_base),
+                        entries(chunk),
                         finish_reason=event.reason,
                         stop_reason=stop_reason_of(event, job.params, eos_ids),
                         tokens=0 if event.stop_token_id is None else 1,

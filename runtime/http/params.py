@@ -74,6 +74,8 @@ def build_params(
         logprobs=None if logprob_token_ids is not None else logprobs,
         logprob_token_ids=None if logprob_token_ids is None else tuple(logprob_token_ids),
         prompt_logprobs=prompt_logprobs,
+        thinking_token_budget=req.thinking_token_budget,
+        speculative=req.speculative,
     )
 
 

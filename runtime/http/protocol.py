@@ -93,7 +93,6 @@ REFUSED: dict[str, Refusal] = {
     "bad_words": Refusal("bad_words is not supported by this server", _truthy),
     "logits_processors": Refusal("custom logits processors are not supported", _truthy),
     "vllm_xargs": Refusal("vllm_xargs (custom processor arguments) is not supported"),
-    "thinking_token_budget": Refusal(REASONING),
     "repetition_detection": Refusal("repetition_detection is not supported by this server"),
     "watermarking": Refusal("watermarking is not supported by this server", _truthy),
     "spaces_between_special_tokens": Refusal("only the default (true) is supported", _false),
@@ -134,7 +133,7 @@ vLLM takes on its endpoint (`REFUSED_FIELDS`); elsewhere they are unknown fields
 
 COMMON_REFUSED = (
     "use_beam_search", "length_penalty", "best_of", "min_tokens", "bad_words",
-    "logits_processors", "vllm_xargs", "thinking_token_budget", "repetition_detection",
+    "logits_processors", "vllm_xargs", "repetition_detection",
     "watermarking", "spaces_between_special_tokens", "return_token_ids",
     "truncate_prompt_tokens", "truncation_side", "kv_transfer_params", "response_format",
     "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
@@ -227,6 +226,11 @@ class SamplingFields(OpenAIModel):
     cache_salt: str | None = None
     session_id: Any = None
     stream_interval: int | None = None
+    thinking_token_budget: int | None = None
+    """vLLM's sampling parameter: once this many tokens are inside a thinking span, the end
+    string is forced (needs --reasoning-parser or --reasoning-config)."""
+    speculative: bool = True
+    """False opts this request out of history proposals (--speculative-tokens)."""
     # Refused when set (REFUSED); typed where vLLM types them.
     use_beam_search: bool = False
     length_penalty: float | None = None
@@ -235,7 +239,6 @@ class SamplingFields(OpenAIModel):
     bad_words: list[str] | None = None
     logits_processors: Any = None
     vllm_xargs: Any = None
-    thinking_token_budget: Any = None
     repetition_detection: Any = None
     watermarking: Any = None
     spaces_between_special_tokens: bool = True

@@ -78,10 +78,14 @@ class Position:
 
 
 def positions(
-    entries: Iterable[tuple[GeneratedToken, int]], offset_base: int = 0
+    entries: Iterable[tuple[GeneratedToken, int]], offset_base: int = 0, *,
+    logprobs: bool = False,
 ) -> list[Position]:
-    """Positions from (token, offset) entries, e.g. `stops.Chunk.entries`."""
-    return [Position.generated(tok, offset + offset_base) for tok, offset in entries]
+    """Positions from (token, offset) entries, e.g. `stops.Chunk.entries`. For a request
+    with logprobs, a forced token (no logprob: a thinking budget's end string) has no entry
+    in any format."""
+    return [Position.generated(tok, offset + offset_base) for tok, offset in entries
+            if not (logprobs and tok.logprob is None)]
 
 
 @dataclass(frozen=True)

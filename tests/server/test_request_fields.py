@@ -121,7 +121,6 @@ REFUSED_VALUES = {
     "bad_words": ["the"],
     "logits_processors": ["my.module:Proc"],
     "vllm_xargs": {"k": 1},
-    "thinking_token_budget": 10,
     "repetition_detection": {"max_pattern_size": 4},
     "watermarking": True,
     "spaces_between_special_tokens": False,

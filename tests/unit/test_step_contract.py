@@ -285,6 +285,7 @@ def compiled_kernels() -> int:
     return sum(len(entry[0]) for cache in caches for entry in cache.values())
 
 
+@pytest.mark.triton_cpu
 def test_triton_objects_are_prepared_before_the_first_logprob_step(model_dir, monkeypatch):
     """On CPU the kernels run in the interpreter (tests/conftest.py); on a GPU they compile,
     and the first logprob step must compile nothing new either."""
