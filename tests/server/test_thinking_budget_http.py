@@ -1,0 +1,82 @@
+"""thinking_token_budget through the server, on a scripted checkpoint whose output a prompt
+scripts (tests/scripted_checkpoint.py): the forced end string is in the text and has no
+logprob entry in either format, offsets stay right, streaming equals non-streaming."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.scripted_checkpoint import END_THINK, encode, write_scripted
+from tests.server.helpers import launch, post, sse_events, strict_json
+
+pytestmark = pytest.mark.slow
+
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+
+@pytest.fixture(scope="module")
+def thinking_server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("thinking")
+    model_dir = write_scripted(root / "model")
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    config["chat_template"] = CHAT_TEMPLATE
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    server = launch("thinking", model_dir, 1, ["--capacity", "2", "--reasoning-parser", "qwen3"],
+                    root)
+    try:
+        server.wait_healthy()
+        yield server
+    finally:
+        server.stop()
+
+
+def body(server, **extra) -> dict:
+    return {"model": server.model_dir.name, "prompt": "<think>", "max_tokens": 8,
+            "temperature": 0.0, "ignore_eos": True, "logprobs": 1,
+            "thinking_token_budget": 3, **extra}
+
+
+def test_completion_budget_forces_the_end_without_an_entry(thinking_server):
+    server = thinking_server
+    whole = strict_json(post(server, "/v1/completions", body(server)).content)["choices"][0]
+    text, lp = whole["text"], whole["logprobs"]
+    # <think> a b c (budget spent) </think> (forced) then the script continues: \n 0 1 2.
+    assert text == "abc" + END_THINK + "\n012"
+    assert whole["finish_reason"] == "length"
+    # 8 generated tokens, one forced: 7 entries, none for </think>.
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 7
+    assert END_THINK not in lp["tokens"]
+    assert all(v is not None and v <= 0 for v in lp["token_logprobs"])
+    # Offsets point at each entry's token in the text, skipping the forced span.
+    for token, offset in zip(lp["tokens"], lp["text_offset"], strict=True):
+        assert text[offset : offset + len(token)] == token.replace("Ċ", "\n")
+    events = sse_events(post(server, "/v1/completions", body(server, stream=True)))
+    streamed = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+    merged = [t for e in events if e["choices"] and e["choices"][0]["logprobs"]
+              for t in e["choices"][0]["logprobs"]["tokens"]]
+    offsets = [o for e in events if e["choices"] and e["choices"][0]["logprobs"]
+               for o in e["choices"][0]["logprobs"]["text_offset"]]
+    assert streamed == text and merged == lp["tokens"] and offsets == lp["text_offset"]
+
+
+def test_chat_budget_entries_skip_the_forced_token(thinking_server):
+    server = thinking_server
+    response = server.client().chat.completions.create(
+        model=server.model_dir.name, messages=[{"role": "user", "content": "<think>"}],
+        max_tokens=8, temperature=0.0, logprobs=True,
+        extra_body={"ignore_eos": True, "thinking_token_budget": 3},
+    )
+    assert response.choices[0].message.content == "abc" + END_THINK + "\n012"
+    content = response.choices[0].logprobs.content
+    assert len(content) == 7 and all(c.token != END_THINK for c in content)
+    forced_id = encode(server.model_dir, END_THINK)
+    assert len(forced_id) == 1
+
+
+def test_budget_without_a_reasoning_configuration_is_refused(server):
+    refused = post(server, "/v1/completions", {"prompt": "a", "max_tokens": 2,
+                                               "thinking_token_budget": 2})
+    assert refused.status_code == 400
+    assert strict_json(refused.content)["param"] == "thinking_token_budget"
