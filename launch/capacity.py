@@ -6,7 +6,7 @@ prints, per rank: the weights by kind, every fixed buffer (completion bundle, sa
 logprob reduction, prompt scoring with --prompt-logprobs), the coordinator's host frames, the
 KV cache's bytes per token, and how many tokens and full-length sequences of KV cache the
 rest of the budget holds. With --prompt-logprobs it also prints what the flag costs. It
-loads no weights and allocates no tensors; every figure comes from ranks/sizing.py, which
+loads no weights and allocates no tensors; every figure comes from ranks/contract/sizing.py, which
 the tests hold to the tensors real ranks allocate.
 
 Exit status: 0, or 2 for a bad argument or a budget too small for the weights and fixed
@@ -24,9 +24,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from launch.cluster import add_runtime_arguments
-from ranks.declarations import resolve_completion_token_capacity
-from ranks.model.config import ModelConfig
-from ranks.sizing import (
+from ranks.contract.declarations import resolve_completion_token_capacity
+from ranks.contract.sizing import (
     FIXED_SECTIONS,
     WEIGHT_KINDS,
     Buffer,
@@ -37,6 +36,7 @@ from ranks.sizing import (
     job_sizing,
     max_capacity,
 )
+from ranks.model.config import ModelConfig
 from runtime.engine.config import RuntimeConfig
 
 UNITS = {

@@ -25,7 +25,7 @@ from launch.cluster import (
     exit_process,
     join,
 )
-from ranks.requests import RequestError
+from ranks.contract.requests import RequestError
 from runtime.engine.client import EngineError, SamplingParams
 
 

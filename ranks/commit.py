@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ranks import abi6
+from ranks.contract import abi6
 from ranks.plan import RequestSpec
 
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from collectives.codec import message, register
 from kernels.layout import MAX_TOKEN_IDS
-from ranks.requests import RequestError
+from ranks.contract.requests import RequestError
 from ranks.sampling_params import RowSampling
 
 register(RowSampling, "ranks.row_sampling")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kernels.layout import EXPORT_K
-from ranks.declarations import resolve_completion_token_capacity
+from ranks.contract.declarations import resolve_completion_token_capacity
 
 
 @dataclass(frozen=True)

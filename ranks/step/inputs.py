@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from ranks.commit import RecordBatch, SlotState
+from ranks.contract.upload import LaneRequest
 from ranks.plan import SlotWork, StepPlan
 from ranks.step.config import StepConfig
-from ranks.upload import LaneRequest
 
 
 @dataclass(frozen=True)

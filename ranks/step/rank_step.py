@@ -18,8 +18,9 @@ from __future__ import annotations
 import torch
 
 from kernels.layout import EXPORT_K
-from ranks.completion import CompletionOutputs
-from ranks.core import capabilities
+from ranks.contract.completion import CompletionOutputs
+from ranks.contract.core import capabilities
+from ranks.contract.upload import LogprobUploader, UploadResult
 from ranks.plan import StepPlan
 from ranks.sampler import ShardedSampler
 from ranks.speculative import sampler_rows, split_rows
@@ -27,7 +28,6 @@ from ranks.step.config import StepConfig
 from ranks.step.inputs import StepInputs, prepare_inputs
 from ranks.step.reduce import StepReduction
 from ranks.step.scoring import PromptScorer
-from ranks.upload import LogprobUploader, UploadResult
 
 NO_UPLOAD = UploadResult(requesting_slots=(), copy_width=0)
 

@@ -29,8 +29,17 @@ import torch
 from kernels.layout import MAX_TOKEN_IDS, PAYLOAD_WORDS
 from kernels.rows import RowRequest
 from kernels.sharded import PreparedShardedReduction
-from ranks.abi6 import EMITTED, EPOCH, FIRST_LOGIT_ROW, FORCED_MASK, HEADER, KIND, SLOT, Kind
-from ranks.completion import CompletionOutputs
+from ranks.contract.abi6 import (
+    EMITTED,
+    EPOCH,
+    FIRST_LOGIT_ROW,
+    FORCED_MASK,
+    HEADER,
+    KIND,
+    SLOT,
+    Kind,
+)
+from ranks.contract.completion import CompletionOutputs
 
 
 class StepReduction:

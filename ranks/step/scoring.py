@@ -19,7 +19,7 @@ import torch
 
 from kernels.layout import PROMPT_BLOCK_ROWS, PROMPT_ROW_WORDS
 from kernels.scoring_sharded import PreparedPromptScoring
-from ranks.declarations import FRAMES, PROMPT_LOGPROBS, PROMPT_TARGET_TOKENS, BufferDecl
+from ranks.contract.declarations import FRAMES, PROMPT_LOGPROBS, PROMPT_TARGET_TOKENS, BufferDecl
 
 LADDER_START = 128
 LADDER_FACTOR = 4

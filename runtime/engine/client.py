@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
-from ranks.requests import RequestError
+from ranks.contract.requests import RequestError
 from runtime.text.reasoning import ReasoningTokens
 
 
@@ -48,7 +48,7 @@ class SamplingParams:
     changes how many tokens one step emits."""
 
     def __post_init__(self) -> None:
-        # Everything else is checked once, by the engine's check (ranks.requests and the
+        # Everything else is checked once, by the engine's check (ranks.contract.requests and the
         # RowSampling / RequestSpec the ranks receive).
         if self.max_tokens < 0:
             raise RequestError("max_tokens", f"must be >= 0, got {self.max_tokens}")

@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from kernels.layout import EXPORT_K
-from ranks.declarations import DEFAULT_COMPLETION_TOKEN_CAPACITY
+from ranks.contract.declarations import DEFAULT_COMPLETION_TOKEN_CAPACITY
 from ranks.step import StepConfig
 from runtime.engine.scheduler import SchedulerConfig
 from runtime.text.reasoning import load_reasoning, reasoning_strings

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from kernels.layout import CHOSEN_BITS, CHOSEN_ID, FIRST_PAIR
-from ranks.abi6 import (
+from ranks.contract.abi6 import (
     EMITTED,
     EMITTING_KINDS,
     EPOCH,

@@ -12,13 +12,13 @@ import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 
-from ranks.plan import StepPlan
-from ranks.requests import (
+from ranks.contract.requests import (
     RequestError,
     check_logprob_request,
     check_prompt_logprobs,
     check_token_ids,
 )
+from ranks.plan import StepPlan
 from ranks.step import RankStep
 from runtime.engine.client import (
     EngineError,

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.layout import FIRST_PAIR
-from ranks.completion import CompletionOutputs
+from ranks.contract.completion import CompletionOutputs
 
 
 @dataclass(frozen=True)

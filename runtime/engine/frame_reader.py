@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ranks import abi6
+from ranks.contract import abi6
 from runtime.engine.client import Finished, GeneratedToken, TokenLogprob
 from runtime.engine.decode import LaneExpectation, decode_frame
 from runtime.engine.executor import HostFrame

@@ -7,8 +7,8 @@ import secrets
 from collections import deque
 from dataclasses import dataclass, field
 
+from ranks.contract.requests import RequestError
 from ranks.plan import RequestSpec, SlotWork, StepPlan
-from ranks.requests import RequestError
 from ranks.sampling_params import RowSampling
 from runtime.engine.client import EngineInfo, SamplingParams
 from runtime.engine.proposer import HistoryProposer

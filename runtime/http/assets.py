@@ -7,7 +7,7 @@ from pathlib import Path
 
 import tokenizers
 
-from ranks.requests import RequestError
+from ranks.contract.requests import RequestError
 from runtime.text.chat_template import ChatTemplate
 from runtime.text.token_bytes import TokenBytes
 

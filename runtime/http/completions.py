@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ranks.requests import RequestError, check_token_ids
+from ranks.contract.requests import RequestError, check_token_ids
 from runtime.engine.client import EngineClient, EngineInfo
 from runtime.http.assets import ModelAssets
 from runtime.http.choices import ChoiceJob, Delta, Totals, collect, envelope, stream_chunks

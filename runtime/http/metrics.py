@@ -9,7 +9,7 @@ here is changed on the event loop only; the scrape reads plain integers.
 
 Metrics (names in vLLM's style, prefixed `helios:`): the queue gauges, token and request
 counters, the copy counters of the coordinator's frame executor and prompt reader, rejections
-by reason, and the frame bytes of the rank step (ranks.sizing.frame_bytes), the completion
+by reason, and the frame bytes of the rank step (ranks.contract.sizing.frame_bytes), the completion
 frames apart from the scored and host ones.
 """
 
@@ -149,7 +149,7 @@ def _frame_bytes(engine: Any) -> dict[str, int] | None:
     config = getattr(getattr(engine, "step", None), "config", None)
     if config is None:
         return None
-    from ranks.sizing import frame_bytes
+    from ranks.contract.sizing import frame_bytes
 
     return frame_bytes(config).as_dict()
 

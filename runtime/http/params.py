@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from ranks.requests import RequestError
+from ranks.contract.requests import RequestError
 from runtime.engine.client import SamplingParams
 from runtime.http.protocol import MAX_CHOICES, MAX_STOP_LENGTH, MAX_STOP_STRINGS, SamplingFields
 from runtime.http.wire import WireMode

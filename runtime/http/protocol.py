@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-from ranks.requests import RequestError
+from ranks.contract.requests import RequestError
 
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1

@@ -12,7 +12,7 @@ from typing import Any
 
 from fastapi.responses import Response
 
-from ranks.requests import RequestError
+from ranks.contract.requests import RequestError
 from runtime.engine.client import EngineError
 from runtime.http.protocol import error_body
 from runtime.http.wire import NonFiniteLogprob

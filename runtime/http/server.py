@@ -23,7 +23,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ranks.requests import RequestError
+from ranks.contract.requests import RequestError
 from runtime.engine.client import EngineClient
 from runtime.http.assets import ModelAssets
 from runtime.http.chat import chat, prepare_chat, stream_chat

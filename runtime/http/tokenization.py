@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ranks.requests import check_token_ids
+from ranks.contract.requests import check_token_ids
 from runtime.http.assets import ModelAssets
 from runtime.http.chat import render
 from runtime.http.protocol import (

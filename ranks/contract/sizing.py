@@ -33,8 +33,8 @@ from kernels.layout import (
     PROMPT_ROW_WORDS,
     TILE_CANDIDATES,
 )
-from ranks.abi6 import Kind, record_width
-from ranks.declarations import (
+from ranks.contract.abi6 import Kind, record_width
+from ranks.contract.declarations import (
     COMPLETION_LOGPROBS,
     COMPLETION_RECORDS,
     FRAMES,

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kernels.layout import EXPORT_K, MAX_TOKEN_IDS, PAYLOAD_WORDS, PROMPT_ROW_WORDS
-from ranks.abi6 import HEADER
+from ranks.contract.abi6 import HEADER
 
 COMPLETION_RECORDS = "completion_records"
 COMPLETION_LOGPROBS = "completion_logprobs"

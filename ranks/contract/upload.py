@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from kernels.layout import EXPORT_K
-from ranks.completion import CompletionOutputs
-from ranks.requests import check_logprob_request
+from ranks.contract.completion import CompletionOutputs
+from ranks.contract.requests import check_logprob_request
 
 
 @dataclass(frozen=True)
