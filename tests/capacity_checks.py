@@ -1,5 +1,5 @@
 """Checks shared by the capacity tests (TP1 in process, TP2/TP4 over gloo): the report
-(ranks/sizing.py) against the tensors a real rank and engine hold."""
+(ranks/contract/sizing.py) against the tensors a real rank and engine hold."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
+from ranks.contract.sizing import Buffer, RankSizing, rank_sizing
 from ranks.model import ShardedCausalLM
-from ranks.sizing import Buffer, RankSizing, rank_sizing
 from ranks.step import RankStep
 from runtime.engine.bootstrap import load_rank
 from runtime.engine.config import RuntimeConfig

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from ranks import abi6
+from ranks.contract import abi6
 from runtime.engine.client import EngineError, Finished, GeneratedToken, SamplingParams
 from tests.checkpoints import hf_logprobs
 

@@ -24,7 +24,7 @@ CASES = {
 
 def rank_main(model_dirs: dict[str, str]) -> list[tuple]:
     from collectives.groups import group_rank, group_size, world_group
-    from ranks.sizing import rank_sizing
+    from ranks.contract.sizing import rank_sizing
     from runtime.engine.bootstrap import build_engine
     from tests.capacity_checks import build, check_host, check_kv_allocator, check_rank
 

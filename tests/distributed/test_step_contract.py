@@ -12,7 +12,7 @@ import torch
 
 from kernels.layout import FIRST_PAIR
 from kernels.sortkeys import bits_to_float
-from ranks import abi6
+from ranks.contract import abi6
 from tests.checkpoints import hf_logprobs, write_qwen2
 from tests.distributed.harness import run_ranks
 

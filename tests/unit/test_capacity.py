@@ -1,9 +1,10 @@
 """The capacity report against real ranks (TP1, in process), and the CLI.
 
-ranks/sizing.py computes every buffer from the configuration alone. Here real RankSteps (and
-the coordinator's Engine) are built and the report is checked buffer by buffer against the
-tensors at the paths it names, and in total against every tensor reachable from the step: a
-buffer the code holds but the report does not list fails ``check_rank``.
+ranks/contract/sizing.py computes every buffer from the configuration alone. Here real
+RankSteps (and the coordinator's Engine) are built and the report is checked buffer by
+buffer against the tensors at the paths it names, and in total against every tensor
+reachable from the step: a buffer the code holds but the report does not list fails
+``check_rank``.
 """
 
 from __future__ import annotations
@@ -18,13 +19,13 @@ import pytest
 import torch
 
 from launch import capacity
-from ranks.model.config import ModelConfig
-from ranks.sizing import (
+from ranks.contract.sizing import (
     frame_bytes,
     job_sizing,
     max_capacity,
     rank_sizing,
 )
+from ranks.model.config import ModelConfig
 from runtime.engine.bootstrap import build_engine
 from tests.capacity_checks import (
     REPO,
@@ -90,7 +91,7 @@ def test_report_tells_tied_from_untied_heads(llama, qwen2):
 def test_triton_workspaces_are_listed(llama, monkeypatch):
     """The Triton reduction's prepared workspaces (interpreter geometry on CPU tensors)."""
     from kernels.triton import prepared, sharded
-    from ranks import sizing
+    from ranks.contract import sizing
 
     # A serving process builds one step; here other tests may have cached larger launches
     # for the same width, which prepared_sharded would reuse.

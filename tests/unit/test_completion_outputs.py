@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from kernels.layout import MAX_TOKEN_IDS, PAYLOAD_WORDS
-from ranks import abi6
-from ranks.completion import CompletionOutputs, write_record
-from ranks.declarations import CoreDeclarations, GraphDecl, validate
+from ranks.contract import abi6
+from ranks.contract.completion import CompletionOutputs, write_record
+from ranks.contract.declarations import CoreDeclarations, GraphDecl, validate
 
 BUFFERS = (
     "completion_records",

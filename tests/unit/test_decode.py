@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from ranks.abi6 import Kind
-from ranks.completion import CompletionOutputs, write_record
+from ranks.contract.abi6 import Kind
+from ranks.contract.completion import CompletionOutputs, write_record
 from runtime.engine.client import EngineError
 from runtime.engine.decode import DecodedEntry, DecodeError, LaneExpectation, decode_frame
 

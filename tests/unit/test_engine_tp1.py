@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kernels.layout import EXPORT_K, FIRST_PAIR
-from ranks.requests import RequestError
+from ranks.contract.requests import RequestError
 from runtime.engine.bootstrap import build_engine, load_rank
 from runtime.engine.client import EngineError, GeneratedToken, SamplingParams
 from runtime.engine.config import RuntimeConfig

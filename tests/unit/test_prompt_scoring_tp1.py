@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ranks.contract.requests import RequestError
 from ranks.plan import RequestSpec, SlotWork, StepPlan
-from ranks.requests import RequestError
 from ranks.sampling_params import RowSampling
 from runtime.engine.bootstrap import build_engine, load_rank
 from runtime.engine.client import Finished, GeneratedToken, PromptScores, SamplingParams

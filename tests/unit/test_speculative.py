@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ranks import abi6
 from ranks.commit import RecordBatch, SlotState
+from ranks.contract import abi6
 from ranks.plan import RequestSpec, SlotWork
 from ranks.sampling_params import RowSampling
 from runtime.engine.bootstrap import build_engine, load_rank

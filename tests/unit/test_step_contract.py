@@ -14,11 +14,12 @@ import torch
 from kernels.api import reduce_logprobs
 from kernels.layout import EXPORT_K, FIRST_PAIR, PAYLOAD_WORDS
 from kernels.sortkeys import bits_to_float
-from ranks import abi6, commit
-from ranks.core import capabilities, core_declarations
-from ranks.declarations import validate
+from ranks import commit
+from ranks.contract import abi6
+from ranks.contract.core import capabilities, core_declarations
+from ranks.contract.declarations import validate
+from ranks.contract.requests import RequestError
 from ranks.plan import RequestSpec, SlotWork, StepPlan
-from ranks.requests import RequestError
 from ranks.sampling_params import RowSampling
 from runtime.engine.bootstrap import build_engine, load_rank
 from runtime.engine.client import EngineError, SamplingParams
@@ -160,10 +161,10 @@ def test_lanes_without_the_flag_are_never_written(model_dir):
 # -------------------------------------------------------------------------- no logprobs (2)
 def test_core_without_logprob_outputs_uploads_and_reduces_nothing(model_dir, monkeypatch):
     import kernels.sharded
-    import ranks.upload
+    import ranks.contract.upload
 
     built = []
-    for cls in (kernels.sharded.PreparedShardedReduction, ranks.upload.LogprobUploader):
+    for cls in (kernels.sharded.PreparedShardedReduction, ranks.contract.upload.LogprobUploader):
         init = cls.__init__
 
         def counting(self, *args, _init=init, **kwargs):

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from ranks import abi6
-from ranks.requests import RequestError
+from ranks.contract import abi6
+from ranks.contract.requests import RequestError
 from runtime.engine.bootstrap import build_engine, load_rank
 from runtime.engine.client import SamplingParams
 from runtime.engine.config import RuntimeConfig

@@ -3,9 +3,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ranks.completion import CompletionOutputs
-from ranks.requests import RequestError, check_logprob_request
-from ranks.upload import LaneRequest, LogprobUploader, UploadResult
+from ranks.contract.completion import CompletionOutputs
+from ranks.contract.requests import RequestError, check_logprob_request
+from ranks.contract.upload import LaneRequest, LogprobUploader, UploadResult
 
 VOCAB = 1000
 SENTINEL = 555
