@@ -33,6 +33,24 @@ def dumps(obj: Any) -> str:
     return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
 
 
+PIECE = 65_536
+
+
+def dumps_in_pieces(obj: dict[str, Any]) -> str:
+    """`dumps(obj)` for a body with long top-level lists (/tokenize's `tokens`), encoded a
+    slice at a time: the encoder holds the GIL for each call, and short calls let the event
+    loop's thread run in between (run it off the loop)."""
+    parts = []
+    for key, value in obj.items():
+        if isinstance(value, list) and len(value) > PIECE:
+            items = ",".join(dumps(value[i:i + PIECE])[1:-1]
+                             for i in range(0, len(value), PIECE))
+            parts.append(f"{dumps(key)}:[{items}]")
+        else:
+            parts.append(f"{dumps(key)}:{dumps(value)}")
+    return "{" + ",".join(parts) + "}"
+
+
 def sse(obj: Any) -> str:
     return f"data: {dumps(obj)}\n\n"
 

@@ -45,6 +45,7 @@ from runtime.http.protocol import (
 )
 from runtime.http.responses import (
     dumps,
+    dumps_in_pieces,
     error_response,
     failure_message,
     json_response,
@@ -330,9 +331,10 @@ def create_app(engine: EngineClient, model_dir: str | Path, served_model_name: s
 
         def respond() -> Response:
             try:
-                return json_response(answer(req))
+                body = answer(req)
             except RequestError as exc:
                 return request_error_response(exc)
+            return Response(dumps_in_pieces(body), media_type="application/json")
 
         return await off_loop(respond)
 
