@@ -135,7 +135,10 @@ def assert_quiet_stop(status: int, output: str, took: float, reason: str) -> Non
     assert took < STOP_WITHIN_S, output
     assert "Traceback" not in output, output
     helios = [line for line in output.splitlines() if line.startswith("helios:")]
-    assert helios[1:] == [f"helios: shutting down ({reason})"], output
+    # The start-up lines (ready, then the capacity summary), then exactly one shutdown line.
+    assert helios[0].startswith("helios: serving "), output
+    assert [line for line in helios[1:] if not line.startswith("helios: frames ")] == [
+        f"helios: shutting down ({reason})"], output
     assert output.count("shutting down") == 1, output
 
 
