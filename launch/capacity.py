@@ -21,9 +21,8 @@ import math
 import re
 import sys
 from dataclasses import replace
-from pathlib import Path
 
-from launch.cluster import add_runtime_arguments
+from launch.cluster import add_runtime_arguments, runtime_config
 from ranks.contract.declarations import resolve_completion_token_capacity
 from ranks.contract.sizing import (
     FIXED_SECTIONS,
@@ -37,7 +36,6 @@ from ranks.contract.sizing import (
     max_capacity,
 )
 from ranks.model.config import ModelConfig
-from runtime.engine.config import RuntimeConfig
 
 UNITS = {
     "": 1, "b": 1,
@@ -158,36 +156,18 @@ class Plan:
         self.utilization = args.memory_utilization
         self.usable = int(memory * args.memory_utilization)
         self.tp = args.tp
-        if args.model is None:
-            from launch.tiny_model import ensure_tiny_model
-
-            self.model_dir = ensure_tiny_model()
-        else:
-            self.model_dir = Path(args.model)
+        try:
+            self.runtime = runtime_config(args, self.device)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        self.model_dir = self.runtime.model_dir
         try:
             self.model = ModelConfig.from_model_dir(self.model_dir)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise UsageError(f"{self.model_dir}: {exc}") from None
-        backend = args.reduction_backend or ("triton" if self.device == "cuda" else "torch")
         try:
-            self.runtime = RuntimeConfig(
-                model_dir=self.model_dir,
-                served_model_name=args.served_model_name,
-                device=self.device,
-                capacity=args.capacity,
-                max_model_len=args.max_model_len,
-                chunk_size=args.chunk_size,
-                max_batched_tokens=args.max_batched_tokens,
-                logprobs=not args.no_logprobs,
-                prompt_logprobs=args.prompt_logprobs,
-                max_logprobs=args.max_logprobs,
-                completion_token_capacity=args.completion_token_capacity,
-                reduction_backend=backend,
-            )
             max_seq_len = self.runtime.resolve_max_model_len(self.model.max_position_embeddings)
-            # Applied to the rank's StepConfig, which has always known N.
-            self.step = replace(self.runtime.step_config(max_seq_len),
-                                speculative_tokens=args.speculative_tokens)
+            self.step = self.runtime.step_config(max_seq_len)
             self.job = self._job(self.step)
         except ValueError as exc:
             raise UsageError(str(exc)) from None

@@ -25,7 +25,7 @@ from runtime.http.params import (
     wire_mode,
 )
 from runtime.http.protocol import ChatCompletionRequest, ChatMessage, parse_messages
-from runtime.http.wire import Position, WireMode, chat_logprobs, prompt_logprobs_list
+from runtime.http.wire import Position, WireMode, chat_logprobs, request_prompt_logprobs
 from runtime.text.chat_template import ChatTemplateError
 
 RESERVED_TEMPLATE_KEYS = {"messages", "add_generation_prompt"}
@@ -135,14 +135,6 @@ def _logprobs(prep: PreparedChat, items: list[Position], assets: ModelAssets):
     return chat_logprobs(items, assets.token_bytes, prep.mode)
 
 
-def _prompt_logprobs(prep: PreparedChat, prompt: list, assets: ModelAssets):
-    req = prep.request
-    if req.prompt_logprobs is None:
-        return None
-    mode = WireMode(as_token_ids=bool(req.return_tokens_as_token_ids))
-    return prompt_logprobs_list(prompt, assets.token_bytes, req.prompt_logprobs, mode)
-
-
 async def chat(prep: PreparedChat, engine: EngineClient, assets: ModelAssets) -> dict:
     """The whole response; raises EngineError (or another error) after admission."""
     totals = prep.totals
@@ -160,7 +152,8 @@ async def chat(prep: PreparedChat, engine: EngineClient, assets: ModelAssets) ->
         "choices": choices,
         "usage": totals.usage(),
         "system_fingerprint": None,
-        "prompt_logprobs": _prompt_logprobs(prep, outcomes[0].prompt, assets),
+        "prompt_logprobs": request_prompt_logprobs(prep.request, outcomes[0].prompt,
+                                                   assets.token_bytes),
     }
 
 
@@ -190,7 +183,8 @@ def stream_chat(
     def extra(index: int, delta: Delta) -> dict[str, Any]:
         if not delta.prompt:
             return {}
-        return {"prompt_logprobs": _prompt_logprobs(prep, delta.prompt, assets)}
+        scores = request_prompt_logprobs(prep.request, delta.prompt, assets.token_bytes)
+        return {"prompt_logprobs": scores}
 
     return stream_chunks(
         prep.jobs, engine, assets, id_prefix="chatcmpl", obj="chat.completion.chunk",

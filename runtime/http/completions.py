@@ -32,8 +32,8 @@ from runtime.http.wire import (
     Position,
     WireMode,
     completion_logprobs,
-    prompt_logprobs_list,
     prompt_position,
+    request_prompt_logprobs,
 )
 from runtime.text.detokenizer import detokenize
 from runtime.text.token_bytes import TokenBytes
@@ -209,17 +209,9 @@ def _logprobs(prep: PreparedCompletion, index: int, prompt: list, items: list[Po
     return completion_logprobs(items, assets.token_bytes, prep.mode)
 
 
-def _prompt_logprobs(prep: PreparedCompletion, prompt: list, assets: ModelAssets):
-    req = prep.request
-    if req.prompt_logprobs is None:
-        return None
-    mode = WireMode(as_token_ids=bool(req.return_tokens_as_token_ids))
-    return prompt_logprobs_list(prompt, assets.token_bytes, req.prompt_logprobs, mode)
-
-
 async def complete(prep: PreparedCompletion, engine: EngineClient, assets: ModelAssets) -> dict:
     """The whole response; raises EngineError (or another error) after admission."""
-    totals = prep.totals
+    totals, tb = prep.totals, assets.token_bytes
     outcomes = await collect(prep.jobs, engine, assets, totals, prep.echo_texts)
     choices = [{
         "index": out.index,
@@ -227,7 +219,7 @@ async def complete(prep: PreparedCompletion, engine: EngineClient, assets: Model
         "logprobs": _logprobs(prep, out.index, out.prompt, out.positions, assets),
         "finish_reason": out.finish_reason,
         "stop_reason": out.stop_reason,
-        "prompt_logprobs": _prompt_logprobs(prep, out.prompt, assets),
+        "prompt_logprobs": request_prompt_logprobs(prep.request, out.prompt, tb),
     } for out in outcomes]
     return {
         **envelope("cmpl", "text_completion", assets),
@@ -253,7 +245,8 @@ def stream_completion(
             "stop_reason": delta.stop_reason,
         }
         if scored:
-            body["prompt_logprobs"] = _prompt_logprobs(prep, delta.prompt, assets) or None
+            scores = request_prompt_logprobs(prep.request, delta.prompt, assets.token_bytes)
+            body["prompt_logprobs"] = scores or None
         return body
 
     return stream_chunks(

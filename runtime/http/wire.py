@@ -227,6 +227,17 @@ def prompt_logprobs_list(
     return [prompt_logprobs_entry(entry, tb, top_n, mode) for entry in entries]
 
 
+def request_prompt_logprobs(
+    req: Any, entries: Iterable[PromptLogprob | None], tb: TokenBytes
+) -> list[dict[str, dict[str, Any]] | None] | None:
+    """A request's `prompt_logprobs` field (None when it asked for none): its top-N and
+    return_tokens_as_token_ids (a Completions or Chat request model)."""
+    if req.prompt_logprobs is None:
+        return None
+    mode = WireMode(as_token_ids=bool(req.return_tokens_as_token_ids))
+    return prompt_logprobs_list(entries, tb, req.prompt_logprobs, mode)
+
+
 def prompt_position(
     entry: PromptLogprob | None, first_token: int, text_offset: int, top_n: int
 ) -> Position:
