@@ -133,8 +133,9 @@ def test_peer_killed_under_a_running_tp2_server(tmp_path):
         reader.start()
         assert first_chunk.wait(60), "the stream never started"
         os.kill(rank_pid(server.pid, 1), signal.SIGKILL)
-        # The coordinator reports itself unhealthy until the job goes away (it waits a
-        # grace period before exiting, so the 503 is observable right after the loss).
+        # torchrun tears the job down as soon as a worker dies, so the coordinator may be
+        # gone before /health is asked: it answers 503 or not at all, never 200 again.
+        # (The 503 window is asserted with a hung peer, which torchrun cannot see.)
         statuses = []
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and 503 not in statuses:
@@ -143,7 +144,7 @@ def test_peer_killed_under_a_running_tp2_server(tmp_path):
             except httpx.TransportError:
                 break  # the job is already gone
             time.sleep(0.05)
-        assert 503 in statuses, statuses
+        assert 200 not in statuses[1:], statuses
         reader.join(timeout=60)
         assert not reader.is_alive(), "the stream never ended after the peer died"
         events = [strict_json(line[6:]) for line in seen
@@ -179,8 +180,16 @@ def test_a_hung_peer_ends_the_whole_job_within_seconds(tmp_path):
         stopped = rank_pid(server.pid, 1)
         os.kill(stopped, signal.SIGSTOP)
         started = time.monotonic()
+        statuses: list[int] = []
         while server.running() and time.monotonic() - started < 60:
-            time.sleep(0.2)
+            try:
+                statuses.append(httpx.get(server.url + "/health", timeout=1).status_code)
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        # Between noticing the hung peer and exiting, the coordinator reports itself
+        # unhealthy (it waits a grace period so that clients see the failure).
+        assert 503 in statuses, statuses[-20:]
         elapsed = time.monotonic() - started
         assert not server.running(), "the job outlived its hung peer by a minute"
         assert elapsed < 20, f"the job took {elapsed:.1f} s to go away"
