@@ -22,16 +22,15 @@ import asyncio
 import os
 import random
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+from bench import server
 
 ROOT = Path(__file__).resolve().parents[1]
 LARGE_VOCAB = 151_936
@@ -51,12 +50,6 @@ RUNS: list[tuple[str, dict]] = [
 class Samples:
     tokens_per_s: list[float] = field(default_factory=list)
     bytes_per_request: list[float] = field(default_factory=list)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def large_vocab_model(cache: Path) -> Path:
@@ -88,36 +81,9 @@ def large_vocab_model(cache: Path) -> Path:
 
 
 def start_server(model: Path | None, args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "launch.serve", "--host", "127.0.0.1", "--port", str(port),
-           "--capacity", str(args.capacity), "--max-model-len", str(args.prompt_len + 64),
-           "--prompt-logprobs"]
-    if model is not None:
-        cmd += ["--model", str(model)]
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise SystemExit("server did not start")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    serve = ["--capacity", str(args.capacity), "--max-model-len", str(args.prompt_len + 64),
+             "--prompt-logprobs"]
+    return server.start_server(serve + (["--model", str(model)] if model is not None else []))
 
 
 def prompts(args: argparse.Namespace, text_vocab: int, salt: int) -> list[list[int]]:
@@ -167,7 +133,7 @@ def measure(model_dir: Path | None, args: argparse.Namespace) -> dict[str, Sampl
                 samples[run_name].bytes_per_request.append(size)
         return samples
     finally:
-        stop_server(proc)
+        server.stop_server(proc)
 
 
 def report(name: str, samples: dict[str, Samples], args: argparse.Namespace) -> None:

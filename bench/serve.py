@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import signal
-import socket
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+from bench import server
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,34 +46,9 @@ class Result:
         return self.bytes / self.requests
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "launch.serve", "--host", "127.0.0.1", "--port", str(port),
-           "--capacity", str(args.capacity)]
-    if args.model:
-        cmd += ["--model", args.model]
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise SystemExit("server did not start")
+    model = ["--model", args.model] if args.model else []
+    return server.start_server(["--capacity", str(args.capacity), *model])
 
 
 def request_body(args: argparse.Namespace, model: str, i: int, logprobs: int | None) -> dict:
@@ -148,11 +121,7 @@ def main(argv: list[str] | None = None) -> None:
                    (("no logprobs", None), ("logprobs=0", 0), ("logprobs=20", 20))]
     finally:
         if proc is not None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            server.stop_server(proc)
     base = results[0]
     kind = "chat" if args.chat else "completions"
     print(f"{kind}, stream={args.stream}, {args.concurrency} clients, {args.requests} requests, "
