@@ -44,13 +44,20 @@ def time_batch(engine, batch: int, tokens: int, logprobs: int | None) -> float:
 
 
 def worker(args: argparse.Namespace) -> int:
-    from launch.cluster import join
+    import torch
 
-    ns = argparse.Namespace(model=args.model, served_model_name=None, capacity=16,
-                            max_model_len=None, chunk_size=256, no_logprobs=False,
-                            reduction_backend=None, collective_timeout=60.0,
-                            heartbeat_timeout=10.0, log_level="ERROR")
+    from launch.cluster import add_runtime_arguments, join
+
+    parser = argparse.ArgumentParser()
+    add_runtime_arguments(parser)  # every other serving option keeps its default
+    argv = ["--capacity", "16", "--chunk-size", "256", "--collective-timeout", "60",
+            "--heartbeat-timeout", "10", "--log-level", "ERROR"]
+    if args.model is not None:
+        argv += ["--model", str(args.model)]
+    ns = parser.parse_args(argv)
     cluster = join(ns)
+    if args.threads:
+        torch.set_num_threads(args.threads)  # join sets cores // local ranks
     if not cluster.is_coordinator:
         return cluster.run_peer()
     engine = cluster.engine()
@@ -73,6 +80,8 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--tp", type=int, nargs="*", default=[1, 2])
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch CPU threads per rank (0: cores // ranks, as serving does)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--output", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -87,7 +96,8 @@ def main() -> int:
             out = Path(tmp) / "rows.json"
             extra = ["--model", str(args.model)] if args.model else []
             cmd = ["bench.decode", "--worker", "--output", str(out), "--tokens",
-                   str(args.tokens), "--repeat", str(args.repeat), *extra]
+                   str(args.tokens), "--repeat", str(args.repeat), "--threads",
+                   str(args.threads), *extra]
             procs = start_ranks(cmd[0], cmd[1:], tp)
             try:
                 if any(p.wait(timeout=1800) for p in procs):
