@@ -7,26 +7,45 @@
 4. ``final_merge``    best K of the candidate keys + the chosen pair, or the selected IDs' raw
                       logits minus the same lse.
 
-Memory: logits are read one slab at a time (whole tiles of a block of rows, at most
-``SLAB_ELEMENTS`` lanes and at most a quarter of the rows x vocabulary product), so the
-largest FP32 temporary is one slab; no [rows, vocabulary] FP32 copy ever exists. Launch 3
-converts only the few chunks that reach a floor derived from launch 1's chunk maxima.
-Only flagged rows are read: a row subset is index-selected per slab, never as whole rows.
-The sharded steps (kernels/torch_sharded.py) reuse launches 1 and 3 on their shard.
+Two ways to run them, with bit-identical results (same FP32 tile maxima and masses, same
+summation order per tile, same lse; the alternatives are the exact best K keys either way):
+
+- Whole-row blocks (``reduce_torch`` whenever a row fits ``ROW_LANES`` or the slab budget):
+  a block of rows is converted once into a reused FP32 scratch whose tiles are padded with
+  -inf, and every launch reads that scratch: one pass of chunk maxima gives the tile maxima
+  and the candidate chunks, one subtraction and one exp over the block give every tile's
+  mass. The best 32 of each row come from its 32 highest chunks (32 x 16 lanes), which is
+  provably exact when the 33rd chunk's reported maximum is below the 32nd candidate; rows
+  where it is not (ties across the boundary, rows of -inf) and rows with a non-finite lse
+  take the tile-by-tile launch 3 below. About 40 tensor ops per block instead of ~15 per
+  tile: the fixed cost that dominated one-row calls.
+- Slab by slab (rows wider than a block allows): logits are read one slab at a time (whole
+  tiles of a block of rows, at most ``SLAB_ELEMENTS`` lanes and at most a quarter of the rows
+  x vocabulary product). Launch 3 converts only the few chunks that reach a floor derived
+  from launch 1's chunk maxima.
+
+Memory: the largest FP32 temporary is one slab or one block (two FP32 copies of at most
+``max(one row, a quarter of the rows x vocabulary product, SLAB_ELEMENTS lanes)``, one row only
+up to ``ROW_LANES``); no [rows, vocabulary] FP32 copy ever exists for more than one row. Only
+flagged rows are read: a row subset is index-selected per slab or block, never as whole rows.
+The sharded steps (kernels/torch_sharded.py) reuse both on their shard.
 """
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Iterator
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
-from kernels.layout import MAX_TOKEN_IDS
+from kernels.layout import CHOSEN_BITS, CHOSEN_ID, FIRST_PAIR, MAX_TOKEN_IDS, PAYLOAD_WORDS
 from kernels.layout import TILE_CANDIDATES as TOP
 from kernels.payload import assemble_payload, flagged_rows, pick_rows, top_keys, write_rows
 from kernels.rows import RowRequest
-from kernels.sortkeys import EMPTY_KEY, make_keys
+from kernels.sortkeys import EMPTY_KEY, key_ids, key_values, make_keys
 
 TILE_LANES = 4096
 """Vocabulary lanes per tile (a multiple of CHUNK_LANES)."""
@@ -37,7 +56,25 @@ CHUNK_LANES = 16
 SLAB_ELEMENTS = 1 << 20
 """Upper bound on the lanes of one FP32 slab temporary (4 MiB)."""
 
+CANDIDATE_CHUNKS = 2 * TOP
+"""Chunks whose lanes a whole-row block ranks: the row's highest 64 (1,024 lanes), twice
+the 32 needed, so that ties at the 32nd value (common with bf16 logits, 8-bit mantissas)
+still leave the 65th chunk strictly below it."""
+
+SMALL_BLOCK_LANES = 1 << 16
+"""A block may always hold this many lanes (256 KiB of FP32), however small the rows x
+vocabulary product: decode's [capacity, 1,031] logits are one block."""
+
+ROW_LANES = 1 << 18
+"""Widest (padded) row that a whole-row block takes alone (1 MiB of FP32) even when it is
+more than a quarter of the rows x vocabulary product; wider rows go slab by slab."""
+
+SCRATCH_BYTES = 1 << 25
+"""Scratch that whole-row blocks keep between calls, per thread (LRU by exact shape)."""
+
 NEG_INF = float("-inf")
+POS_INF = float("inf")
+NAN = float("nan")
 
 
 def count_rows(rows: torch.Tensor | None, total: int) -> int:
@@ -367,6 +404,470 @@ def final_merge(
     return assemble_payload(c, chosen_values, natural, best, picked, sel, cnt[picked], values)
 
 
+# ----------------------------------------------------------------------------- whole-row blocks
+
+
+class Geometry(NamedTuple):
+    """How a whole-row block lays out `valid` lanes: `tiles` tiles of `width` lanes (the
+    contract's tiles; a row narrower than one tile is one tile of `valid` lanes rounded up
+    to a chunk), padded with -inf up to tiles * width."""
+
+    valid: int
+    width: int
+    tiles: int
+    full: int
+    """Tiles made only of real lanes (the last one is partial when full < tiles)."""
+
+    @property
+    def padded(self) -> int:
+        return self.tiles * self.width
+
+    @property
+    def chunks(self) -> int:
+        """Interleaved chunks of 16 lanes per tile: chunk c of tile t is lanes
+        t * width + c + j * chunks, j < 16 (the chunks of tile_stats, on padded tiles)."""
+        return self.width // CHUNK_LANES
+
+
+def geometry(valid: int, tile: int) -> Geometry:
+    if tile % CHUNK_LANES or tile < CHUNK_LANES:
+        raise ValueError(f"tile {tile} must be a positive multiple of {CHUNK_LANES}")
+    if valid <= tile:
+        width = -(-valid // CHUNK_LANES) * CHUNK_LANES
+        return Geometry(valid, width, 1, int(valid == width))
+    return Geometry(valid, tile, -(-valid // tile), valid // tile)
+
+
+def block_rows(n: int, valid: int, tile: int, device: torch.device) -> int:
+    """Rows per whole-row block: as many padded rows as the slab budget (or
+    SMALL_BLOCK_LANES) holds, at least one row up to ROW_LANES lanes; 0 when rows are too
+    wide or not on the CPU (then slab by slab)."""
+    if device.type != "cpu":
+        return 0
+    padded = geometry(valid, tile).padded
+    per = max(slab_budget(n, valid, tile), SMALL_BLOCK_LANES) // padded
+    if per == 0 and padded <= ROW_LANES:
+        per = 1
+    return min(per, n)
+
+
+class Best(NamedTuple):
+    ids: np.ndarray
+    """int64 [b, m] ids, best first (value desc, id asc); -1 where the vocabulary has fewer
+    ids or a row with a non-finite lse has no alternatives."""
+    values: np.ndarray
+    """FP32 [b, m] their reported values, -0.0 read as +0.0."""
+    missing: bool = False
+    """Whether any id is -1."""
+
+
+class RowBlock:
+    """Prepared CPU buffers for blocks of `rows` whole rows of one geometry, kept between
+    calls per thread (`row_block`). Bulk passes are torch ops (bit-identical to tile_stats);
+    the small bookkeeping runs on numpy views of the same memory, whose per-call cost is a
+    fraction of a torch op's. Launches on a loaded block:
+
+    stats          launch 1: one pass of chunk maxima gives the tile maxima (and, with
+                   `select`, each row's candidate lanes and their raw values for launch 3);
+                   then one subtraction of each tile's shift and one exp, in place, and each
+                   tile's sum give the masses. Same FP32 values and the same sums over the
+                   same lanes as tile_stats (exp is elementwise, and a sum over a row's last
+                   dimension does not depend on its neighbours): bit for bit its max and mass.
+    normalization  launch 2, bit-identical to lse_from(*combine(max, mass)).
+    best           launch 3 on the selected candidates: each row's exact best <= 32 lanes,
+                   or a mark to recompute it.
+    """
+
+    def __init__(self, rows: int, geo: Geometry) -> None:
+        b, f32 = rows, torch.float32
+        self.rows, self.geo = rows, geo
+        self.raw = torch.full((b, geo.padded), NEG_INF, dtype=f32)
+        """FP32 [b, padded]: the block's logits, -inf beyond `valid`; stats() turns the valid
+        lanes into exp(x - tile max) in place."""
+        self.raw_valid = self.raw[:, : geo.valid]
+        self.raw_padding = self.raw[:, geo.valid :]
+        self.cmax = torch.empty(b, geo.tiles, geo.chunks, dtype=f32)
+        self.max = torch.empty(b, geo.tiles, dtype=f32)
+        self.shift = torch.empty(b, geo.tiles, 1, dtype=f32)
+        self.mass = torch.empty(b, geo.tiles, dtype=f32)
+        self.weights = torch.empty(b, geo.tiles, dtype=f32)
+        self.total = torch.empty(b, 1, dtype=f32)
+        self.lse = torch.empty(b, 1, dtype=f32)
+        body = geo.full * geo.width
+        self.raw4 = self.raw.view(b, geo.tiles, CHUNK_LANES, geo.chunks)
+        self.raw3 = self.raw.view(b, geo.tiles, geo.width)
+        self.sums = []
+        if geo.full:
+            self.sums.append((self.raw[:, :body].view(b, geo.full, geo.width),
+                              self.mass[:, : geo.full], False))
+        if geo.full < geo.tiles:
+            self.sums.append((self.raw[:, body : geo.valid], self.mass[:, geo.full :], True))
+        self.np_raw = self.raw.numpy()
+        self.np_cmax3 = self.cmax.numpy()
+        self.np_cmax = self.np_cmax3.reshape(b, geo.tiles * geo.chunks)
+        self.np_max = self.max.numpy()
+        self.np_shift = self.shift.numpy()[..., 0]
+        self.np_mass = self.mass.numpy()
+        self.np_weights = self.weights.numpy()
+        self.np_lse = self.lse.numpy()
+        self.row_index = np.arange(b)[:, None]
+        count = geo.tiles * geo.chunks
+        self.all_lanes = count <= CANDIDATE_CHUNKS
+        if self.all_lanes:
+            self.lane_ids = np.broadcast_to(np.arange(geo.valid), (b, geo.valid))
+        else:
+            f = np.arange(count)
+            self.chunk_base = f + (f // geo.chunks) * (geo.width - geo.chunks)
+            self.spread = np.arange(CHUNK_LANES) * geo.chunks
+        self.nbytes = sum(t.numel() * t.element_size() for t in
+                          (self.raw, self.cmax, self.max, self.shift, self.mass,
+                           self.weights, self.total, self.lse))
+        self.owner: tuple | None = None
+        """What the selected candidates belong to (kernels/torch_sharded.py reuses them)."""
+        self.finite = True
+        """Whether every row's lse was finite at the last normalization."""
+        self.candidates: tuple[np.ndarray | None, np.ndarray, np.ndarray | None] | None = None
+        """(lanes int64 [rows, c] or None for every lane, their raw FP32 values [rows, c],
+        the raw bound of every other lane [rows, 1] or None), from select()."""
+
+    def load(self, x: torch.Tensor) -> None:
+        """x: [rows, valid] of any float dtype and strides (the exact FP32 conversion)."""
+        self.raw_valid.copy_(x)
+        self.owner = self.candidates = None
+
+    def chunk_pass(self) -> None:
+        """Only the chunk maxima of launch 1 (what select needs)."""
+        torch.amax(self.raw4, 2, out=self.cmax)
+
+    def select(self) -> None:
+        """Launch 3's candidates, from the loaded raw values and the chunk maxima.
+
+        5'. Candidates are the lanes of the row's CANDIDATE_CHUNKS highest chunks (all lanes
+            when it has no more chunks). Every other lane lies in a chunk whose maximum is at
+            most the next chunk maximum tau, so its reported value is at most fl(tau - lse).
+        """
+        raw = self.np_raw
+        if self.all_lanes:
+            self.candidates = (None, raw[:, : self.geo.valid].copy(), None)
+            return
+        cmax = self.np_cmax
+        count = cmax.shape[1]
+        cut = count - CANDIDATE_CHUNKS - 1
+        if self.rows == 1:
+            part = np.argpartition(cmax[0], cut)
+            lanes = np.add.outer(self.chunk_base[part[cut + 1 :]], self.spread).reshape(1, -1)
+            self.candidates = (lanes, raw[0, lanes[0]][None], cmax[:, part[cut : cut + 1]])
+            return
+        rix = self.row_index
+        part = np.argpartition(cmax, cut, axis=1)
+        first = self.chunk_base[part[:, cut + 1 :]]
+        lanes = (first[:, :, None] + self.spread).reshape(self.rows, -1)
+        self.candidates = (lanes, raw[rix, lanes], cmax[rix, part[:, cut : cut + 1]])
+
+    def stats(self, select: bool = False) -> None:
+        """Launch 1 -> cmax, max, mass (and the candidates with `select`). The raw values
+        are gone afterwards."""
+        torch.amax(self.raw4, 2, out=self.cmax)
+        np.max(self.np_cmax3, axis=-1, out=self.np_max)
+        if select:
+            self.select()
+        # 2. as tile_stats: an all -inf tile shifts by 0; +inf and NaN maxima keep theirs.
+        np.copyto(self.np_shift, self.np_max)
+        np.copyto(self.np_shift, np.float32(0.0), where=self.np_max == NEG_INF)
+        torch.sub(self.raw3, self.shift, out=self.raw3)
+        if np.isnan(self.np_shift).any():
+            self.raw_padding.fill_(NEG_INF)  # -inf - NaN: padding must stay -inf
+        self.raw_valid.exp_()  # padding lanes are never summed, so never exponentiated
+        for lanes, mass, keepdim in self.sums:
+            torch.sum(lanes, -1, keepdim=keepdim, out=mass)
+
+    def combine(self) -> tuple[np.ndarray, torch.Tensor]:
+        """(M numpy, S torch) FP32 [rows, 1]: bit-identical to combine(max, mass) (NaN bits
+        aside: a NaN there always ends as the canonical NaN of lse_from)."""
+        if self.geo.tiles == 1:
+            # One tile: combine's weight is exp(0) = 1 (or its product is 0 or NaN exactly
+            # when the mass already is), so (M, S) = (max, mass).
+            return self.np_max, self.mass
+        big = self.np_max.max(axis=1, keepdims=True)
+        shift = np.where(big == NEG_INF, np.float32(0.0), big)
+        # (tmax - shift in torch: inf - inf is NaN there too, without a numpy warning)
+        torch.sub(self.max, torch.from_numpy(shift), out=self.weights).exp_()
+        np.multiply(self.np_weights, self.np_mass, out=self.np_weights)
+        return big, torch.sum(self.weights, -1, keepdim=True, out=self.total)
+
+    def normalization(self) -> np.ndarray:
+        """Launch 2 -> lse FP32 [rows, 1] (a numpy view of self.lse), bit-identical to
+        lse_from(*combine(max, mass)): NaN when non-finite."""
+        big, mass = self.combine()
+        lse = self.np_lse
+        torch.log(mass, out=self.lse)
+        np.add(lse, big, out=lse)  # fl(log S + M) == fl(M + log S)
+        finite = np.isfinite(lse)
+        self.finite = bool(finite.all())
+        if not self.finite:
+            lse[~finite] = np.float32(NAN)
+        return lse
+
+    def best(self, lse: np.ndarray, take: int) -> tuple[Best, np.ndarray]:
+        """Launch 3: (each row's best min(take, valid, 32) lanes, bool [rows] exact).
+
+        The best 2 x 32 candidates by value contain every candidate valued at least the
+        take-th best when the next one is below it. When that and select()'s bound are below
+        the take-th best value, ordering those 64 by (value desc, id asc), -0.0 equal to
+        +0.0, gives the row's exact best `take`, as the sort keys rank them. Otherwise (ties
+        across a boundary, rows of -inf) and for a non-finite lse the row is not exact and
+        must be recomputed (exact_keys).
+        """
+        lanes, raw, bound = self.candidates
+        if self.rows == 1:
+            return self._best_row(lanes, raw, bound, lse, take)
+        rix = self.row_index
+        values = raw - lse
+        if lanes is None:
+            lanes = self.lane_ids
+        if bound is not None:
+            bound = bound - lse
+        width = values.shape[1]
+        m = min(take, TOP, width)
+        if width > 2 * TOP:
+            part = np.argpartition(values, width - 2 * TOP - 1, axis=1)
+            inner = values[rix, part[:, width - 2 * TOP - 1 : width - 2 * TOP]]
+            keep = part[:, width - 2 * TOP :]
+            lanes, values = lanes[rix, keep], values[rix, keep]
+            bound = inner if bound is None else np.maximum(bound, inner)
+        order = np.lexsort((lanes, -values), axis=1)[:, :m]
+        values = values[rix, order] + np.float32(0.0)
+        ids = lanes[rix, order]
+        if bound is None:
+            exact = np.isfinite(lse[:, 0])
+        else:
+            exact = bound[:, 0] < values[:, m - 1]
+        return Best(ids, values), exact
+
+    @staticmethod
+    def _best_row(lanes: np.ndarray | None, raw: np.ndarray, bound: np.ndarray | None,
+                  lse: np.ndarray, take: int) -> tuple[Best, np.ndarray]:
+        """best() for a one-row block, on 1-D arrays."""
+        shift = lse[0, 0]
+        values = raw[0] - shift
+        lanes = None if lanes is None else lanes[0]
+        bound = None if bound is None else bound[0, 0] - shift
+        width = values.shape[0]
+        m = min(take, TOP, width)
+        if width > 2 * TOP:
+            part = np.argpartition(values, width - 2 * TOP - 1)
+            inner = values[part[width - 2 * TOP - 1]]
+            keep = part[width - 2 * TOP :]
+            lanes = keep if lanes is None else lanes[keep]
+            values = values[keep]
+            bound = inner if bound is None else max(bound, inner)
+        elif lanes is None:
+            lanes = np.arange(width)
+        order = np.lexsort((lanes, -values))[:m]
+        values = values[order] + np.float32(0.0)
+        if bound is None:
+            exact = np.isfinite(shift)
+        else:
+            exact = bound < values[m - 1]
+        return Best(lanes[order][None], values[None]), np.array([exact])
+
+
+class _Blocks(threading.local):
+    def __init__(self) -> None:
+        self.cache: OrderedDict[tuple, RowBlock] = OrderedDict()
+        self.nbytes = 0
+
+
+_BLOCKS = _Blocks()
+
+
+def row_block(rows: int, geo: Geometry) -> RowBlock:
+    """This thread's RowBlock for the configuration, kept between calls (least recently
+    used first out beyond SCRATCH_BYTES in all)."""
+    key = (rows, geo)
+    cache = _BLOCKS.cache
+    block = cache.get(key)
+    if block is not None:
+        cache.move_to_end(key)
+        return block
+    block = cache[key] = RowBlock(rows, geo)
+    _BLOCKS.nbytes += block.nbytes
+    while _BLOCKS.nbytes > SCRATCH_BYTES and len(cache) > 1:
+        _, old = cache.popitem(last=False)
+        _BLOCKS.nbytes -= old.nbytes
+    return block
+
+
+def scratch_bytes() -> int:
+    """Bytes of whole-row block scratch this thread keeps between calls."""
+    return _BLOCKS.nbytes
+
+
+def release_scratch() -> None:
+    """Drop this thread's kept whole-row block scratch."""
+    _BLOCKS.cache.clear()
+    _BLOCKS.nbytes = 0
+
+
+def chunk_maxima(
+    logits: torch.Tensor, rows: torch.Tensor | None, valid: int, tile: int = TILE_LANES
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chunk_max, tail_max) as launch 1 (tile_stats) records them, from the native logits."""
+    n = count_rows(rows, logits.shape[0])
+    full, rest = divmod(valid, tile)
+    dev = logits.device
+    cmax = torch.empty(n, full, tile // CHUNK_LANES, dtype=torch.float32, device=dev)
+    body = rest // CHUNK_LANES * CHUNK_LANES
+    tail = torch.empty(n, body // CHUNK_LANES, dtype=torch.float32, device=dev)
+    for r0, r1, t0, t1, lanes in slabs(n, full * tile + body, tile):
+        x = slab_of(logits, rows, r0, r1, t0 * tile, t0 * tile + (t1 - t0) * lanes)
+        c = chunk_max(x.view(r1 - r0, t1 - t0, lanes)).to(torch.float32)
+        if lanes == tile:
+            cmax[r0:r1, t0:t1] = c
+        else:
+            tail[r0:r1] = c[:, 0]
+    return cmax, tail
+
+
+def exact_keys(
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    valid: int,
+    lse: torch.Tensor,
+    take: int,
+    id_base: int = 0,
+    tile: int = TILE_LANES,
+) -> torch.Tensor:
+    """Launch 3 tile by tile (tile_candidates) for `rows` of `logits` with their lse [m]:
+    the exact best `take` keys, EMPTY_KEY-padded."""
+    cmax, tail = chunk_maxima(logits, rows, valid, tile)
+    keys = tile_candidates(logits, rows, valid, lse, cmax, tail, id_base, tile)
+    return top_keys(keys.flatten(1), take)
+
+
+def natural_best(
+    block: RowBlock,
+    logits: torch.Tensor,
+    rows: np.ndarray,
+    lse: np.ndarray,
+    take: int,
+    tile: int = TILE_LANES,
+) -> Best:
+    """The exact best `take` (ids before any shard offset) of every row of a loaded block:
+    RowBlock.best, and tile_candidates for the rows it cannot vouch for. `rows`: the block
+    rows' indices in `logits`."""
+    best, exact = block.best(lse, take)
+    if exact.all():
+        return best
+    redo = np.flatnonzero(~exact)
+    keys = exact_keys(logits, torch.from_numpy(rows[redo]), block.geo.valid,
+                      torch.from_numpy(lse[redo, 0]), best.ids.shape[1], 0, tile)
+    empty = (keys == EMPTY_KEY).numpy()
+    ids, values = best.ids.copy(), best.values.copy()
+    ids[redo] = np.where(empty, -1, key_ids(keys).numpy())
+    values[redo] = np.where(empty, np.float32(NAN), key_values(keys).numpy())
+    return Best(ids, values, bool(empty.any()))
+
+
+def _reduce_block(
+    logits: torch.Tensor,
+    request: NumpyRequest,
+    rows: np.ndarray,
+    geo: Geometry,
+    out: np.ndarray,
+    tile: int,
+    any_selected: bool,
+) -> None:
+    """The four launches on the flagged rows `rows` (consecutive or not) as one whole-row
+    block; writes their payload rows of `out` (a numpy view of the int32 output)."""
+    b = rows.shape[0]
+    block = row_block(b, geo)
+    first = int(rows[0])
+    span = first + b
+    consecutive = int(rows[-1]) == span - 1
+    if consecutive:
+        block.load(logits[first:span, : geo.valid])
+    else:
+        block.load(logits[:, : geo.valid].index_select(0, torch.from_numpy(rows)))
+    payload = out[first:span] if consecutive else np.empty((b, PAYLOAD_WORDS), np.int32)
+    chosen = request.chosen[rows]
+    payload[:, CHOSEN_ID] = chosen
+    chosen_value = block.np_raw[block.row_index, chosen[:, None]]
+    selected = None
+    if any_selected:
+        counts = request.counts[rows]
+        picked = np.flatnonzero(counts > 0)
+        if picked.size:
+            sel = request.ids[rows[picked]].astype(np.int64)
+            live = np.arange(MAX_TOKEN_IDS) < counts[picked, None]
+            selected = (picked, sel, live, block.np_raw[picked[:, None], np.where(live, sel, 0)])
+    block.stats(select=bool(request.k) and (not any_selected or bool((counts == 0).any())))
+    lse = block.normalization()
+    chosen_value -= lse
+    # (x - lse in numpy; torch computes it as fma(lse, -1, x), which returns lse's NaN when
+    #  both are NaN: rows with a NaN lse report exactly that canonical NaN)
+    bad = None if block.finite else np.isnan(lse[:, 0])
+    if bad is not None:
+        chosen_value[bad] = lse[bad]
+    payload[:, CHOSEN_BITS] = chosen_value.view(np.int32)[:, 0]
+    pairs = payload[:, FIRST_PAIR:].reshape(b, MAX_TOKEN_IDS, 2)
+    k = request.k
+    natural = slice(None)
+    if not any_selected:
+        pairs[:, k:] = -1
+    else:
+        pairs[:] = -1
+        if selected is not None:
+            # 9. (final_merge) selected IDs read their raw logits minus the same lse, caller
+            #    order; slots beyond the count may hold stale ids and read lane 0 instead.
+            picked, sel, live, values = selected
+            values -= lse[picked]
+            if bad is not None:
+                values[bad[picked]] = np.float32(NAN)
+            pairs[picked, :, 0] = np.where(live, sel, -1)
+            pairs[picked, :, 1] = np.where(live, values.view(np.int32), -1)
+        natural = np.flatnonzero(counts == 0)
+        if not natural.size:
+            k = 0
+    if k:
+        best = natural_best(block, logits, rows, lse, k, tile)
+        ids, bits = best.ids, best.values.view(np.int32)
+        if best.missing:
+            bits = np.where(ids < 0, np.int32(-1), bits)
+        m = ids.shape[1]
+        if isinstance(natural, slice):
+            pairs[:, :m, 0] = ids
+            pairs[:, :m, 1] = bits
+        else:
+            got = np.empty((natural.size, m, 2), np.int32)
+            got[:, :, 0] = ids[natural]
+            got[:, :, 1] = bits[natural]
+            pairs[natural, :m] = got
+        if m < k:
+            pairs[natural, m:k] = -1
+    if not consecutive:
+        out[rows] = payload
+
+
+class NumpyRequest:
+    """A RowRequest's tensors as numpy views (CPU), taken when first used."""
+
+    def __init__(self, request: RowRequest) -> None:
+        self.request = request
+        self.k = request.k
+        self.requested = request.requested.numpy()
+        self.counts = request.counts.numpy()
+        self.chosen = request.chosen.numpy()
+
+    @property
+    def ids(self) -> np.ndarray:
+        return self.request.ids.numpy()
+
+
+def numpy_request(request: RowRequest) -> NumpyRequest:
+    return NumpyRequest(request)
+
+
 def reduce_torch(
     logits: torch.Tensor,
     request: RowRequest,
@@ -376,11 +877,39 @@ def reduce_torch(
     tile: int = TILE_LANES,
 ) -> torch.Tensor:
     """The four launches on the flagged rows of a full-vocabulary [rows, width] block."""
-    chosen, ids, counts, k = request.chosen, request.ids, request.counts, request.k
+    if logits.device.type == "cpu":
+        req = numpy_request(request)
+        flagged = np.flatnonzero(req.requested)
+        n = flagged.size
+        if n == 0:
+            return out
+        per = block_rows(n, vocab_size, tile, logits.device)
+        if per:
+            geo = geometry(vocab_size, tile)
+            any_selected = bool(req.counts[flagged].any())
+            out_np = out.numpy()
+            for r0 in range(0, n, per):
+                _reduce_block(logits, req, flagged[r0 : r0 + per], geo, out_np, tile,
+                              any_selected)
+            return out
     rows = flagged_rows(request.requested != 0)
     n = count_rows(rows, logits.shape[0])
     if n == 0:
         return out
+    return _reduce_slabs(logits, request, vocab_size, out, rows, n, tile)
+
+
+def _reduce_slabs(
+    logits: torch.Tensor,
+    request: RowRequest,
+    vocab_size: int,
+    out: torch.Tensor,
+    rows: torch.Tensor | None,
+    n: int,
+    tile: int,
+) -> torch.Tensor:
+    """The four launches slab by slab (rows too wide for a whole-row block)."""
+    chosen, ids, counts, k = request.chosen, request.ids, request.counts, request.k
     stats = tile_stats(logits, rows, vocab_size, tile)
     lse = normalization(stats)
     natural = (pick_rows(counts, rows) == 0).nonzero().flatten()

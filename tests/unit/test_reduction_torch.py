@@ -362,3 +362,97 @@ def test_reduction_never_writes_the_logits(vocab: int, dtype: torch.dtype) -> No
     reduce_logprobs(x, torch.arange(5) % vocab, token_ids=[[0], [], [1], [], [vocab - 1]])
     assert torch.equal(x.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
                        before.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+
+
+def _slab_path(monkeypatch) -> None:
+    """Force the tile-by-tile path (the implementation whole-row blocks must reproduce)."""
+    import kernels.torch_backend as backend
+    import kernels.torch_sharded as sharded
+
+    monkeypatch.setattr(backend, "block_rows", lambda *args: 0)
+    monkeypatch.setattr(sharded, "_cpu_blocks", lambda *args: 0)
+
+
+BLOCK_CASES = [
+    (vocab, kind, dtype)
+    for vocab in (7, 21, 300, 1031, 4096, 4097, 9000, 40000)
+    for kind in KINDS
+    for dtype in (torch.float32, torch.bfloat16)
+    if not (kind in ("subtraction", "huge", "scaled") and dtype != torch.float32)
+]
+
+
+@pytest.mark.parametrize(("vocab", "kind", "dtype"), BLOCK_CASES)
+def test_whole_row_blocks_are_bit_identical_to_tiles(monkeypatch, vocab, kind, dtype):
+    """Whole-row blocks (one FP32 conversion, chunk maxima, one exp per block, candidates
+    from the best chunks) report exactly the words of the tile-by-tile launches, including
+    rows that fall back to them (ties at the boundary, -inf rows, NaN/inf lanes), selected
+    ids, unrequested rows, and the sharded steps."""
+    rows = 5
+    x = make_logits(kind, rows, vocab, 3, seed=vocab).to(dtype)
+    x[3, vocab // 2] = math.nan if kind == "normal" else x[3, vocab // 2]
+    chosen = torch.arange(rows) * 7 % vocab
+    requested = torch.tensor([1, 1, 0, 1, 1], dtype=torch.int32)
+    token_ids = [[], [vocab - 1, 0], [], [], [min(5, vocab - 1)]]
+    calls = [
+        lambda: reduce_logprobs(x, chosen, vocab_size=vocab),
+        lambda: reduce_logprobs(x, chosen, vocab_size=vocab, requested=requested, k=5),
+        lambda: reduce_logprobs(x, chosen, vocab_size=vocab, token_ids=token_ids),
+        lambda: reduce_logprobs_sharded(
+            x, chosen, vocab_start=0, vocab_size=vocab, group=None, requested=requested
+        ),
+    ]
+    fast = [call() for call in calls]
+    with monkeypatch.context() as m:
+        _slab_path(m)
+        slow = [call() for call in calls]
+    for got, want in zip(fast, slow, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_a_nan_row_leaves_the_reused_block_clean():
+    """A NaN tile shift turns the block's -inf padding into NaN; it is restored, so the next
+    call on the same (reused) block still reads only real lanes."""
+    x = (torch.randn(1, 5000) * 3).to(torch.bfloat16)
+    chosen = torch.tensor([17])
+    before = reduce_logprobs(x, chosen)
+    bad = x.clone()
+    bad[0, 4999] = math.nan
+    assert math.isnan(f32_values([int(reduce_logprobs(bad, chosen)[0, 1])])[0])
+    assert torch.equal(reduce_logprobs(x, chosen), before)
+
+
+def test_sharded_cpu_steps_match_tile_steps_on_several_shards(monkeypatch):
+    """Three simulated shards through the three step functions: the CPU block path and the
+    tile-by-tile steps produce the same exchange words and payload."""
+    from kernels import torch_sharded as steps
+    from kernels.layout import EXCHANGE1_WORDS, EXCHANGE2_WORDS
+
+    vocab, rows, width = 10_007, 4, 3336
+    full = make_logits("ties", rows, vocab, 0, seed=11).to(torch.bfloat16)
+    full[1] = make_logits("normal", 1, vocab, 0, seed=12).to(torch.bfloat16)
+    shards = [(full[:, s : s + width], s, min(width, vocab - s)) for s in (0, 3336, 6672)]
+    starts = [0, 3336, 6672, vocab]
+    ids, counts = pack_token_ids([[], [3, 9000], [], []], rows, vocab)
+    request = RowRequest(torch.tensor([5, 3335, 3336, 10_006]), ids, counts,
+                         torch.ones(rows, dtype=torch.int32), 20)
+
+    def run():
+        e1 = torch.stack([torch.empty(rows, EXCHANGE1_WORDS, dtype=torch.int32)] * 3).clone()
+        for i, (x, _, valid) in enumerate(shards):
+            steps.shard_stats(x, request, valid, e1[i])
+        e2 = torch.empty(3, rows, EXCHANGE2_WORDS, dtype=torch.int32)
+        lse = torch.empty(rows)
+        for i, (x, start, valid) in enumerate(shards):
+            steps.shard_candidates(x, request, e1, start, valid, lse, e2[i])
+        out = torch.full((rows, WORDS), -1, dtype=torch.int32)
+        steps.final_merge(e2, lse, request, starts, out)
+        return e1, e2, out
+
+    fast = run()
+    with monkeypatch.context() as m:
+        _slab_path(m)
+        slow = run()
+    for got, want in zip(fast, slow, strict=True):
+        assert torch.equal(got, want)
+    check_payload(fast[2], full, vocab, request.chosen, 20, [[], [3, 9000], [], []], None)
