@@ -4,13 +4,24 @@ Key = the request seed (64 bits: low word, high word); counter = (global token i
 position, 0, 0). The noise of a token therefore depends on (seed, position, global id) only:
 not on the tensor-parallel degree, the shard layout, the batch or the device.
 
-Every 32-bit word lives in an int64 tensor holding a value in [0, 2**32). The 32x32-bit
-multiply is split into two 16-bit halves so that no intermediate product reaches 2**63.
+Two implementations of the same function:
+- ``philox4x32``: all four output words, every 32-bit word in an int64 tensor holding a value
+  in [0, 2**32), the 32x32-bit multiply split into 16-bit halves so that no intermediate
+  product reaches 2**63 (the reference, checked against Random123's known answers).
+- ``philox_bits`` (what ``philox_uniform`` and the sampler use): only the 52 bits a uniform
+  keeps, with one int64 multiply per product. torch's int64 multiply wraps modulo 2**64, so
+  the product's low 64 bits are exact: lo = its low word, hi = (product >> 32)'s low word.
+  Words that only feed XORs keep whatever the arithmetic shift left in their high half; a
+  word is masked to 32 bits only where it enters a multiply. The counter's constant words
+  (position, 0, 0) make the first two rounds cheaper, and the last round needs only one
+  product. About 75 elementwise int64 passes per lane instead of 190, over cache-sized
+  blocks of lanes, in reused buffers. Tests compare both with a scalar reference.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 
@@ -20,7 +31,6 @@ PHILOX_M1 = 0xCD9E8D57
 PHILOX_W0 = 0x9E3779B9
 PHILOX_W1 = 0xBB67AE85
 ROUNDS = 10
-CHUNK = 1 << 16
 
 UNIFORM_BITS = 52
 """Uniforms are (m + 0.5) / 2**52 with m < 2**52: exact in float64, strictly inside (0, 1)."""
@@ -96,6 +106,117 @@ def seed_words(seed: IntLike) -> tuple[IntLike, IntLike]:
     return seed & MASK32, seed >> 32
 
 
+BLOCK = 1 << 18
+"""Lanes per block of philox_bits (seven int64 buffers of this size, kept per thread): fewer,
+longer passes beat cache-sized blocks here, where each tensor op costs microseconds."""
+
+
+class _Buffers(threading.local):
+    def __init__(self) -> None:
+        self.cache: dict[tuple, list[torch.Tensor]] = {}
+
+
+_BUFFERS = _Buffers()
+
+
+def _buffers(n: int, device: torch.device) -> list[torch.Tensor]:
+    key = (n, str(device))
+    cache = _BUFFERS.cache
+    bufs = cache.get(key)
+    if bufs is None:
+        if len(cache) > 8:
+            cache.clear()
+        bufs = cache[key] = [torch.empty(n, dtype=torch.int64, device=device) for _ in range(7)]
+    return bufs
+
+
+def _xor_into(t: torch.Tensor, *terms: IntLike) -> torch.Tensor:
+    """t ^= every term (Python ints folded into one)."""
+    scalar = 0
+    for v in terms:
+        if isinstance(v, torch.Tensor):
+            t.bitwise_xor_(v)
+        else:
+            scalar ^= int(v)
+    if scalar:
+        t.bitwise_xor_(scalar)
+    return t
+
+
+def _philox_bits_block(c0: torch.Tensor, c1: IntLike, k0: IntLike, k1: IntLike,
+                       out: torch.Tensor) -> None:
+    """out = (w0 << 20) | (w1 >> 12) for counters (c0, c1, 0, 0); c0 clean int64, c1/k0/k1
+    clean ints or clean int64 tensors shaped like c0."""
+    a0, a2, *free = _buffers(c0.numel(), c0.device)
+    a0, a2 = a0[: c0.numel()], a2[: c0.numel()]
+    free = [t[: c0.numel()] for t in free]
+    keys = [((k0 + r * PHILOX_W0) & MASK32, (k1 + r * PHILOX_W1) & MASK32) for r in range(ROUNDS)]
+    # Round 0, x2 = x3 = 0: x0' = c1 ^ k0 (p1 = 0), x1' = 0, x2' = hi(M0 c0) ^ k1,
+    # x3' = lo(M0 c0).
+    p0 = free.pop()
+    torch.mul(c0, PHILOX_M0, out=p0)
+    x0 = c1 ^ keys[0][0]
+    _xor_into(torch.bitwise_right_shift(p0, 32, out=a2), keys[0][1]).bitwise_and_(MASK32)
+    # Round 1, x1 = 0: x0'' = hi(M1 x2') ^ k0, x1'' = lo(M1 x2'), x2'' = hi(M0 x0') ^ x3' ^ k1,
+    # x3'' = lo(M0 x0').
+    p1 = free.pop()
+    torch.mul(a2, PHILOX_M1, out=p1)
+    _xor_into(torch.bitwise_right_shift(p1, 32, out=a0), keys[1][0]).bitwise_and_(MASK32)
+    if isinstance(x0, torch.Tensor):
+        q0 = free.pop()
+        torch.mul(x0, PHILOX_M0, out=q0)
+        hi0, x3 = q0 >> 32, q0
+    else:
+        hi0, x3 = (PHILOX_M0 * x0) >> 32, (PHILOX_M0 * x0) & MASK32
+    if isinstance(hi0, torch.Tensor) or isinstance(keys[1][1], torch.Tensor):
+        torch.bitwise_xor(p0, hi0, out=a2)  # x3' = lo(p0): only its low word matters
+        _xor_into(a2, keys[1][1])
+    else:
+        torch.bitwise_xor(p0, hi0 ^ keys[1][1], out=a2)
+    a2.bitwise_and_(MASK32)
+    free.append(p0)
+    x1 = p1
+    # Rounds 2-8.
+    for r in range(2, ROUNDS - 1):
+        n0, n1 = free.pop(), free.pop()
+        torch.mul(a0, PHILOX_M0, out=n0)
+        torch.mul(a2, PHILOX_M1, out=n1)
+        _xor_into(torch.bitwise_right_shift(n1, 32, out=a0), x1, keys[r][0])
+        a0.bitwise_and_(MASK32)
+        _xor_into(torch.bitwise_right_shift(n0, 32, out=a2), x3, keys[r][1])
+        a2.bitwise_and_(MASK32)
+        free += [t for t in (x1, x3) if isinstance(t, torch.Tensor)]
+        x1, x3 = n1, n0
+    # Round 9: only w0 = hi(M1 x2) ^ x1 ^ k0 and w1 = lo(M1 x2).
+    n1 = free.pop()
+    torch.mul(a2, PHILOX_M1, out=n1)
+    w0 = _xor_into(torch.bitwise_right_shift(n1, 32, out=a0), x1, keys[ROUNDS - 1][0])
+    w0.bitwise_and_(MASK32).bitwise_left_shift_(UNIFORM_BITS - 32)
+    n1.bitwise_right_shift_(64 - UNIFORM_BITS).bitwise_and_((1 << (UNIFORM_BITS - 32)) - 1)
+    torch.bitwise_or(w0, n1, out=out)
+
+
+def philox_bits(token_ids: torch.Tensor, position: IntLike, k0: IntLike, k1: IntLike,
+                out: torch.Tensor | None = None, *, clean: bool = False) -> torch.Tensor:
+    """int64 m = (w0 << 20) | (w1 >> 12), the 52 bits of a uniform, per token id of a 1-D
+    tensor; position and the key words k0, k1 are ints or int64 tensors shaped like it
+    (all taken modulo 2**32). clean: the ids are already int64 in [0, 2**32)."""
+    n = token_ids.numel()
+    dev = token_ids.device
+    if out is None:
+        out = torch.empty(n, dtype=torch.int64, device=dev)
+    c0 = token_ids if clean else token_ids.to(torch.int64) & MASK32
+    args = [v & MASK32 if isinstance(v, torch.Tensor) else int(v) & MASK32
+            for v in (position, k0, k1)]
+    args = [v.to(device=dev, dtype=torch.int64) if isinstance(v, torch.Tensor) else v
+            for v in args]
+    for start in range(0, n, BLOCK):
+        end = min(n, start + BLOCK)
+        part = [v[start:end] if isinstance(v, torch.Tensor) else v for v in args]
+        _philox_bits_block(c0[start:end], *part, out[start:end])
+    return out
+
+
 def philox_uniform(seed: IntLike, position: IntLike, token_ids: torch.Tensor) -> torch.Tensor:
     """float64 uniforms in (0, 1), one per global token id; seed/position broadcast with ids.
 
@@ -105,14 +226,13 @@ def philox_uniform(seed: IntLike, position: IntLike, token_ids: torch.Tensor) ->
     args = [token_ids, position, k0, k1]
     shape = torch.broadcast_shapes(*(v.shape for v in args if isinstance(v, torch.Tensor)))
     flat = [v.expand(shape).reshape(-1) if isinstance(v, torch.Tensor) else v for v in args]
-    out = torch.empty(shape.numel(), dtype=torch.float64, device=token_ids.device)
-    # Chunks keep the ~16 live int64 temporaries cache-sized (about 2x faster on CPU).
-    for start in range(0, out.numel(), CHUNK):
-        part = [v[start : start + CHUNK] if isinstance(v, torch.Tensor) else v for v in flat]
-        w0, w1, _, _ = philox4x32(part[0], part[1], 0, 0, part[2], part[3])
-        m = w0.bitwise_left_shift_(UNIFORM_BITS - 32).bitwise_or_(w1 >> (64 - UNIFORM_BITS))
-        out[start : start + CHUNK] = m.to(torch.float64).add_(0.5).mul_(2.0**-UNIFORM_BITS)
-    return out.view(shape)
+    m = philox_bits(flat[0], flat[1], flat[2], flat[3])
+    return m.to(torch.float64).add_(0.5).mul_(2.0**-UNIFORM_BITS).view(shape)
+
+
+def uniform_of(m: torch.Tensor) -> torch.Tensor:
+    """float64 (m + 0.5) / 2**52, exactly as philox_uniform turns bits into uniforms."""
+    return m.to(torch.float64).add_(0.5).mul_(2.0**-UNIFORM_BITS)
 
 
 def gumbel_noise(seed: IntLike, position: IntLike, token_ids: torch.Tensor) -> torch.Tensor:

@@ -107,3 +107,33 @@ def test_gumbel_bounds_cover_extreme_uniforms():
     g = -torch.log(-torch.log(u))
     assert GUMBEL_MIN <= float(g[0]) and float(g[1]) <= GUMBEL_MAX
     assert GUMBEL_SPAN > GUMBEL_MAX - GUMBEL_MIN
+
+
+def test_philox_bits_match_the_scalar_reference_across_blocks(monkeypatch):
+    """philox_bits (one int64 multiply per product, garbage high words, blocks of lanes)
+    gives the 52 bits of the scalar Philox for int and per-lane keys and positions."""
+    import kernels.philox as philox
+
+    monkeypatch.setattr(philox, "BLOCK", 37)
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 2**31, (100,), generator=gen)
+    ids[:4] = torch.tensor([0, 1, 2**31 - 1, 151935])
+    seeds = torch.randint(-(2**63), 2**63 - 1, (100,), generator=gen)
+    positions = torch.randint(0, 2**32, (100,), generator=gen)
+
+    def scalar_bits(seed: int, position: int, token: int) -> int:
+        seed &= (1 << 64) - 1
+        w = scalar_philox((token, position, 0, 0), (seed & M32, seed >> 32))
+        return (w[0] << 20) | (w[1] >> 12)
+
+    for seed, position in [(0, 0), (2**64 - 1, 7), (-5, 2**32 - 1), (123456789123, 55)]:
+        k0, k1 = philox.seed_words(seed)
+        got = philox.philox_bits(ids, position, k0, k1).tolist()
+        assert got == [scalar_bits(seed, position, int(t)) for t in ids]
+    k0, k1 = philox.seed_words(seeds)
+    got = philox.philox_bits(ids, positions, k0, k1).tolist()
+    triples = zip(seeds.tolist(), positions.tolist(), ids.tolist(), strict=True)
+    want = [scalar_bits(s, p, t) for s, p, t in triples]
+    assert got == want
+    clean = philox.philox_bits(torch.arange(300), 9, 11, 13, clean=True)
+    assert torch.equal(clean, philox.philox_bits(torch.arange(300), 9, 11, 13))

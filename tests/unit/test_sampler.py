@@ -354,3 +354,92 @@ def test_sampler_rejects_out_of_vocabulary_ids_and_shapes():
         )
     with pytest.raises(ValueError):
         sampler.sample(torch.zeros(1, 11), [RowSampling(seed=0, position=0)], [[]], [[]])
+
+
+# Regression pin: tokens the sampler drew before Philox was vectorized and the Gumbel-max
+# learned to evaluate the noise only where it can decide (computed with that implementation;
+# test_philox.py checks the noise itself against an independent scalar Philox). Rows are
+# seeds x positions below; vocabularies of 50 and 1,031 take the flat per-lane path,
+# 32,000 and 151,936 the dense row path.
+PIN_SEEDS = (0, 12345, 2**63 + 5, -7)
+PIN_POSITIONS = (0, 1, 4097, 2**32 - 1)
+PINNED = {
+    (50, 0.8): [16, 33, 26, 20, 3, 41, 26, 40, 7, 33, 29, 35, 2, 12, 1, 3],
+    (50, 1.7): [16, 33, 17, 20, 3, 41, 26, 40, 7, 33, 29, 14, 34, 8, 20, 3],
+    (1031, 0.8): [343, 656, 770, 370, 67, 88, 496, 602, 981, 516, 3, 437, 376, 462, 425, 74],
+    (1031, 1.7): [902, 656, 355, 424, 175, 88, 538, 388, 189, 893, 625, 437, 324, 345, 341,
+                  74],
+    (32000, 0.8): [10666, 29259, 3136, 8537, 12761, 19694, 5264, 10384, 27790, 23735, 23743,
+                   24658, 3922, 14714, 23242, 10781],
+    (32000, 1.7): [1417, 21596, 3136, 9228, 1095, 13580, 22383, 16869, 12807, 9431, 22547,
+                   21047, 8123, 18559, 23242, 9430],
+    (151936, 0.8): [81795, 31667, 111223, 87238, 76511, 45220, 67379, 136124, 120528, 58806,
+                    105897, 80629, 7554, 127680, 68225, 74579],
+    (151936, 1.7): [81795, 58534, 52425, 63818, 175, 45220, 22383, 136124, 120528, 37343,
+                    134196, 128750, 47934, 112403, 39745, 106804],
+}
+
+
+def pin_logits(vocab: int, rows: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, vocab, generator=g) * 3
+    x[0, vocab // 3] += 12.0  # one spiked row
+    if rows > 2:
+        x[2] = torch.round(x[2])  # many exact ties
+    return x
+
+
+@pytest.mark.parametrize(("vocab", "temperature"), sorted(PINNED))
+def test_seeded_tokens_are_pinned(vocab, temperature):
+    rows = [
+        RowSampling(seed=s, position=p, temperature=temperature)
+        for s in PIN_SEEDS
+        for p in PIN_POSITIONS
+    ]
+    n = len(rows)
+    got = make_sampler(vocab, n).sample(pin_logits(vocab, n, vocab), rows, [[]] * n, [[]] * n)
+    assert got.tolist() == PINNED[(vocab, temperature)]
+
+
+def test_filtered_rows_tokens_are_pinned():
+    rows = [
+        RowSampling(seed=9, position=3, temperature=0.9, top_k=40),
+        RowSampling(seed=10, position=4, temperature=1.1, top_p=0.8),
+        RowSampling(seed=11, position=5, temperature=1.0, min_p=0.05),
+        RowSampling(seed=12, position=6, temperature=1.3, top_k=1000, top_p=0.95),
+    ]
+    got = make_sampler(32000, 4).sample(pin_logits(32000, 4, 7), rows, [[]] * 4, [[]] * 4)
+    assert got.tolist() == [612, 13805, 22720, 4780]
+
+
+DENSE_KINDS = ["normal", "flat", "ties", "spike", "neg_inf", "huge", "tiny"]
+
+
+@pytest.mark.parametrize("kind", DENSE_KINDS)
+def test_dense_rows_pick_the_exhaustive_winner(kind):
+    """Wide rows evaluate the noise only where a lane's bound reaches the best score found:
+    the winner (and the smallest id among equal scores) is the exhaustive one's."""
+    width, rows = 20_000, 4
+    gen = torch.Generator().manual_seed(DENSE_KINDS.index(kind))
+    x = torch.randn(rows, width, generator=gen) * 3
+    if kind == "flat":
+        x = torch.zeros(rows, width)
+    elif kind == "ties":
+        x = torch.round(x)
+    elif kind == "spike":
+        x[:, 123] += 40
+    elif kind == "neg_inf":
+        x[torch.rand(rows, width, generator=gen) < 0.4] = NEG_INF
+    elif kind == "huge":
+        x = x + 3e6  # beyond the pruning margins: every lane's noise is evaluated
+    elif kind == "tiny":
+        x = x * 1e-7
+    seeds = torch.tensor([0, -1, 2**62, 77], dtype=torch.int64)
+    positions = torch.tensor([0, 5, 2**32 - 1, 12], dtype=torch.int64)
+    keys, ids = gumbel_best(x, seeds, positions, vocab_start=500)
+    lanes = torch.arange(width) + 500
+    noise = gumbel_noise(seeds.unsqueeze(1), positions.unsqueeze(1), lanes)
+    full = score_keys(x.double() + noise)
+    best = full.max(1).values
+    brute = torch.where(full == best.unsqueeze(1), lanes, 2**40).min(1).values
+    assert torch.equal(keys, best) and torch.equal(ids, brute)
