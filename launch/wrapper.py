@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import logging
 import os
 import signal
 import sys
 import time
 from pathlib import Path
+
+from collectives.torchrun import run_torchrun as run_torchrun_main
 
 WORKERS_GRACE_S = 20.0
 """After a repeated stop signal, how long the workers get before SIGKILL (more than a rank's
@@ -66,24 +67,15 @@ def run_torchrun(args: list[str]) -> int:
         signal.signal(sig, _stop_before_workers)
     # What torchrun sets for more than one local worker anyway, minus its banner saying so.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    if "LOGLEVEL" not in os.environ:  # torch.distributed.elastic's level for its loggers
-        os.environ["LOGLEVEL"] = "ERROR"
-        logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import main as torchrun
-
-    try:
-        torchrun(args)
-    except SignalException as exc:
+    end = run_torchrun_main(args)
+    if end.signal is not None:
         # torchrun has forwarded the signal and waited for its workers (rank 0 announced the
         # stop: "helios: shutting down (...)"), unless a repeat cut that wait short.
-        return finish_workers(exc.sigval)
-    except ChildFailedError as exc:
-        print(exc.format_msg(), file=sys.stderr, flush=True)
+        return finish_workers(end.signal)
+    if end.failure is not None:
+        print(end.failure, file=sys.stderr, flush=True)
         return 1
     return 0
-
 
 def workers() -> list[int]:
     """This process's children: torchrun's workers."""
