@@ -1,12 +1,13 @@
 """Decode throughput with and without logprobs, at TP1 and TP2 on CPU (gloo).
 
-    python bench/decode.py [--model DIR] [--tokens 64] [--repeat 3]
+    python bench/decode.py [--model DIR] [--tokens 64] [--repeat 3] [--tp 1 2] [--threads N]
 
 Spawns one run per TP size (ranks started like torchrun would). In each run the coordinator
 times batches of greedy requests (batch 1 and 16) with no logprobs, logprobs=0 and
-logprobs=20, in the same process, and prints decode tokens/s (median over repeats) and the
-ratio to the no-logprobs run. Prefill is excluded: every request has a 4-token prompt, and the
-time to the first token is subtracted per batch.
+logprobs=20, in the same process, the three modes alternating within every repeat, and
+prints decode tokens/s (median over repeats) and the ratio to the no-logprobs run. Prefill
+is excluded: every request has a 4-token prompt, and the time to the first token is
+subtracted per batch.
 """
 
 from __future__ import annotations
@@ -65,9 +66,14 @@ def worker(args: argparse.Namespace) -> int:
         time_batch(engine, 2, 8, 20)
         rows = {}
         for batch in (1, 16):
-            for name, k in MODES.items():
-                runs = [time_batch(engine, batch, args.tokens, k) for _ in range(args.repeat)]
-                rows[f"{batch}/{name}"] = statistics.median(runs)
+            # Modes alternate within every repeat, so that load from other processes (and
+            # drift) affects them alike; the median of each mode's runs is reported.
+            runs: dict[str, list[float]] = {name: [] for name in MODES}
+            for _ in range(args.repeat):
+                for name, k in MODES.items():
+                    runs[name].append(time_batch(engine, batch, args.tokens, k))
+            for name in MODES:
+                rows[f"{batch}/{name}"] = statistics.median(runs[name])
         Path(args.output).write_text(json.dumps(rows))
     finally:
         cluster.close(engine)

@@ -5,8 +5,10 @@
 
 Baseline: ``lp = logits.float().log_softmax(-1)``, ``lp.topk(20)`` and ``lp.gather`` of the
 chosen token: what a server does without a tiled reduction. Ours: ``kernels.reduce_logprobs``
-(K = 20, every row requested) into a preallocated output. Inputs: bf16 logits ~ N(0, 3^2),
-rows in {1, 32, 256} x vocabulary in {32,000, 151,936}.
+(K = 20, every row requested) into a preallocated output; "prepared" is the same backend
+called the way the runtime calls it (a RowRequest built once, no per-call argument
+validation: kernels/sharded.py's driver and ranks/step/reduce.py). Inputs: bf16 logits
+~ N(0, 3^2), rows in {1, 32, 256} x vocabulary in {32,000, 151,936}.
 
 Time: median of N calls after two warm-up calls, baseline and ours alternating so that
 drift (other processes, frequency) hits both alike. On CUDA, CUDA events around each call;
@@ -19,7 +21,9 @@ frees included). On CUDA: ``torch.cuda.max_memory_allocated`` after
 ``reset_peak_memory_stats``. On CPU: the torch profiler with ``profile_memory=True`` records
 every allocation and free of the CPU allocator with its size; the running sum of that
 stream, in time order, gives the peak. (Python objects and allocator caching are not
-counted; they are the same for both sides and small.)
+counted; they are the same for both sides and small.) The torch backend keeps its launch-1
+buffers (at most one slab of FP32 scratch, kernels/torch_backend.py StatsPlan) between
+calls: "kept" reports them, and the memory ratio counts them.
 
 CUDA also reports achieved bandwidth: logit bytes / time for ours and the baseline, next to
 a device-to-device copy of the same logits measured in the same run (read + write bytes).
@@ -39,7 +43,8 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 import torch
 
-from kernels.api import reduce_logprobs
+from kernels.api import reduce_logprobs, row_request
+from kernels.backends import require_triton_device
 
 K = 20
 
@@ -112,42 +117,69 @@ def measure(
     def ours() -> object:
         return reduce_logprobs(logits, chosen, k=K, out=out, backend=backend)
 
+    requested = torch.ones(rows, dtype=torch.int32, device=device)
+    request = row_request(chosen, None, requested, K, vocab, device)
+    if backend == "torch":
+        from kernels.torch_backend import reduce_torch as prepared_backend
+    else:
+        require_triton_device(device)
+        from kernels.triton.backend import reduce_triton as prepared_backend
+
+    def prepared() -> object:
+        return prepared_backend(logits, request, vocab, out)
+
     def base() -> object:
         return baseline(logits, chosen)
 
-    fns: list[Callable[[], object]] = [base, ours]
+    fns: list[Callable[[], object]] = [base, ours, prepared]
     if cuda:
         copy = torch.empty_like(logits)
         fns.append(lambda: copy.copy_(logits))
     times = time_pair(fns, repeat, device, clock)
     mem_base = peak_extra_bytes(base, device)
     mem_ours = peak_extra_bytes(ours, device)
+    kept = kept_bytes(backend)
     line = (
         f"| {rows} | {vocab:,} | {times[0] * 1e3:.3f} | {times[1] * 1e3:.3f} "
-        f"| {times[0] / times[1]:.2f}x | {mem_base / 2**20:.2f} "
-        f"| {mem_ours / 2**20:.2f} | {mem_ours / max(mem_base, 1):.3f} |"
+        f"| {times[0] / times[1]:.2f}x | {times[2] * 1e3:.3f} | {times[0] / times[2]:.2f}x "
+        f"| {mem_base / 2**20:.2f} | {mem_ours / 2**20:.2f} | {kept / 2**20:.2f} "
+        f"| {(mem_ours + kept) / max(mem_base, 1):.3f} |"
     )
     if cuda:
         nbytes = logits.numel() * logits.element_size()
         line += (
             f" {nbytes / times[1] / 1e9:.0f} | {nbytes / times[0] / 1e9:.0f} "
-            f"| {2 * nbytes / times[2] / 1e9:.0f} |"
+            f"| {2 * nbytes / times[3] / 1e9:.0f} |"
         )
     return line
+
+
+
+def kept_bytes(backend: str) -> int:
+    """Scratch the backend keeps between calls (this thread's launch-1 plans)."""
+    if backend != "torch":
+        return 0
+    from kernels.torch_backend import kept_bytes as kept
+
+    return kept()
 
 
 def run(
     backend: str, repeat: int, device: torch.device, rows_list, vocab_list, clock
 ) -> None:
     g = torch.Generator().manual_seed(0)
-    head = "| rows | vocab | baseline ms | ours ms | speedup | baseline peak MiB | ours peak MiB "
-    head += "| memory ratio |"
+    head = "| rows | vocab | baseline ms | ours ms | speedup | prepared ms | speedup "
+    head += "| baseline peak MiB | ours peak MiB | ours kept MiB | memory ratio |"
     if device.type == "cuda":
         head += " ours GB/s | baseline GB/s | copy GB/s |"
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     for vocab in vocab_list:
         for rows in rows_list:
+            if backend == "torch":
+                from kernels.torch_backend import release_plans
+
+                release_plans()  # "kept" then reports this configuration's buffers alone
             print(measure(backend, repeat, device, rows, vocab, g, clock), flush=True)
 
 

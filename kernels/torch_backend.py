@@ -17,16 +17,19 @@ The sharded steps (kernels/torch_sharded.py) reuse launches 1 and 3 on their sha
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Iterator
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
-from kernels.layout import MAX_TOKEN_IDS
+from kernels.layout import CHOSEN_BITS, CHOSEN_ID, FIRST_PAIR, MAX_TOKEN_IDS, PAYLOAD_WORDS
 from kernels.layout import TILE_CANDIDATES as TOP
 from kernels.payload import assemble_payload, flagged_rows, pick_rows, top_keys, write_rows
 from kernels.rows import RowRequest
-from kernels.sortkeys import EMPTY_KEY, make_keys
+from kernels.sortkeys import EMPTY_KEY, key_ids, key_values, make_keys
 
 TILE_LANES = 4096
 """Vocabulary lanes per tile (a multiple of CHUNK_LANES)."""
@@ -38,6 +41,7 @@ SLAB_ELEMENTS = 1 << 20
 """Upper bound on the lanes of one FP32 slab temporary (4 MiB)."""
 
 NEG_INF = float("-inf")
+NAN = float("nan")
 
 
 def count_rows(rows: torch.Tensor | None, total: int) -> int:
@@ -367,6 +371,507 @@ def final_merge(
     return assemble_payload(c, chosen_values, natural, best, picked, sel, cnt[picked], values)
 
 
+# ----------------------------------------------------------------------------- CPU fast path
+#
+# The same four launches over the same slabs (slabs(), at most SLAB_ELEMENTS lanes and a
+# quarter of the rows x vocabulary product per FP32 temporary), with far fewer tensor ops:
+# launch 1 writes its results in place (out= targets, numpy views for the tiny per-slab
+# steps), launch 3 ranks a handful of candidates per row on numpy instead of the floor
+# machinery, and the payload is written through numpy views. Every FP32 value, every sum
+# and every lse is the tile-by-tile path's (same ops on the same slabs), so the payload is
+# bit for bit that path's; rows whose candidates cannot vouch for their best 32 (ties across
+# a boundary, rows of -inf, a non-finite lse) take the tile-by-tile launch 3.
+
+LEAN = True
+"""Whether CPU tensors take this fast path (tests compare it with the tile-by-tile one)."""
+
+CANDIDATE_CHUNKS = 2 * TOP
+"""Chunks of 16 lanes whose lanes a row ranks in launch 3 (at most a quarter of the row's
+chunks): 64, twice the 32 needed, so that ties at the 32nd value (common with bf16 logits)
+still leave the next chunk strictly below it."""
+
+CANDIDATES = 2 * TOP
+"""Lanes per row kept for the final ordering (and per row and slab in one-tile rows)."""
+
+NAN32 = np.float32(NAN)
+
+
+class Candidates(NamedTuple):
+    """Launch 3's candidates of n rows: lanes (row-relative) and raw FP32 values, with an
+    upper bound of the raw value of every lane of the row that is not among them."""
+
+    lanes: np.ndarray
+    """int64 [n, c]"""
+    raw: np.ndarray
+    """FP32 [n, c]"""
+    bound: np.ndarray | None
+    """FP32 [n, 1], or None when every lane of the row is a candidate."""
+
+
+class Best(NamedTuple):
+    ids: np.ndarray
+    """int64 [n, m] row-relative lanes, best first (value desc, lane asc); -1 where the
+    vocabulary has fewer lanes or a row with a non-finite lse has no alternatives."""
+    values: np.ndarray
+    """FP32 [n, m] their reported values, -0.0 read as +0.0 (as decoded from sort keys)."""
+    missing: bool = False
+    """Whether any id is -1."""
+
+
+def uses_chunks(valid: int, tile: int) -> bool:
+    """Whether launch 3 picks candidates from chunk maxima (their lanes are at most a
+    quarter of the row) rather than from each slab's values during launch 1."""
+    full, rest = divmod(valid, tile)
+    return full * (tile // CHUNK_LANES) + rest // CHUNK_LANES >= 4 * CANDIDATE_CHUNKS
+
+
+def lean_tile_stats(
+    logits: torch.Tensor, rows: np.ndarray, valid: int, tile: int, select: bool
+) -> tuple[TileStats, Candidates | None]:
+    """Launch 1 (tile_stats, bit for bit) on the flagged rows `rows` (numpy indices) of CPU
+    logits. With `select`, rows too narrow for chunk candidates (uses_chunks) also keep
+    launch 3's candidates: in every slab, each row's CANDIDATES largest raw values (ties
+    broken arbitrarily), the next value bounding the rest, picked from the slab's FP32
+    values before they are exponentiated.
+
+    Consecutive rows with unit lane stride take the chunk and tile maxima straight from the
+    native rows (small outputs, one op per region), then per slab only three ops: the FP32
+    subtraction of the tile shifts into the slab scratch (the conversion fused in), exp,
+    and the tile sums. Other rows go slab by slab as tile_stats does, with fewer ops.
+    """
+    if tile % CHUNK_LANES or tile < CHUNK_LANES:
+        raise ValueError(f"tile {tile} must be a positive multiple of {CHUNK_LANES}")
+    n = rows.size
+    picks: dict[int, list] | None = {} if select and not uses_chunks(valid, tile) else None
+    first = int(rows[0])
+    x = None
+    if int(rows[-1]) - first == n - 1:
+        x = logits[first : first + n, :valid]
+    if picks is None and x is not None and x.stride(-1) == 1:
+        return stats_plan(n, valid, tile).run(x), None
+    full, rest = divmod(valid, tile)
+    tiles = full + (rest > 0)
+    f32 = torch.float32
+    tmax, tmass = torch.empty(n, tiles, dtype=f32), torch.empty(n, tiles, dtype=f32)
+    shift = torch.empty(n, tiles, 1, dtype=f32)
+    cmax = torch.empty(n, full, tile // CHUNK_LANES, dtype=f32)
+    tail = torch.empty(n, rest // CHUNK_LANES, dtype=f32)
+    stats = TileStats(tmax, tmass, cmax, tail)
+    budget = slab_budget(n, valid, tile)
+    scratch = torch.empty(min(budget, n * valid), dtype=f32)
+    np_tmax, np_cmax, np_shift = tmax.numpy(), cmax.numpy(), shift.numpy()[..., 0]
+    body = tail.shape[1] * CHUNK_LANES
+    for r0, r1, t0, t1, lanes in slabs(n, valid, tile, budget):
+        s, e = t0 * tile, t0 * tile + (t1 - t0) * lanes
+        if x is not None:
+            xs = x[r0:r1, s:e]
+        else:
+            xs = logits[:, s:e].index_select(0, torch.from_numpy(rows[r0:r1]))
+        b = scratch[: xs.numel()].view(r1 - r0, t1 - t0, lanes)
+        b.copy_(xs.view(b.shape))  # FP32 conversion is exact and monotone
+        # 1. Tile max = max of its chunk maxima (NaN propagates: a NaN lane poisons its
+        #    tile's max and mass).
+        if lanes == tile:
+            torch.amax(b.view(r1 - r0, t1 - t0, CHUNK_LANES, lanes // CHUNK_LANES), 2,
+                       out=cmax[r0:r1, t0:t1])
+            np.max(np_cmax[r0:r1, t0:t1], axis=-1, out=np_tmax[r0:r1, t0:t1])
+        else:
+            if body:
+                torch.amax(b[..., :body].view(r1 - r0, CHUNK_LANES, body // CHUNK_LANES), 1,
+                           out=tail[r0:r1])
+            torch.amax(b, -1, out=tmax[r0:r1, t0:t1])
+        if picks is not None:
+            _pick_raw(b.numpy().reshape(r1 - r0, e - s), s, picks.setdefault(s, []), r0)
+        # 2. An all -inf tile shifts by 0 (so exp(-inf) = 0, not NaN); +inf and NaN maxima
+        #    keep their shift, turning the row's lse non-finite, as the contract requires.
+        view = np_shift[r0:r1, t0:t1]
+        np.copyto(view, np_tmax[r0:r1, t0:t1])
+        np.copyto(view, np.float32(0.0), where=view == NEG_INF)
+        b.sub_(shift[r0:r1, t0:t1]).exp_()
+        torch.sum(b, -1, out=tmass[r0:r1, t0:t1])
+    return stats, _gather_picks(picks, n)
+
+
+class StatsPlan:
+    """Launch 1's buffers and slab views for n consecutive rows of `valid` lanes, kept per
+    thread between calls (`stats_plan`): each call then costs five tensor calls per slab
+    (a slice of the rows, the FP32 copy into the slab scratch, the shift subtraction, exp,
+    the tile sums into place) plus a few for the chunk and tile maxima, which come straight
+    from the native rows (small outputs). The slabs are slabs()'s: the largest FP32
+    temporary is one slab. Only logits with unit lane stride take it."""
+
+    def __init__(self, n: int, valid: int, tile: int) -> None:
+        full, rest = divmod(valid, tile)
+        tiles, per = full + (rest > 0), tile // CHUNK_LANES
+        f32 = torch.float32
+        self.n, self.valid, self.tile, self.full = n, valid, tile, full
+        self.flat = torch.empty(n, full * per + rest // CHUNK_LANES, dtype=f32)
+        """Every chunk maximum of a row, in TileStats order (whole tiles', then the tail's)."""
+        cmax = self.flat[:, : full * per].view(n, full, per)
+        tail = self.flat[:, full * per :]
+        self.stats = TileStats(torch.empty(n, tiles, dtype=f32), torch.empty(n, tiles, dtype=f32),
+                               cmax, tail)
+        self.shift = torch.empty(n, tiles, 1, dtype=f32)
+        self.np_max, self.np_cmax = self.stats.max.numpy(), cmax.numpy()
+        self.np_shift = self.shift.numpy()[..., 0]
+        self.body = tail.shape[1] * CHUNK_LANES
+        budget = slab_budget(n, valid, tile)
+        scratch = torch.empty(min(budget, n * valid), dtype=f32)
+        self.steps = []
+        for r0, r1, t0, t1, lanes in slabs(n, valid, tile, budget):
+            shape = (r1 - r0, t1 - t0, lanes)
+            b = scratch[: shape[0] * shape[1] * lanes].view(shape)
+            region = (slice(r0, r1), slice(t0, t1)) if lanes == tile else slice(r0, r1)
+            self.steps.append((lanes == tile, region, b, self.shift[r0:r1, t0:t1],
+                               self.stats.mass[r0:r1, t0:t1]))
+        self.nbytes = sum(t.numel() * 4 for t in (self.flat, self.stats.max, self.stats.mass,
+                                                  self.shift, scratch))
+
+    def run(self, x: torch.Tensor) -> TileStats:
+        """Launch 1 on x [n, valid] (native dtype, unit lane stride): tile_stats bit for bit
+        (the same FP32 values, shifts and per-tile sums; a sum over a tile's lanes does not
+        depend on which other tiles share its slab)."""
+        n, tile, full = self.n, self.tile, self.full
+        tmax, cmax, tail = self.stats.max, self.stats.chunk_max, self.stats.tail_max
+        whole = x[:, : full * tile].view(n, full, tile) if full else None
+        if full:
+            cmax.copy_(whole.view(n, full, CHUNK_LANES, tile // CHUNK_LANES).amax(2))
+            np.max(self.np_cmax, axis=-1, out=self.np_max[:, :full])
+        part = None
+        if full < tmax.shape[1]:
+            part = x[:, full * tile :]
+            if self.body:
+                chunks = part[:, : self.body].view(n, CHUNK_LANES, self.body // CHUNK_LANES)
+                tail.copy_(chunks.amax(1))
+            tmax[:, full:] = part.amax(-1, keepdim=True)
+            part = part.unsqueeze(1)
+        # 2. An all -inf tile shifts by 0 (so exp(-inf) = 0, not NaN); +inf and NaN maxima
+        #    keep their shift, turning the row's lse non-finite, as the contract requires.
+        np.copyto(self.np_shift, self.np_max)
+        np.copyto(self.np_shift, np.float32(0.0), where=self.np_shift == NEG_INF)
+        for in_tiles, region, b, shift, mass in self.steps:
+            b.copy_(whole[region] if in_tiles else part[region])  # exact FP32 conversion
+            b.sub_(shift).exp_()
+            torch.sum(b, -1, out=mass)
+        return self.stats
+
+
+class _Plans(threading.local):
+    def __init__(self) -> None:
+        self.plans: OrderedDict[tuple[int, int, int], StatsPlan] = OrderedDict()
+
+
+_PLANS = _Plans()
+PLANS_KEPT = 4
+"""StatsPlans kept per thread (each at most one slab of FP32 scratch plus per-row stats)."""
+
+
+def stats_plan(n: int, valid: int, tile: int) -> StatsPlan:
+    key = (n, valid, tile)
+    plans = _PLANS.plans
+    plan = plans.get(key)
+    if plan is None:
+        plan = plans[key] = StatsPlan(n, valid, tile)
+        while len(plans) > PLANS_KEPT:
+            plans.popitem(last=False)
+    else:
+        plans.move_to_end(key)
+    return plan
+
+
+def native_values(logits: torch.Tensor, rows: np.ndarray, lanes: np.ndarray) -> np.ndarray:
+    """FP32 [n, j] logits[rows[i], lanes[i, j]] of CPU logits, read through numpy (bf16 bits
+    widened exactly: a bf16 value is the upper half of its FP32 value)."""
+    if logits.dtype == torch.bfloat16:
+        bits = logits.view(torch.int16).numpy()[rows[:, None], lanes]
+        return (bits.astype(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return logits.numpy()[rows[:, None], lanes].astype(np.float32)
+
+
+def _pick_raw(raw: np.ndarray, start: int, into: list, r0: int) -> None:
+    """The largest CANDIDATES raw values of each row of a slab segment [r, lanes] starting
+    at lane `start`, and the next value (None when every lane is kept)."""
+    r, width = raw.shape
+    if width <= CANDIDATES:
+        into.append((r0, np.broadcast_to(np.arange(start, start + width), (r, width)),
+                     raw.copy(), None))
+        return
+    part = np.argpartition(raw, width - CANDIDATES - 1, axis=1)
+    keep = part[:, width - CANDIDATES :]
+    rix = np.arange(r)[:, None]
+    into.append((r0, keep + start, raw[rix, keep],
+                 raw[rix, part[:, width - CANDIDATES - 1 : width - CANDIDATES]]))
+
+
+def _gather_picks(picks: dict[int, list] | None, n: int) -> Candidates | None:
+    """Each segment's picks, row blocks stacked, segments side by side."""
+    if picks is None:
+        return None
+    lanes, raw, bounds = [], [], []
+    for parts in picks.values():
+        parts.sort(key=lambda p: p[0])
+        lanes.append(np.concatenate([p[1] for p in parts]))
+        raw.append(np.concatenate([p[2] for p in parts]))
+        if parts[0][3] is not None:
+            bounds.append(np.concatenate([p[3] for p in parts]))
+    bound = None
+    if bounds:
+        bound = bounds[0] if len(bounds) == 1 else np.max(np.stack(bounds), axis=0)
+    return Candidates(np.concatenate(lanes, axis=1), np.concatenate(raw, axis=1), bound)
+
+
+def lean_combine(stats: TileStats) -> tuple[np.ndarray, torch.Tensor]:
+    """(M numpy [n], S torch [n]) FP32, bit-identical to combine(stats.max, stats.mass)
+    (NaN bits aside: a NaN there always ends as lse_from's canonical NaN)."""
+    tmax, tmass = stats.max, stats.mass
+    if tmax.shape[1] == 1:
+        # One tile: combine's weight is exp(0) = 1 (or its product is 0 or NaN exactly when
+        # the mass already is), so (M, S) = (max, mass).
+        return tmax.numpy()[:, 0], tmass[:, 0]
+    big = tmax.numpy().max(axis=1)
+    shift = np.where(big == NEG_INF, np.float32(0.0), big)
+    # (tmax - shift in torch: inf - inf is NaN there too, without a numpy warning)
+    weights = torch.sub(tmax, torch.from_numpy(shift[:, None])).exp_()
+    return big, weights.mul_(tmass).sum(-1)
+
+
+def lean_lse(stats: TileStats) -> tuple[np.ndarray, bool]:
+    """Launch 2: (FP32 lse [n] numpy, all finite), bit-identical to normalization(stats)."""
+    big, mass = lean_combine(stats)
+    lse = torch.log(mass).numpy()
+    np.add(lse, big, out=lse)  # fl(log S + M) == fl(M + log S)
+    finite = np.isfinite(lse)
+    ok = bool(finite.all())
+    if not ok:
+        lse[~finite] = NAN32
+    return lse, ok
+
+
+def kept_bytes() -> int:
+    """Bytes of launch-1 scratch this thread keeps between calls (StatsPlans)."""
+    return sum(plan.nbytes for plan in _PLANS.plans.values())
+
+
+def release_plans() -> None:
+    """Drop this thread's kept StatsPlans."""
+    _PLANS.plans.clear()
+
+
+_LAYOUTS: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+
+
+def _chunk_layout(valid: int, tile: int) -> tuple[np.ndarray, np.ndarray]:
+    """(first lane, lane stride) of every chunk of a row, in TileStats order: the whole
+    tiles' interleaved chunks, then the partial tile's (its last valid % 16 lanes belong to
+    no chunk)."""
+    key = (valid, tile)
+    hit = _LAYOUTS.get(key)
+    if hit is None:
+        full, rest = divmod(valid, tile)
+        per = tile // CHUNK_LANES
+        f = np.arange(full * per)
+        base = [(f // per) * tile + f % per]
+        stride = [np.full(f.size, per)]
+        tail = rest // CHUNK_LANES
+        if tail:
+            base.append(full * tile + np.arange(tail))
+            stride.append(np.full(tail, tail))
+        hit = _LAYOUTS[key] = (np.concatenate(base), np.concatenate(stride))
+    return hit
+
+
+def chunk_candidates(
+    logits: torch.Tensor, rows: np.ndarray, valid: int, tile: int, cmax: np.ndarray,
+    tail: np.ndarray, extra: np.ndarray | None = None,
+) -> tuple[Candidates, np.ndarray | None]:
+    """Launch 3's candidates for rows with enough chunks (uses_chunks): the lanes of each
+    row's CANDIDATE_CHUNKS highest chunks plus the partial tile's chunkless last lanes,
+    their raw values read from the native logits (a quarter of the row at most), and the
+    next chunk's maximum as the bound of every other lane. `extra` [n, j]: more lanes per row to
+    read in the same gather (returned raw, FP32)."""
+    n = rows.size
+    flat = np.concatenate((cmax.reshape(n, -1), tail), axis=1) if tail.shape[1] else \
+        cmax.reshape(n, -1)
+    count = flat.shape[1]
+    base, stride = _chunk_layout(valid, tile)
+    cut = count - CANDIDATE_CHUNKS - 1
+    part = np.argpartition(flat, cut, axis=1)
+    chosen = part[:, cut + 1 :]
+    lanes = (base[chosen][..., None] + stride[chosen][..., None] * np.arange(CHUNK_LANES))
+    lanes = lanes.reshape(n, -1)
+    loose = valid - (valid // tile) * tile - tail.shape[1] * CHUNK_LANES
+    if loose:
+        lanes = np.concatenate((lanes, np.broadcast_to(np.arange(valid - loose, valid),
+                                                       (n, loose))), axis=1)
+    bound = np.take_along_axis(flat, part[:, cut : cut + 1], 1)
+    width = lanes.shape[1]
+    if extra is not None:
+        lanes = np.concatenate((lanes, extra), axis=1)
+    raw = native_values(logits, rows, lanes)
+    more = None if extra is None else raw[:, width:]
+    return Candidates(lanes[:, :width], raw[:, :width], bound), more
+
+
+def rank_candidates(cand: Candidates, lse: np.ndarray, take: int) -> tuple[Best, np.ndarray]:
+    """Launch 3's ordering: (each row's best min(take, 32, candidates) lanes, bool [n]
+    whether that is provably the row's exact best).
+
+    5'. Reported value v = fl(x - lse), monotone in x. Every lane that is not a candidate
+        has raw value <= bound, so v <= fl(bound - lse). The best 64 candidates by value
+        contain every candidate valued at least the take-th best when the 65th is below
+        it. When both bounds are below the take-th best value, ordering those 64 by
+        (value desc, lane asc), -0.0 equal to +0.0, is exactly the sort keys' order of the
+        row's best `take`. Otherwise (ties across a boundary, rows of -inf) and for a NaN
+        lse the row is not exact and must be recomputed.
+    """
+    lanes, lse2 = cand.lanes, lse[:, None]
+    values = cand.raw - lse2
+    bound = None if cand.bound is None else cand.bound - lse2
+    n, width = values.shape
+    m = min(take, TOP, width)
+    rix = np.arange(n)[:, None]
+    if width > CANDIDATES:
+        part = np.argpartition(values, width - CANDIDATES - 1, axis=1)
+        inner = values[rix, part[:, width - CANDIDATES - 1 : width - CANDIDATES]]
+        keep = part[:, width - CANDIDATES :]
+        lanes, values = lanes[rix, keep], values[rix, keep]
+        bound = inner if bound is None else np.maximum(bound, inner)
+    order = np.lexsort((lanes, -values), axis=1)[:, :m]
+    values = values[rix, order] + np.float32(0.0)
+    ids = lanes[rix, order]
+    exact = np.isfinite(lse) if bound is None else bound[:, 0] < values[:, m - 1]
+    return Best(ids, values), exact
+
+
+def exact_best(
+    logits: torch.Tensor, rows: np.ndarray, valid: int, lse: np.ndarray, take: int,
+    stats: TileStats, which: np.ndarray, tile: int = TILE_LANES,
+) -> Best:
+    """The tile-by-tile launch 3 (tile_candidates) for rows `which` (indices into `rows`
+    and the stats): ids (row-relative, -1 where none) and values of their best `take`."""
+    index = torch.from_numpy(which)
+    keys = tile_candidates(logits, torch.from_numpy(rows[which]), valid,
+                           torch.from_numpy(lse[which]), stats.chunk_max[index],
+                           stats.tail_max[index], 0, tile)
+    best = top_keys(keys.flatten(1), take)
+    empty = (best == EMPTY_KEY).numpy()
+    ids = np.where(empty, -1, key_ids(best).numpy())
+    return Best(ids, np.where(empty, NAN32, key_values(best).numpy()), bool(empty.any()))
+
+
+def natural_best(
+    logits: torch.Tensor, rows: np.ndarray, valid: int, stats: TileStats,
+    picks: Candidates | None, lse: np.ndarray, take: int, tile: int = TILE_LANES,
+    extra: np.ndarray | None = None,
+) -> tuple[Best, np.ndarray | None]:
+    """The exact best `take` lanes of each of `rows` (launch 3), and `extra` lanes' raw
+    values when candidates are gathered (else None)."""
+    more = None
+    if picks is None:
+        if not uses_chunks(valid, tile):  # (lean_tile_stats picks these rows' candidates)
+            raise ValueError("rows this narrow need the candidates lean_tile_stats picks")
+        picks, more = chunk_candidates(logits, rows, valid, tile, stats.chunk_max.numpy(),
+                                       stats.tail_max.numpy(), extra)
+    best, exact = rank_candidates(picks, lse, take)
+    if exact.all():
+        return best, more
+    redo = np.flatnonzero(~exact)
+    again = exact_best(logits, rows, valid, lse, best.ids.shape[1], stats, redo, tile)
+    ids, values = best.ids.copy(), best.values.copy()
+    ids[redo], values[redo] = again.ids, again.values
+    return Best(ids, values, again.missing), more
+
+
+class NumpyRequest:
+    """A RowRequest's tensors as numpy views (CPU), taken when first used."""
+
+    def __init__(self, request: RowRequest) -> None:
+        self.request = request
+        self.k = request.k
+        self.requested = request.requested.numpy()
+        self.counts = request.counts.numpy()
+        self.chosen = request.chosen.numpy()
+
+    @property
+    def ids(self) -> np.ndarray:
+        return self.request.ids.numpy()
+
+
+def _subtract(raw: np.ndarray, lse: np.ndarray, finite: bool) -> np.ndarray:
+    """FP32 raw - lse [n, j] as torch computes it: fma(lse, -1, x) returns lse's (canonical)
+    NaN when both are NaN, so rows with a NaN lse report exactly that NaN."""
+    values = raw - lse[:, None]
+    if not finite:
+        values[np.isnan(lse)] = NAN32
+    return values
+
+
+def _reduce_lean(logits: torch.Tensor, request: RowRequest, vocab_size: int,
+                 out: torch.Tensor, tile: int) -> torch.Tensor:
+    """reduce_torch on CPU: the same slabs and launches, lean (see the section comment)."""
+    req = NumpyRequest(request)
+    rows = np.flatnonzero(req.requested)
+    n = rows.size
+    if n == 0:
+        return out
+    k = req.k
+    counts = req.counts[rows]
+    any_selected = bool(counts.any())
+    natural = np.flatnonzero(counts == 0) if any_selected else None
+    want = bool(k) and (natural is None or natural.size > 0)
+    stats, picks = lean_tile_stats(logits, rows, vocab_size, tile, select=want)
+    lse, finite = lean_lse(stats)
+    chosen = req.chosen[rows].astype(np.int64)
+    payload = np.empty((n, PAYLOAD_WORDS), np.int32)
+    payload[:, CHOSEN_ID] = chosen
+    pairs = payload[:, FIRST_PAIR:].reshape(n, MAX_TOKEN_IDS, 2)
+    pairs[:] = -1
+    chosen_raw = None
+    if want:
+        nat = rows if natural is None else rows[natural]
+        if natural is not None:
+            picks = None if picks is None else Candidates(
+                picks.lanes[natural], picks.raw[natural],
+                None if picks.bound is None else picks.bound[natural])
+            sub = TileStats(stats.max, stats.mass, stats.chunk_max[torch.from_numpy(natural)],
+                            stats.tail_max[torch.from_numpy(natural)])
+        else:
+            sub = stats
+        extra = chosen[:, None] if natural is None and picks is None else None
+        best, chosen_raw = natural_best(logits, nat, vocab_size, sub, picks,
+                                        lse if natural is None else lse[natural], k, tile,
+                                        extra)
+        m = best.ids.shape[1]
+        bits = best.values.view(np.int32)
+        if best.missing:
+            bits = np.where(best.ids < 0, np.int32(-1), bits)
+        target = pairs if natural is None else pairs[natural]
+        target[:, :m, 0] = best.ids
+        target[:, :m, 1] = bits
+        if natural is not None:
+            pairs[natural] = target
+    if chosen_raw is None:
+        chosen_raw = native_values(logits, rows, chosen[:, None])
+    payload[:, CHOSEN_BITS] = _subtract(chosen_raw, lse, finite).view(np.int32)[:, 0]
+    if any_selected:
+        picked = np.flatnonzero(counts > 0)
+        if picked.size:
+            sel = req.ids[rows[picked]].astype(np.int64)
+            # 9. (final_merge) selected IDs read their raw logits minus the same lse, caller
+            #    order; slots beyond the count may hold stale ids and read lane 0 instead.
+            live = np.arange(MAX_TOKEN_IDS) < counts[picked, None]
+            raw = native_values(logits, rows[picked], np.where(live, sel, 0))
+            values = _subtract(raw, lse[picked], finite)
+            pairs[picked, :, 0] = np.where(live, sel, -1)
+            pairs[picked, :, 1] = np.where(live, values.view(np.int32), -1)
+    out_np = out.numpy()
+    if n == out_np.shape[0]:
+        out_np[:] = payload
+    else:
+        out_np[rows] = payload
+    return out
+
+
 def reduce_torch(
     logits: torch.Tensor,
     request: RowRequest,
@@ -376,6 +881,8 @@ def reduce_torch(
     tile: int = TILE_LANES,
 ) -> torch.Tensor:
     """The four launches on the flagged rows of a full-vocabulary [rows, width] block."""
+    if LEAN and logits.device.type == "cpu":
+        return _reduce_lean(logits, request, vocab_size, out, tile)
     chosen, ids, counts, k = request.chosen, request.ids, request.counts, request.k
     rows = flagged_rows(request.requested != 0)
     n = count_rows(rows, logits.shape[0])

@@ -362,3 +362,126 @@ def test_reduction_never_writes_the_logits(vocab: int, dtype: torch.dtype) -> No
     reduce_logprobs(x, torch.arange(5) % vocab, token_ids=[[0], [], [1], [], [vocab - 1]])
     assert torch.equal(x.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
                        before.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+
+
+def _tile_by_tile(monkeypatch) -> None:
+    """Force the tile-by-tile launches (the implementation the CPU fast path reproduces)."""
+    import kernels.torch_backend as backend
+
+    monkeypatch.setattr(backend, "LEAN", False)
+
+
+FAST_CASES = [
+    (vocab, kind, dtype)
+    for vocab in (7, 21, 300, 1031, 4096, 4097, 9000, 40000)
+    for kind in KINDS
+    for dtype in (torch.float32, torch.bfloat16)
+    if not (kind in ("subtraction", "huge", "scaled") and dtype != torch.float32)
+]
+
+
+@pytest.mark.parametrize(("vocab", "kind", "dtype"), FAST_CASES)
+def test_cpu_fast_path_is_bit_identical_to_tile_by_tile(monkeypatch, vocab, kind, dtype):
+    """The CPU fast path (same slabs, fewer ops, candidates from chunk maxima or from each
+    slab, numpy bookkeeping) reports exactly the tile-by-tile launches' words, including
+    rows that fall back to them (ties across the boundary, -inf rows, NaN/inf lanes),
+    selected ids, unrequested rows, one-row calls, row subsets, and the sharded steps."""
+    rows = 5
+    x = make_logits(kind, rows, vocab, 3, seed=vocab).to(dtype)
+    if kind == "normal":
+        x[3, vocab // 2] = math.nan
+    chosen = torch.arange(rows) * 7 % vocab
+    requested = torch.tensor([1, 1, 0, 1, 1], dtype=torch.int32)
+    token_ids = [[], [vocab - 1, 0], [], [], [min(5, vocab - 1)]]
+    calls = [
+        lambda: reduce_logprobs(x, chosen, vocab_size=vocab),
+        lambda: reduce_logprobs(x[1:2], chosen[1:2], vocab_size=vocab),
+        lambda: reduce_logprobs(x, chosen, vocab_size=vocab, requested=requested, k=5),
+        lambda: reduce_logprobs(x, chosen, vocab_size=vocab, token_ids=token_ids),
+        lambda: reduce_logprobs_sharded(
+            x, chosen, vocab_start=0, vocab_size=vocab, group=None, requested=requested
+        ),
+        lambda: reduce_logprobs_sharded(x, chosen, vocab_start=0, vocab_size=vocab, group=None),
+    ]
+    fast = [call() for call in calls]
+    with monkeypatch.context() as m:
+        _tile_by_tile(m)
+        slow = [call() for call in calls]
+    for got, want in zip(fast, slow, strict=True):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("tile", [16, 64, 512])
+def test_cpu_fast_path_with_small_tiles(monkeypatch, tile):
+    """Small tiles (many tiles per row, candidates picked per slab or from chunks)."""
+    g = torch.Generator().manual_seed(tile)
+    for vocab in (300, 1000, 5000):
+        x = (torch.randn(3, vocab, generator=g) * 3).to(torch.bfloat16)
+        chosen = torch.tensor([0, vocab // 2, vocab - 1])
+        ids, counts = pack_token_ids(None, 3, vocab)
+        flags = torch.ones(3, dtype=torch.int32)
+        outs = []
+        for lean in (True, False):
+            with monkeypatch.context() as m:
+                m.setattr("kernels.torch_backend.LEAN", lean)
+                out = torch.full((3, WORDS), -1, dtype=torch.int32)
+                reduce_torch(x, RowRequest(chosen, ids, counts, flags, 20), vocab, out,
+                             tile=tile)
+                outs.append(out)
+        assert torch.equal(outs[0], outs[1])
+
+
+def test_sharded_cpu_steps_match_tile_steps_on_several_shards(monkeypatch):
+    """Three simulated shards through the three step functions: the CPU fast path and the
+    tile-by-tile steps produce the same payload."""
+    from kernels import torch_sharded as steps
+    from kernels.layout import EXCHANGE1_WORDS, EXCHANGE2_WORDS
+
+    vocab, rows, width = 10_007, 4, 3336
+    full = make_logits("ties", rows, vocab, 0, seed=11).to(torch.bfloat16)
+    full[1] = make_logits("normal", 1, vocab, 0, seed=12).to(torch.bfloat16)
+    shards = [(full[:, s : s + width], s, min(width, vocab - s)) for s in (0, 3336, 6672)]
+    starts = [0, 3336, 6672, vocab]
+    ids, counts = pack_token_ids([[], [3, 9000], [], []], rows, vocab)
+    request = RowRequest(torch.tensor([5, 3335, 3336, 10_006]), ids, counts,
+                         torch.ones(rows, dtype=torch.int32), 20)
+
+    def run():
+        e1 = torch.zeros(3, rows, EXCHANGE1_WORDS, dtype=torch.int32)
+        for i, (x, _, valid) in enumerate(shards):
+            steps.shard_stats(x, request, valid, e1[i])
+        e2 = torch.empty(3, rows, EXCHANGE2_WORDS, dtype=torch.int32)
+        lse = torch.empty(rows)
+        for i, (x, start, valid) in enumerate(shards):
+            steps.shard_candidates(x, request, e1, start, valid, lse, e2[i])
+        out = torch.full((rows, WORDS), -1, dtype=torch.int32)
+        steps.final_merge(e2, lse, request, starts, out)
+        return out
+
+    fast = run()
+    with monkeypatch.context() as m:
+        _tile_by_tile(m)
+        slow = run()
+    assert torch.equal(fast, slow)
+    check_payload(fast, full, vocab, request.chosen, 20, [[], [3, 9000], [], []], None)
+
+
+@pytest.mark.parametrize(("rows", "vocab", "flagged"), [(1, 151_936, 1), (16, 1031, 16),
+                                                        (16, 1031, 1)])
+def test_one_row_and_decode_shapes_never_hold_a_rows_by_vocab_fp32_tensor(rows, vocab,
+                                                                         flagged):
+    """The shapes the CPU fast path serves most (one row; decode's [capacity, vocab]) touch
+    no tensor storage of half a [rows, vocabulary] FP32 copy or more."""
+    x = (torch.randn(rows, vocab) * 3).to(torch.bfloat16)
+    chosen = torch.arange(rows) % vocab
+    requested = (torch.arange(rows) < flagged).to(torch.int32)
+    out = torch.full((rows, WORDS), -1, dtype=torch.int32)
+    limit = rows * vocab * 4 // 2
+    for call in (
+        lambda: reduce_logprobs(x, chosen, out=out, requested=requested),
+        lambda: reduce_logprobs_sharded(x, chosen, vocab_start=0, vocab_size=vocab,
+                                        group=None, out=out, requested=requested),
+    ):
+        with _BigAllocations(limit, [x, out]) as spy:
+            call()
+        assert not spy.big, f"large allocations: {spy.big}"
