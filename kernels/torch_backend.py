@@ -390,6 +390,15 @@ CANDIDATE_CHUNKS = 2 * TOP
 chunks): 64, twice the 32 needed, so that ties at the 32nd value (common with bf16 logits)
 still leave the next chunk strictly below it."""
 
+PLAN_LANES = 1 << 22
+"""Up to this many lanes per call, launch 1 takes the chunk and tile maxima straight from
+the native rows (StatsPlan: fewest tensor calls); beyond, the per-slab loop reads them from
+each slab's FP32 copy (native bf16 reductions are about 2x slower per lane)."""
+
+CANDIDATE_ROWS = 32
+"""Launch 3 gathers and ranks candidates this many rows at a time (numpy temporaries stay
+small)."""
+
 CANDIDATES = 2 * TOP
 """Lanes per row kept for the final ordering (and per row and slab in one-tile rows)."""
 
@@ -447,7 +456,7 @@ def lean_tile_stats(
     x = None
     if int(rows[-1]) - first == n - 1:
         x = logits[first : first + n, :valid]
-    if picks is None and x is not None and x.stride(-1) == 1:
+    if picks is None and x is not None and x.stride(-1) == 1 and n * valid <= PLAN_LANES:
         return stats_plan(n, valid, tile).run(x), None
     full, rest = divmod(valid, tile)
     tiles = full + (rest > 0)
@@ -770,8 +779,20 @@ def natural_best(
     if picks is None:
         if not uses_chunks(valid, tile):  # (lean_tile_stats picks these rows' candidates)
             raise ValueError("rows this narrow need the candidates lean_tile_stats picks")
-        picks, more = chunk_candidates(logits, rows, valid, tile, stats.chunk_max.numpy(),
-                                       stats.tail_max.numpy(), extra)
+        cmax, tail = stats.chunk_max.numpy(), stats.tail_max.numpy()
+        if rows.size > CANDIDATE_ROWS:
+            parts = [natural_best(logits, rows[r0 : r0 + CANDIDATE_ROWS], valid,
+                                  _rows_of(stats, r0, CANDIDATE_ROWS), None,
+                                  lse[r0 : r0 + CANDIDATE_ROWS], take, tile,
+                                  None if extra is None else extra[r0 : r0 + CANDIDATE_ROWS])
+                     for r0 in range(0, rows.size, CANDIDATE_ROWS)]
+            best = Best(np.concatenate([p[0].ids for p in parts]),
+                        np.concatenate([p[0].values for p in parts]),
+                        any(p[0].missing for p in parts))
+            if extra is not None:
+                more = np.concatenate([p[1] for p in parts])
+            return best, more
+        picks, more = chunk_candidates(logits, rows, valid, tile, cmax, tail, extra)
     best, exact = rank_candidates(picks, lse, take)
     if exact.all():
         return best, more
@@ -780,6 +801,11 @@ def natural_best(
     ids, values = best.ids.copy(), best.values.copy()
     ids[redo], values[redo] = again.ids, again.values
     return Best(ids, values, again.missing), more
+
+
+def _rows_of(stats: TileStats, r0: int, count: int) -> TileStats:
+    """Rows [r0, r0 + count) of launch 1's statistics (views)."""
+    return TileStats(*(t[r0 : r0 + count] for t in stats))
 
 
 class NumpyRequest:
