@@ -69,6 +69,21 @@ def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> tor
     return tensor
 
 
+def all_reduce_sum_ordered(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """``all_reduce_sum`` whose every element is added in rank order, so a row's sum has the
+    same bits whatever the tensor's size (batch-invariant mode). A ring all-reduce adds each
+    chunk starting from a different rank, and chunk boundaries move with the row count."""
+    world = group_size(group)
+    if world == 1:
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(world)]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    total = parts[0]
+    for part in parts[1:]:
+        total += part
+    return tensor.copy_(total)
+
+
 def all_gather_last_dim(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Concatenate equal-width shards along the last dimension (hidden-size activations only)."""
     world = group_size(group)

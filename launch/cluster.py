@@ -64,6 +64,9 @@ def add_runtime_arguments(p: argparse.ArgumentParser) -> None:
                    help="shortest suffix n-gram matched for a proposal")
     p.add_argument("--ngram-max", type=int, default=d("ngram_max"),
                    help="longest suffix n-gram matched for a proposal")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="every row's logprobs independent of its batch (identical with "
+                        "speculation on and off); slower")
     p.add_argument("--reasoning-parser", choices=sorted(PARSERS),
                    default=d("reasoning_parser"),
                    help="thinking spans <think>...</think>; enables thinking_token_budget")
@@ -112,6 +115,7 @@ def runtime_config(args: argparse.Namespace, device: str) -> RuntimeConfig:
         speculative_tokens=args.speculative_tokens,
         ngram_min=args.ngram_min,
         ngram_max=args.ngram_max,
+        batch_invariant=args.batch_invariant,
         reasoning_parser=args.reasoning_parser,
         reasoning_config=args.reasoning_config,
     )

@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from collectives.groups import all_reduce_sum, group_rank, group_size
+from collectives.groups import all_reduce_sum, all_reduce_sum_ordered, group_rank, group_size
+from ranks.model import invariant
 from ranks.model.config import ModelConfig
 from ranks.model.sharding import ShardLayout, shard_layout
 from ranks.model.weights import LayerWeights, LoadProgress, ShardWeights, load_shard_weights
@@ -60,6 +61,7 @@ class ShardedCausalLM:
         group: object | None,
         device: torch.device,
         dtype: torch.dtype,
+        batch_invariant: bool = False,
     ) -> None:
         self.config = config
         self.layout = layout
@@ -73,6 +75,9 @@ class ShardedCausalLM:
         self.inv_freq = (1.0 / (config.rope_theta**exponents)).to(device)
         self._q_width = layout.local_heads * hd
         self._kv_width = layout.local_kv_heads * hd
+        self.batch_invariant = batch_invariant
+        self._linear = invariant.choose_linear(self._linears()) if batch_invariant else F.linear
+        self._reduce = all_reduce_sum_ordered if batch_invariant else all_reduce_sum
 
     @classmethod
     def load(
@@ -82,16 +87,18 @@ class ShardedCausalLM:
         device: str | torch.device = "cpu",
         dtype: torch.dtype | None = None,
         progress: LoadProgress | None = None,
+        batch_invariant: bool = False,
     ) -> ShardedCausalLM:
         """Load this rank's shard; ``dtype`` defaults to FP32 on CPU and BF16 elsewhere.
-        ``progress(done, total)`` follows the load (see ``load_shard_weights``)."""
+        ``progress(done, total)`` follows the load (see ``load_shard_weights``);
+        ``batch_invariant``: see ``ranks.model.invariant``."""
         device = torch.device(device)
         if dtype is None:
             dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
         config = ModelConfig.from_model_dir(model_dir)
         layout = shard_layout(config, group_size(group), group_rank(group))
         weights = load_shard_weights(model_dir, config, layout, device, dtype, progress)
-        return cls(config, layout, weights, group, device, dtype)
+        return cls(config, layout, weights, group, device, dtype, batch_invariant)
 
     @property
     def vocab_size(self) -> int:
@@ -137,7 +144,17 @@ class ShardedCausalLM:
 
     def project(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Final-normed hidden rows -> this rank's logits shard ``[rows, local_width]``."""
-        return torch.matmul(hidden, self.weights.lm_head.t(), out=out)
+        if not self.batch_invariant:
+            return torch.matmul(hidden, self.weights.lm_head.t(), out=out)
+        logits = self._linear(hidden, self.weights.lm_head)
+        return logits if out is None else out.copy_(logits)
+
+    def _linears(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        pairs = [(self.weights.lm_head, None)]
+        for layer in self.weights.layers:
+            pairs += [(layer.qkv, layer.qkv_bias), (layer.o_proj, None),
+                      (layer.gate_up, layer.gate_up_bias), (layer.down, None)]
+        return pairs
 
     def forward_hidden(
         self,
@@ -240,7 +257,7 @@ class ShardedCausalLM:
         inside = (local >= 0) & (local < layout.local_valid)
         h = self.weights.embed[torch.where(inside, local, 0)]
         h = h * inside.unsqueeze(-1).to(h.dtype)
-        return all_reduce_sum(h, self.group)
+        return self._reduce(h, self.group)
 
     def _attention(
         self,
@@ -254,7 +271,7 @@ class ShardedCausalLM:
         plan: _AttentionPlan,
     ) -> torch.Tensor:
         layout, hd = self.layout, self.config.head_dim
-        qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+        qkv = self._linear(x, layer.qkv, layer.qkv_bias)
         q, k, v = qkv.split((self._q_width, self._kv_width, self._kv_width), dim=-1)
         q = q.view(-1, layout.local_heads, hd)
         k = k.view(-1, layout.local_kv_heads, hd)
@@ -264,8 +281,18 @@ class ShardedCausalLM:
         cache_k, cache_v = self.cache.keys[index], self.cache.values[index]
         cache_k[slots, positions] = k
         cache_v[slots, positions] = v
-        out = torch.empty_like(q)
         groups = layout.local_heads // layout.local_kv_heads
+        if self.batch_invariant:
+            out = invariant.attention(q, positions, slots, cache_k, cache_v, groups)
+        else:
+            out = self._planned_attention(q, cache_k, cache_v, plan, groups)
+        o = self._linear(out.view(-1, self._q_width), layer.o_proj)
+        o = self._reduce(o, self.group)
+        return o if layer.o_bias is None else o + layer.o_bias
+
+    def _planned_attention(self, q, cache_k, cache_v, plan: _AttentionPlan, groups: int):
+        """Decode rows batched (padded to the longest context), one call per prefill chunk."""
+        out = torch.empty_like(q)
         if plan.single_rows is not None:
             keys = cache_k[plan.single_slots, : plan.single_len]
             vals = cache_v[plan.single_slots, : plan.single_len]
@@ -276,9 +303,7 @@ class ShardedCausalLM:
             keys = cache_k[slot, :length].unsqueeze(0)
             vals = cache_v[slot, :length].unsqueeze(0)
             out[rows] = self._sdpa(q[rows].unsqueeze(0), keys, vals, mask, groups).squeeze(0)
-        o = F.linear(out.view(-1, self._q_width), layer.o_proj)
-        o = all_reduce_sum(o, self.group)
-        return o if layer.o_bias is None else o + layer.o_bias
+        return out
 
     @staticmethod
     def _sdpa(
@@ -294,7 +319,7 @@ class ShardedCausalLM:
         return out.transpose(1, 2)
 
     def _mlp(self, x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
-        gate, up = F.linear(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
-        down = F.linear(F.silu(gate) * up, layer.down)
-        down = all_reduce_sum(down, self.group)
+        gate, up = self._linear(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
+        down = self._linear(F.silu(gate) * up, layer.down)
+        down = self._reduce(down, self.group)
         return down if layer.down_bias is None else down + layer.down_bias

@@ -57,11 +57,18 @@ class RuntimeConfig:
     """N: speculative decoding with history proposals (prompt lookup over each request's own
     prompt and output, vLLM's ``ngram`` method); each decode verifies up to N proposed tokens
     in the same forward and emits up to N + 1 tokens. 0 (the default) is off. Needs N + 1 <= T.
-    Tokens and logprobs of greedy and seeded requests are the same on and off."""
+    Greedy and seeded requests get the same tokens on and off, and logprobs equal to FP32
+    rounding (bit for bit with ``batch_invariant``)."""
     ngram_min: int = 2
     """The shortest suffix n-gram matched against the history for a proposal."""
     ngram_max: int = 4
     """The longest suffix n-gram matched (the longest match wins)."""
+    batch_invariant: bool = False
+    """--batch-invariant (vLLM's VLLM_BATCH_INVARIANT): every row's logits and logprobs are the
+    same bits whatever else shares its forward, so speculation on and off, and one request
+    alone or in a busy batch, report identical values (see ranks/model/invariant.py). Off,
+    they agree to FP32 rounding (about 1e-5). Costs speed: short batches are padded to 16
+    rows, and attention runs in fixed key blocks."""
     reasoning_parser: str | None = None
     """``qwen3`` or ``deepseek_r1``: thinking spans are ``<think>`` ... ``</think>``; enables the
     requests' ``thinking_token_budget``. None: no reasoning delimiters (budgets are refused)."""

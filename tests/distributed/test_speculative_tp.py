@@ -123,3 +123,21 @@ def test_launch_generate_tp4_over_the_control_plane(tmp_path):
     assert outs[0]["results"] == outs[1]["results"]  # JSON floats: equal to the last digit
     forced = [sum(t["logprob"] is None for t in r["tokens"]) for r in outs[1]["results"]]
     assert forced == [1, 1, 1, 0, 0]
+
+
+def test_batch_invariant_tp4_speculation_on_and_off_report_identical_bits(tmp_path):
+    """With --batch-invariant the rows of a round, a lone decode and a busy batch round the
+    same way (padded linear layers, key-block attention, rank-ordered sums): == , not close."""
+    model_dir = write_qwen2(tmp_path / "qwen2")
+    tp4 = run(4, model_dir, JOBS, (0, 4), batch_invariant=True)
+    for rank in tp4:
+        assert rank[0]["problems"] == [] and rank[4]["problems"] == []
+    offered, accepted = tp4[0][4]["counts"]
+    assert 0 < accepted < offered
+    for (prompt, params), off, on in zip(JOBS, tp4[0][0]["events"], tp4[0][4]["events"],
+                                         strict=True):
+        (tokens_off, finish_off), (tokens_on, finish_on) = split_events(off), split_events(on)
+        assert finish_off == finish_on
+        assert [(t.token_id, t.logprob, t.alternatives) for t in tokens_off] == [
+            (t.token_id, t.logprob, t.alternatives) for t in tokens_on]
+        assert_matches_transformers(model_dir, prompt, tokens_on, params)
