@@ -25,6 +25,8 @@ import threading
 
 import torch
 
+from kernels.philox_native import native_bits, native_gumbel_bounds
+
 MASK32 = 0xFFFFFFFF
 PHILOX_M0 = 0xD2511F53
 PHILOX_M1 = 0xCD9E8D57
@@ -205,6 +207,9 @@ def philox_bits(token_ids: torch.Tensor, position: IntLike, k0: IntLike, k1: Int
     dev = token_ids.device
     if out is None:
         out = torch.empty(n, dtype=torch.int64, device=dev)
+    scalars = not any(isinstance(v, torch.Tensor) for v in (position, k0, k1))
+    if scalars and native_bits(token_ids, int(position), int(k0), int(k1), out):
+        return out
     c0 = token_ids if clean else token_ids.to(torch.int64) & MASK32
     args = [v & MASK32 if isinstance(v, torch.Tensor) else int(v) & MASK32
             for v in (position, k0, k1)]
@@ -238,3 +243,32 @@ def uniform_of(m: torch.Tensor) -> torch.Tensor:
 def gumbel_noise(seed: IntLike, position: IntLike, token_ids: torch.Tensor) -> torch.Tensor:
     """float64 standard Gumbel noise -log(-log(u)) for each global token id."""
     return philox_uniform(seed, position, token_ids).log_().neg_().log_().neg_()
+
+
+def _f32(value: float) -> float:
+    return float(torch.tensor(value, dtype=torch.float32))
+
+
+BOUND_SCALE = _f32(math.log(2.0) * 2.0**-23)
+BOUND_OFFSET = _f32(158 * math.log(2.0) + 1e-3)
+
+
+def gumbel_bounds(m: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 upper bounds of the noise -log(-log(u)) of the bits m (int64 [n]), u = (m + 0.5)
+    / 2**52, as gumbel_noise computes it in float64: BOUND_OFFSET - BOUND_SCALE * bits(h),
+    h = (2**52 - 1 - m) >> 21 in [0, 2**31) as FP32, bits(h) its int32 pattern.
+
+    Why it bounds: with d = 1 - u, -log(u) >= d, so the noise is <= -log(d); and d >= h 2**-31,
+    so for h >= 1 the noise is <= ln 2 (31 - log2 h). Reading FP32(h) = 2**e (1 + f) as
+    bits / 2**23 - 127 = e + f <= log2 (Mitchell's log, below log2 since 1 + f <= 2**f)
+    gives ln 2 (158 - bits / 2**23). For h = 0 (bits 0) that is 109.5 > GUMBEL_MAX. The
+    1e-3 in BOUND_OFFSET covers every FP32 rounding here (each below 2e-5). The bound is tight
+    (within ln(1 + 1/h) + 0.06) exactly where the noise is large, which is what pruning needs.
+    """
+    if out is None:
+        out = torch.empty(m.shape, dtype=torch.float32, device=m.device)
+    if native_gumbel_bounds(m, BOUND_OFFSET, BOUND_SCALE, out):
+        return out
+    h = torch.bitwise_xor(m, 2**UNIFORM_BITS - 1).bitwise_right_shift_(21).to(torch.int32)
+    bits = h.to(torch.float32).view(torch.int32)
+    return out.copy_(bits).mul_(BOUND_SCALE).neg_().add_(BOUND_OFFSET)

@@ -32,7 +32,6 @@ from ranks.sampler_filters import (
     PICK_WORDS,
     TOPK_WIDTH,
     greedy_best,
-    gumbel_best,
     key_values,
     max_and_topk,
     pick_global,
@@ -41,6 +40,7 @@ from ranks.sampler_filters import (
     relative_probs,
     value_keys,
 )
+from ranks.sampler_gumbel import gumbel_best
 from ranks.sampling_params import SEED_MAX, RowSampling
 
 NEG_INF = float("-inf")

@@ -9,7 +9,8 @@ import torch
 
 from kernels.philox import gumbel_noise
 from ranks.sampler import ShardedSampler
-from ranks.sampler_filters import gumbel_best, key_values, score_keys, value_keys
+from ranks.sampler_filters import key_values, score_keys, value_keys
+from ranks.sampler_gumbel import gumbel_best
 from ranks.sampling_params import RowSampling
 from tests import sampler_oracle as oracle
 

@@ -1,0 +1,178 @@
+"""The sampler's Gumbel-max: each shard's best (score key, global id) of its rows.
+
+A row's score of lane j is float64(x[j]) + gumbel_noise(seed, position, vocab_start + j); the
+best is the largest score key (score_keys), the smallest global id among equal keys. Both
+paths below pick exactly that lane; they only differ in how much noise they evaluate.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import torch
+
+from kernels.philox import (
+    GUMBEL_SPAN,
+    gumbel_bounds,
+    gumbel_noise,
+    philox_bits,
+    seed_words,
+    uniform_of,
+)
+from ranks.sampler_filters import NO_ID, empty_best, score_keys
+
+ROW_NOISE_MIN_WIDTH = 16384
+"""Rows at least this wide with most lanes still candidates draw noise row by row."""
+
+DENSE_X_LIMIT = 1e6
+"""Rows whose largest |logit| exceeds this draw every lane's noise exactly (the pruning
+margins below assume scores of moderate size)."""
+
+BLOCK = 128
+"""Lanes per block of the dense path's candidate search (block maxima of the bounds)."""
+
+_ESTIMATE_STRIDE = 16
+
+
+def gumbel_best(
+    x: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, vocab_start: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Local Gumbel-max of float64(x) + noise(seed, position, global id): (score key, id).
+
+    Noise lies in [GUMBEL_MIN, GUMBEL_MAX], so a lane more than GUMBEL_SPAN below the row's
+    local max can never beat the max lane's score; the margin keeps that strict after float64
+    rounding, so skipping such lanes never changes the winner. Lanes that remain draw noise
+    in one flat call with per-lane keys, except in wide rows where most lanes remain: those
+    draw their Philox bits row by row with scalar keys and evaluate the noise exactly only
+    where it can still decide the winner (dense_row_best).
+    """
+    n, width = x.shape
+    best, best_id = empty_best(n, x.device)
+    if width == 0:
+        return best, best_id
+    xmax = x.max(dim=1).values.to(torch.float64)
+    margin = 1e-9 + 1e-12 * xmax.abs()
+    cutoff = torch.where(torch.isfinite(xmax), xmax - GUMBEL_SPAN - margin, xmax)
+    # Compare in float32 against the cutoff rounded down: a superset of the float64 test.
+    low = cutoff.to(torch.float32)
+    low = torch.where(low.to(torch.float64) > cutoff, torch.nextafter(low, low - 1), low)
+    dense: list[int] = []
+    if width >= ROW_NOISE_MIN_WIDTH:
+        # Which path a row takes only decides speed (both are exact), so every 16th lane
+        # is enough to estimate whether most lanes remain candidates.
+        sample = x[:, ::_ESTIMATE_STRIDE] >= low.unsqueeze(1)
+        dense = torch.nonzero(sample.sum(dim=1) * 2 > sample.shape[1]).flatten().tolist()
+    for i in dense:
+        key, lane = dense_row_best(x[i], int(seeds[i]), int(positions[i]), vocab_start,
+                                   float(xmax[i]))
+        best[i], best_id[i] = key, lane + vocab_start
+    if len(dense) == n:
+        return best, best_id
+    rows = None
+    if dense:
+        rows = torch.tensor(sorted(set(range(n)) - set(dense)), device=x.device)
+        x, low = x.index_select(0, rows), low.index_select(0, rows)
+    row, lane = torch.nonzero(x >= low.unsqueeze(1), as_tuple=True)
+    if row.numel():
+        values = x[row, lane].to(torch.float64)
+        if rows is not None:
+            row = rows.index_select(0, row)
+        ids = lane + vocab_start
+        key = score_keys(values + gumbel_noise(seeds[row], positions[row], ids))
+        best.scatter_reduce_(0, row, key, reduce="amax")
+        tied = torch.where(key == best[row], ids, NO_ID)
+        best_id.scatter_reduce_(0, row, tied, reduce="amin")
+    return best, best_id
+
+
+class _RowBuffers(threading.local):
+    def __init__(self) -> None:
+        self.cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+_ROW_BUFFERS = _RowBuffers()
+_LANE_IDS: dict[tuple, torch.Tensor] = {}
+
+
+def _row_buffers(width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-thread int64 bits and float32 bounds of one row (fresh large tensors page-fault)."""
+    key = (width, str(device))
+    cache = _ROW_BUFFERS.cache
+    bufs = cache.get(key)
+    if bufs is None:
+        if len(cache) > 8:
+            cache.clear()
+        bufs = cache[key] = (torch.empty(width, dtype=torch.int64, device=device),
+                             torch.empty(width, dtype=torch.float32, device=device))
+    return bufs
+
+
+def _lane_ids(start: int, width: int, device: torch.device) -> torch.Tensor:
+    key = (start, width, str(device))
+    ids = _LANE_IDS.get(key)
+    if ids is None:
+        if len(_LANE_IDS) > 8:
+            _LANE_IDS.clear()
+        ids = _LANE_IDS[key] = torch.arange(start, start + width, device=device)
+    return ids
+
+
+def dense_row_best(x: torch.Tensor, seed: int, position: int, vocab_start: int,
+                   xmax: float) -> tuple[int, int]:
+    """(best score key, its lane) of one row of float32 values [width]: the lane whose
+    float64(x) + noise(seed, position, vocab_start + lane) has the largest score key, the
+    smallest lane among equal keys, exactly as evaluating every lane's noise would pick.
+
+    Every lane's Philox bits m are drawn (no lane can be skipped without them), and with
+    them an FP32 upper bound b = x + gumbel_bounds(m) of each lane's score. The lane with the
+    largest b (found through block maxima) gets its exact score s0, a score some lane
+    reaches, so the winner scores >= s0. Any lane scoring >= s0 has b >= s0 - margin:
+    b exceeds x + noise by 1e-3 before rounding, and FP32 rounding of x + bound moves it by
+    at most 2**-24 of its size (monotone rounding), so margin = 1e-3 + 2**-20 (1 + |s0|)
+    (|scores| <= DENSE_X_LIMIT + 40) keeps every such lane. Only blocks whose maximum
+    reaches that threshold are searched, and only their lanes above it are evaluated.
+    """
+    width = x.shape[0]
+    dev = x.device
+    m, bound = _row_buffers(width, dev)
+    k0, k1 = seed_words(seed)
+    philox_bits(_lane_ids(vocab_start, width, dev), position, k0, k1, out=m, clean=True)
+    if not math.isfinite(xmax) or abs(xmax) > DENSE_X_LIMIT or vocab_start + width > 2**31:
+        return _exact_best(x, m, torch.arange(width, device=dev))
+    gumbel_bounds(m, out=bound).add_(x)
+    full = width // BLOCK * BLOCK
+    maxima = bound[:full].view(-1, BLOCK).amax(dim=1)
+    if full < width:
+        maxima = torch.cat((maxima, bound[full:].amax().unsqueeze(0)))
+    top = int(torch.argmax(maxima)) * BLOCK
+    lead = top + int(torch.argmax(bound[top : top + BLOCK]))
+    s0 = key_scores(int(_exact_keys(x, m, torch.tensor([lead], device=dev))[0]))
+    floor = s0 - (1e-3 + 2.0**-20 * (1.0 + abs(s0)))
+    threshold = float(torch.tensor(floor, dtype=torch.float64).to(torch.float32))
+    if threshold > floor:
+        threshold = math.nextafter(threshold, -math.inf)
+    blocks = torch.nonzero(maxima >= threshold).flatten()
+    lanes = (blocks.unsqueeze(1) * BLOCK + torch.arange(BLOCK, device=dev)).flatten()
+    lanes = lanes[lanes < width]
+    lanes = lanes[bound.index_select(0, lanes) >= threshold]
+    return _exact_best(x, m, lanes)
+
+
+def _exact_keys(x: torch.Tensor, m: torch.Tensor, lanes: torch.Tensor) -> torch.Tensor:
+    """Score keys of `lanes`, exactly as gumbel_noise and score_keys compute them."""
+    noise = uniform_of(m[lanes]).log_().neg_().log_().neg_()
+    return score_keys(x[lanes].to(torch.float64) + noise)
+
+
+def _exact_best(x: torch.Tensor, m: torch.Tensor, lanes: torch.Tensor) -> tuple[int, int]:
+    """(largest score key, smallest lane with it) among `lanes`."""
+    keys = _exact_keys(x, m, lanes)
+    best = int(keys.max())
+    return best, int(lanes[keys == best].min())
+
+
+def key_scores(key: int) -> float:
+    """Inverse of score_keys for one key."""
+    bits = key ^ (2**63 - 1) if key < 0 else key
+    return torch.tensor(bits, dtype=torch.int64).view(torch.float64).item()
