@@ -16,7 +16,7 @@ import threading
 import numpy as np
 import torch
 
-from kernels import torch_backend as backend
+from kernels import torch_lean
 from kernels.layout import (
     CHOSEN_BITS,
     CHOSEN_ID,
@@ -35,21 +35,17 @@ from kernels.sortkeys import (
     keys_to_words,
     words_to_keys,
 )
-from kernels.torch_backend import (
+from kernels.torch_lean import NumpyRequest, natural_best
+from kernels.torch_lean_stats import Candidates, lean_combine, lean_tile_stats, native_values
+from kernels.torch_tiles import (
     CHUNK_LANES,
     NEG_INF,
     TILE_LANES,
-    Candidates,
-    NumpyRequest,
     TileStats,
     chunk_max,
     combine,
     count_rows,
-    lean_combine,
-    lean_tile_stats,
     lse_from,
-    native_values,
-    natural_best,
     slab_of,
     slabs,
     tile_candidates,
@@ -93,7 +89,7 @@ def shard_stats(
     """Launches 1-2 on this shard. e1_out int32 [rows, 2] (exchange 1 send words):
     word 0 = the shard's FP32 max bits, word 1 = its exp mass relative to that max (bits).
     A shard with no valid lanes, and every unflagged row, reports (-inf, 0)."""
-    if backend.LEAN and logits.device.type == "cpu" and local_valid > 0:
+    if torch_lean.LEAN and logits.device.type == "cpu" and local_valid > 0:
         _stats_lean(logits, request, local_valid, e1_out.numpy())
         return
     e1_out[:, 0] = _NEG_INF_BITS
@@ -141,7 +137,7 @@ def shard_candidates(
     Unflagged rows are all zero."""
     lse_out.copy_(global_lse(e1_all))
     e2_out.zero_()
-    if backend.LEAN and logits.device.type == "cpu" and local_valid > 0:
+    if torch_lean.LEAN and logits.device.type == "cpu" and local_valid > 0:
         _candidates_lean(logits, request, vocab_start, local_valid, lse_out.numpy(),
                          e2_out.numpy())
         return
@@ -186,7 +182,7 @@ def final_merge(
     out: torch.Tensor,
 ) -> None:
     """Launch 6: exchange 2 [world, rows, 129] -> packed rows of out (flagged rows only)."""
-    if backend.LEAN and out.device.type == "cpu":
+    if torch_lean.LEAN and out.device.type == "cpu":
         _merge_lean(e2_all.numpy(), lse.numpy(), request, list(shard_starts), out.numpy())
         return
     rows = flagged_rows(request.requested != 0)
@@ -221,7 +217,7 @@ def final_merge(
 
 # ----------------------------------------------------------------------------- CPU fast path
 #
-# On CPU tensors the three steps run torch_backend's lean launches (the same slabs, far
+# On CPU tensors the three steps run kernels/torch_lean.py's launches (the same slabs, far
 # fewer tensor ops, numpy bookkeeping) with bit-identical results. Launch 4 reuses what
 # launches 1-2 found for the same logits (same storage and version) and the same rows:
 # the chunk maxima (or a one-tile row's candidates), instead of recomputing them.

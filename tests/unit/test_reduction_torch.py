@@ -366,9 +366,9 @@ def test_reduction_never_writes_the_logits(vocab: int, dtype: torch.dtype) -> No
 
 def _tile_by_tile(monkeypatch) -> None:
     """Force the tile-by-tile launches (the implementation the CPU fast path reproduces)."""
-    import kernels.torch_backend as backend
+    import kernels.torch_lean as lean
 
-    monkeypatch.setattr(backend, "LEAN", False)
+    monkeypatch.setattr(lean, "LEAN", False)
 
 
 FAST_CASES = [
@@ -423,7 +423,7 @@ def test_cpu_fast_path_with_small_tiles(monkeypatch, tile):
         outs = []
         for lean in (True, False):
             with monkeypatch.context() as m:
-                m.setattr("kernels.torch_backend.LEAN", lean)
+                m.setattr("kernels.torch_lean.LEAN", lean)
                 out = torch.full((3, WORDS), -1, dtype=torch.int32)
                 reduce_torch(x, RowRequest(chosen, ids, counts, flags, 20), vocab, out,
                              tile=tile)
