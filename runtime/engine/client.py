@@ -74,6 +74,11 @@ class GeneratedToken:
     alternatives: tuple[TokenLogprob, ...] = ()
     """Natural top-N by (logprob desc, id asc), N = params.logprobs; or the selected ids in
     caller order when params.logprob_token_ids is set."""
+    last: bool | None = None
+    """True: the request's Finished comes next (the finish rides on this token). False: the
+    request cannot finish before another token (a later token of the same frame, or a request
+    whose only finishes are emitted tokens: no stop token ids, EOS ignored). None: unknown, a
+    stop token sampled next would finish it without a token."""
 
 
 @dataclass(frozen=True)

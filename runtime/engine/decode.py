@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from itertools import repeat
 
 import numpy as np
 import torch
@@ -21,7 +22,10 @@ from ranks.contract.abi6 import (
     SUBMISSION,
     Kind,
 )
-from runtime.engine.client import EngineError
+from runtime.engine.client import EngineError, TokenLogprob
+
+_KINDS = frozenset(int(kind) for kind in Kind)
+_EMITTING = frozenset(int(kind) for kind in EMITTING_KINDS)
 
 
 class DecodeError(EngineError):
@@ -67,7 +71,7 @@ class DecodedEntry:
     token_id: int
     logprob: float
     """Exact FP32 value; -inf is preserved."""
-    alternatives: tuple[tuple[int, float], ...]
+    alternatives: tuple[TokenLogprob, ...]
     """Natural (id, logprob) pairs trimmed to N, or every selected ID in caller order."""
 
 
@@ -96,6 +100,8 @@ def decode_frame(
 
     records: int64 [capacity, 16+T]; payload: int32 [capacity, T, 2+2W], the chosen pair and
     the first W alternative pairs of each position. Slots outside `expected` are never read.
+    Every position of the frame is checked with whole-array operations; a slot with any
+    failing position is decoded again position by position, which names the first failure.
     """
     record_rows = _host_array(records, np.int64, "records")
     words = _host_array(payload, np.int32, "payload")
@@ -114,25 +120,22 @@ def decode_frame(
     if vocab_size < 1:
         raise ValueError(f"vocab_size: expected >= 1, got {vocab_size}")
     results: dict[int, SlotDecode] = {}
-    for slot in sorted(expected):
-        if not 0 <= slot < capacity:
-            raise ValueError(f"slot: expected 0..{capacity - 1}, got {slot}")
-        entries: list[DecodedEntry] = []
+    lanes: list[tuple[int, LaneExpectation, list[tuple[int, int]]]] = []
+    order = sorted(expected)
+    if order and not 0 <= order[0] <= order[-1] < capacity:
+        bad = next(slot for slot in order if not 0 <= slot < capacity)
+        raise ValueError(f"slot: expected 0..{capacity - 1}, got {bad}")
+    rows = record_rows[order].tolist()
+    for slot, record in zip(order, rows, strict=True):
         try:
-            _decode_slot(
-                slot,
-                record_rows[slot],
-                words[slot],
-                expected[slot],
-                vocab_size,
-                submission,
-                entries,
-            )
+            emitting = _emitting(slot, record, words[slot], expected[slot], submission)
         except DecodeError as error:
-            results[slot] = SlotDecode(slot, tuple(entries), error)
+            results[slot] = SlotDecode(slot, (), error)
         else:
-            results[slot] = SlotDecode(slot, tuple(entries))
-    return results
+            lanes.append((slot, expected[slot], emitting))
+    if lanes:
+        _decode_lanes(words, lanes, vocab_size, results)
+    return {slot: results[slot] for slot in sorted(results)}
 
 
 def _host_array(values: torch.Tensor | np.ndarray, dtype: type, name: str) -> np.ndarray:
@@ -142,33 +145,84 @@ def _host_array(values: torch.Tensor | np.ndarray, dtype: type, name: str) -> np
     return array
 
 
-def _decode_slot(
+def _decode_lanes(
+    words: np.ndarray,
+    lanes: list[tuple[int, LaneExpectation, list[tuple[int, int]]]],
+    vocab_size: int,
+    results: dict[int, SlotDecode],
+) -> None:
+    """Every emitting position of `lanes` checked and converted with whole-array operations."""
+    slots, positions, tokens, counts, selected = [], [], [], [], []
+    for slot, lane, emitting in lanes:
+        count = lane.pairs if lane.token_ids is not None else min(lane.pairs, vocab_size)
+        for position, token_id in emitting:
+            slots.append(slot)
+            positions.append(position)
+            tokens.append(token_id)
+            counts.append(count)
+            selected.append(lane.token_ids)
+    block = words[slots, positions]
+    width = max(counts, default=0)
+    ids = block[:, FIRST_PAIR : FIRST_PAIR + 2 * width : 2]
+    values = _fp32(block[:, FIRST_PAIR + 1 : FIRST_PAIR + 2 * width : 2])
+    chosen = _fp32(block[:, CHOSEN_BITS])
+    inside = np.arange(width) < np.asarray(counts)[:, None]
+    wanted = np.full(ids.shape, -1, dtype=np.int64)
+    natural = np.ones(len(slots), dtype=bool)
+    for row, token_ids in enumerate(selected):
+        if token_ids is not None:
+            wanted[row, : len(token_ids)] = token_ids
+            natural[row] = False
+    wrong_id = np.where(natural[:, None], (ids < 0) | (ids >= vocab_size), ids != wanted)
+    bad = (
+        (block[:, CHOSEN_ID] != np.asarray(tokens))
+        | np.isnan(chosen)
+        | (chosen == np.inf)
+        | ((wrong_id | np.isnan(values) | (values == np.inf)) & inside).any(axis=1)
+    )
+    failed = {slots[row] for row in np.flatnonzero(bad).tolist()}
+    id_rows, value_rows, chosen_values = ids.tolist(), values.tolist(), chosen.tolist()
+    row = 0
+    for slot, lane, emitting in lanes:
+        if slot in failed:
+            results[slot] = _decode_slot(slot, words[slot], lane, emitting, vocab_size)
+            row += len(emitting)
+            continue
+        entries = []
+        for position, token_id in emitting:
+            count = counts[row]
+            pairs = zip(id_rows[row][:count], value_rows[row][:count], strict=True)
+            alternatives = tuple(map(tuple.__new__, repeat(TokenLogprob), pairs))
+            entries.append(DecodedEntry(position, token_id, chosen_values[row], alternatives))
+            row += 1
+        results[slot] = SlotDecode(slot, tuple(entries))
+
+
+def _emitting(
     slot: int,
-    record: np.ndarray,
+    header: list[int],
     words: np.ndarray,
     lane: LaneExpectation,
-    vocab_size: int,
     submission: int | None,
-    entries: list[DecodedEntry],
-) -> None:
-    found = (int(record[SLOT]), int(record[EPOCH]), int(record[REQUEST_ORDINAL]))
+) -> list[tuple[int, int]]:
+    """The record's checks; (position, token id) of every emitted, unforced position."""
+    found = (header[SLOT], header[EPOCH], header[REQUEST_ORDINAL])
     wanted = (slot, lane.epoch, lane.ordinal)
     if found != wanted:
         raise DecodeError(
             slot, f"stale record: (slot, epoch, ordinal) {found}, scheduler expects {wanted}"
         )
-    if submission is not None and int(record[SUBMISSION]) != submission:
+    if submission is not None and header[SUBMISSION] != submission:
         raise DecodeError(
-            slot, f"stale record: submission {int(record[SUBMISSION])}, expected {submission}"
+            slot, f"stale record: submission {header[SUBMISSION]}, expected {submission}"
         )
-    try:
-        kind = Kind(int(record[KIND]))
-    except ValueError:
-        raise DecodeError(slot, f"record kind {int(record[KIND])} is not an ABI6 kind") from None
-    if kind not in EMITTING_KINDS:
-        return
+    kind = header[KIND]
+    if kind not in _KINDS:
+        raise DecodeError(slot, f"record kind {kind} is not an ABI6 kind")
+    if kind not in _EMITTING:
+        return []
     token_capacity = words.shape[0]
-    emitted = int(record[EMITTED])
+    emitted = header[EMITTED]
     if not 0 <= emitted <= token_capacity:
         raise DecodeError(slot, f"record emits {emitted} tokens, T={token_capacity}")
     copied_pairs = (words.shape[1] - FIRST_PAIR) // 2
@@ -176,14 +230,28 @@ def _decode_slot(
         raise DecodeError(
             slot, f"payload prefix holds {copied_pairs} pairs, the request reads {lane.pairs}"
         )
-    forced_mask = int(record[FORCED_MASK])
-    for position in range(emitted):
-        if (forced_mask >> position) & 1:
-            continue
-        token_id = int(record[HEADER + position])
-        entries.append(
-            _decode_position(slot, position, token_id, words[position], lane, vocab_size)
-        )
+    forced_mask = header[FORCED_MASK]
+    tokens = header[HEADER : HEADER + emitted]
+    return [(p, t) for p, t in enumerate(tokens) if not (forced_mask >> p) & 1]
+
+
+def _decode_slot(
+    slot: int,
+    words: np.ndarray,
+    lane: LaneExpectation,
+    emitting: list[tuple[int, int]],
+    vocab_size: int,
+) -> SlotDecode:
+    """One position at a time: the entries before the first failure, and that failure."""
+    entries: list[DecodedEntry] = []
+    try:
+        for position, token_id in emitting:
+            entries.append(
+                _decode_position(slot, position, token_id, words[position], lane, vocab_size)
+            )
+    except DecodeError as error:
+        return SlotDecode(slot, tuple(entries), error)
+    return SlotDecode(slot, tuple(entries))
 
 
 def _decode_position(
@@ -224,7 +292,7 @@ def _decode_position(
         position=position,
         token_id=token_id,
         logprob=chosen.tolist()[0],
-        alternatives=tuple(zip(ids, values.tolist(), strict=True)),
+        alternatives=tuple(map(TokenLogprob, ids, values.tolist())),
     )
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections import deque
 from collections.abc import AsyncIterator, Callable
 
 from ranks.contract.requests import (
@@ -38,49 +37,7 @@ from runtime.engine.scheduler import (
     check_thinking_budget,
     request_spec,
 )
-
-
-class _Sink:
-    """Delivers one request's events from the step thread to its consumer.
-
-    An asynchronous consumer (``generate``) holds at most ``limit`` undelivered events. The
-    step thread never waits for it: ``put`` refuses an event that would exceed the bound, and
-    the engine then ends the request with EngineError("client too slow"). Terminal events
-    (Finished, EngineError) always fit, so the consumer still receives every token that was
-    accepted, in order, and then the error: nothing is dropped silently. The synchronous
-    path (``generate_sync``) returns the whole list anyway and has no bound.
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop | None, limit: int | None) -> None:
-        self.loop = loop
-        self.limit = limit
-        self.events: deque = deque()
-        self.lock = threading.Lock()
-        self.ready = asyncio.Event() if loop else None
-        self.done = threading.Event()
-
-    def put(self, event) -> bool:
-        """Queue ``event``; False (nothing queued) when the consumer is too far behind."""
-        terminal = isinstance(event, (Finished, EngineError))
-        with self.lock:
-            if self.done.is_set():
-                return False
-            if not terminal and self.limit is not None and len(self.events) >= self.limit:
-                return False
-            self.events.append(event)
-            if terminal:
-                self.done.set()
-        if self.loop is not None:
-            self.loop.call_soon_threadsafe(self.ready.set)
-        return True
-
-    async def get(self):
-        while True:
-            with self.lock:
-                if self.events:
-                    return self.events.popleft()
-                self.ready.clear()
-            await self.ready.wait()
+from runtime.engine.sink import Sink
 
 
 class Engine:
@@ -92,7 +49,7 @@ class Engine:
         broadcast: Callable[[StepPlan], None] | None = None,
         max_pending_events: int | None = None,
     ) -> None:
-        """``max_pending_events``: the bound of each generate() consumer's queue (see _Sink);
+        """``max_pending_events``: the bound of each generate() consumer's queue (see Sink);
         None: 64 frames of T events."""
         self.step = step
         self.max_pending_events = max_pending_events or 64 * step.outputs.token_capacity
@@ -164,7 +121,7 @@ class Engine:
         self, prompt_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[GeneratedToken | Finished]:
         self.check(prompt_ids, params)
-        sink = _Sink(asyncio.get_running_loop(), self.max_pending_events)
+        sink = Sink(asyncio.get_running_loop(), self.max_pending_events)
         request = self._submit(prompt_ids, params, sink)
         try:
             while True:
@@ -189,7 +146,7 @@ class Engine:
     ) -> list[PromptScores | GeneratedToken | Finished]:
         """Every event of one request, in order (scripts and tests); raises EngineError."""
         self.check(prompt_ids, params)
-        sink = _Sink(None, None)
+        sink = Sink(None, None)
         request = self._submit(prompt_ids, params, sink)
         if not sink.done.wait(timeout):
             self.abort(request)
@@ -209,7 +166,7 @@ class Engine:
         sinks = []
         for prompt_ids, params in jobs:
             self.check(prompt_ids, params)
-            sinks.append(_Sink(None, None))
+            sinks.append(Sink(None, None))
             self._submit(prompt_ids, params, sinks[-1])
         with self._lock:
             incoming, self._incoming = self._incoming, []
@@ -223,7 +180,7 @@ class Engine:
             self._lock.notify_all()
 
     # ----------------------------------------------------------------- step thread
-    def _submit(self, prompt_ids: list[int], params: SamplingParams, sink: _Sink) -> Request:
+    def _submit(self, prompt_ids: list[int], params: SamplingParams, sink: Sink) -> Request:
         with self._lock:
             if self._failure is not None:
                 raise EngineError(f"engine is unhealthy: {self._failure}")
@@ -288,14 +245,13 @@ class Engine:
         for request in sampling:
             outcome = outcomes[request.ordinal]
             self.speculation.add(request.proposals, outcome)
-            for token in outcome.tokens:
-                if not request.sink.put(token):
-                    outcome.error = (
-                        f"client too slow: more than {self.max_pending_events} undelivered "
-                        f"events"
-                    )
-                    break
-                request.generated.append(token.token_id)
+            tokens = outcome.tokens
+            queued = request.sink.put_all(tokens)
+            request.generated.extend(token.token_id for token in tokens[:queued])
+            if queued < len(tokens):
+                outcome.error = (
+                    f"client too slow: more than {self.max_pending_events} undelivered events"
+                )
             if outcome.error is not None:
                 self.scheduler.finish(request)
                 request.sink.put(EngineError(outcome.error))

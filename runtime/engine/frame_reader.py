@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ranks.contract import abi6
-from runtime.engine.client import Finished, GeneratedToken, TokenLogprob
+from runtime.engine.client import Finished, GeneratedToken
 from runtime.engine.decode import LaneExpectation, decode_frame
 from runtime.engine.executor import HostFrame
 from runtime.engine.scheduler import Request
@@ -118,23 +118,22 @@ def read_frame(
             entries = {e.position: e for e in result.entries}
             if not result.ok:
                 outcome.error = str(result.error)
-        base = len(request.generated)
+        finishing = record[abi6.FINISH_REASON] != abi6.FinishReason.NONE
+        end: bool | None = finishing or (False if not request.spec.stop_token_ids else None)
+        base, forced_mask, last = len(request.generated), record[abi6.FORCED_MASK], len(emitted) - 1
         for position, token in enumerate(emitted):
             entry = entries.get(position)
-            forced = (record[abi6.FORCED_MASK] >> position) & 1
-            if request.wants_logprobs and entry is None and not forced:
+            if entry is None and request.wants_logprobs and not (forced_mask >> position) & 1:
                 outcome.error = outcome.error or f"missing logprob entry at position {position}"
                 break
-            alternatives = () if entry is None else tuple(map(TokenLogprob._make,
-                                                              entry.alternatives))
-            logprob = None if entry is None else entry.logprob
-            outcome.tokens.append(GeneratedToken(base + position, token, logprob, alternatives))
-        if outcome.error is not None:
+            outcome.tokens.append(GeneratedToken(
+                base + position, token, None if entry is None else entry.logprob,
+                () if entry is None else entry.alternatives, end if position == last else False,
+            ))
+        if outcome.error is not None or not finishing:
             continue
-        reason = abi6.FinishReason(record[abi6.FINISH_REASON])
-        if reason != abi6.FinishReason.NONE:
-            stop_token = None
-            if reason in (abi6.FinishReason.EOS, abi6.FinishReason.STOP_TOKEN):
-                stop_token = record[abi6.HEADER + len(emitted)]
-            outcome.finish = Finished(FINISH_NAMES.get(reason, "stop"), stop_token)
+        reason, stop_token = abi6.FinishReason(record[abi6.FINISH_REASON]), None
+        if reason in (abi6.FinishReason.EOS, abi6.FinishReason.STOP_TOKEN):
+            stop_token = record[abi6.HEADER + len(emitted)]
+        outcome.finish = Finished(FINISH_NAMES.get(reason, "stop"), stop_token)
     return outcomes

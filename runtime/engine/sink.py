@@ -1,0 +1,69 @@
+"""One request's event queue between the engine's step thread and its consumer."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+
+from runtime.engine.client import EngineError, Finished
+
+
+class Sink:
+    """Delivers one request's events from the step thread to its consumer.
+
+    An asynchronous consumer (``generate``) holds at most ``limit`` undelivered events. The
+    step thread never waits for it: ``put`` refuses an event that would exceed the bound, and
+    the engine then ends the request with EngineError("client too slow"). Terminal events
+    (Finished, EngineError) always fit, so the consumer still receives every token that was
+    accepted, in order, and then the error: nothing is dropped silently. The synchronous
+    path (``generate_sync``) returns the whole list anyway and has no bound.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop | None, limit: int | None) -> None:
+        self.loop = loop
+        self.limit = limit
+        self.events: deque = deque()
+        self.lock = threading.Lock()
+        self.ready = asyncio.Event() if loop else None
+        self.done = threading.Event()
+        self.waking = False
+
+    def put(self, event) -> bool:
+        """Queue ``event``; False (nothing queued) when the consumer is too far behind."""
+        return self.put_all((event,)) == 1
+
+    def put_all(self, events) -> int:
+        """Queue ``events`` in order up to the first that does not fit; how many were queued.
+        The consumer is woken once, and not again while a wake-up is still on its way."""
+        queued = 0
+        with self.lock:
+            if self.done.is_set():
+                return 0
+            for event in events:
+                terminal = isinstance(event, (Finished, EngineError))
+                if not terminal and self.limit is not None and len(self.events) >= self.limit:
+                    break
+                self.events.append(event)
+                queued += 1
+                if terminal:
+                    self.done.set()
+                    break
+            wake = bool(queued) and self.loop is not None and not self.waking
+            self.waking = self.waking or wake
+        if wake:
+            self.loop.call_soon_threadsafe(self._wake)
+        return queued
+
+    def _wake(self) -> None:
+        with self.lock:
+            self.waking = False
+        self.ready.set()
+
+    async def get(self):
+        while True:
+            with self.lock:
+                if self.events:
+                    return self.events.popleft()
+                self.ready.clear()
+            await self.ready.wait()
