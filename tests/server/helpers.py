@@ -26,7 +26,6 @@ import tokenizers
 
 from tests.checkpoints import write_llama
 from tests.devices import rank_env, skip_without_gpus
-from tests.oracles import check_natural as check_natural  # re-exported
 from tests.unit.tokenizer_fixtures import byte_fallback_tokenizer, byte_level_tokenizer, eos_id
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -5,10 +5,10 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from tests.oracles import check_natural
 from tests.server.helpers import (
     TOLERANCE,
     chat_prompt_ids,
-    check_natural,
     encoder,
     hf_rows,
     natural_from_dict,

@@ -14,11 +14,11 @@ from runtime.http.wire import NonFiniteLogprob, natural_ranks, prompt_logprobs_e
 from runtime.text.token_bytes import TokenBytes
 from tests.checkpoints import hf_logprobs
 from tests.devices import missing_gpus
+from tests.oracles import check_natural
 from tests.server.helpers import (
     SERVERS,
     TOLERANCE,
     chat_prompt_ids,
-    check_natural,
     encoder,
     expected_offsets,
     hf_rows,

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from tests.oracles import check_natural
 from tests.server.helpers import (
     TOLERANCE,
     chat_prompt_ids,
-    check_natural,
     encoder,
     expected_offsets,
     hf_rows,

@@ -6,9 +6,9 @@ from __future__ import annotations
 import httpx
 
 from launch.tiny_model import ensure_tiny_model
+from tests.oracles import check_natural
 from tests.server.helpers import (
     TOLERANCE,
-    check_natural,
     encoder,
     hf_rows,
     launch,
