@@ -1,0 +1,91 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels.philox as philox
+import kernels.philox_native as native
+from kernels.philox import gumbel_bounds, philox_bits, seed_words, uniform_of
+
+M32 = 0xFFFFFFFF
+
+
+def scalar_bits(seed: int, position: int, token: int) -> int:
+    """Philox4x32-10 as written in the Random123 paper (see test_philox.py), 52 bits."""
+    seed &= (1 << 64) - 1
+    c0, c1, c2, c3 = token & M32, position & M32, 0, 0
+    k0, k1 = seed & M32, seed >> 32
+    for _ in range(10):
+        p0, p1 = 0xD2511F53 * c0, 0xCD9E8D57 * c2
+        c0, c1, c2, c3 = (p1 >> 32) ^ c1 ^ k0, p1 & M32, (p0 >> 32) ^ c3 ^ k1, p0 & M32
+        k0, k1 = (k0 + 0x9E3779B9) & M32, (k1 + 0xBB67AE85) & M32
+    return (c0 << 20) | (c1 >> 12)
+
+
+@pytest.fixture
+def torch_only(monkeypatch):
+    monkeypatch.setitem(native._STATE, "lib", None)
+
+
+needs_native = pytest.mark.skipif(not native.available(), reason="no C compiler")
+
+
+@needs_native
+@pytest.mark.parametrize("n", [0, 1, 3, 4, 5, 1031, 151_936])
+def test_native_bits_equal_the_torch_path(n, monkeypatch):
+    gen = torch.Generator().manual_seed(n)
+    ids = torch.randint(0, 2**31, (n,), generator=gen)
+    for seed, position in [(0, 0), (2**64 - 1, 7), (-5, 2**32 - 1), (123456789123, 55)]:
+        k0, k1 = seed_words(seed)
+        got = philox_bits(ids, position, k0, k1)
+        with monkeypatch.context() as m:
+            m.setitem(native._STATE, "lib", None)
+            want = philox_bits(ids, position, k0, k1)
+        assert torch.equal(got, want)
+        picks = torch.arange(0, n, max(1, n // 50))
+        assert [int(got[i]) for i in picks] == [
+            scalar_bits(seed, position, int(ids[i])) for i in picks
+        ]
+
+
+@needs_native
+def test_native_bounds_equal_the_torch_path(monkeypatch):
+    m = torch.randint(0, 2**52, (10_001,), generator=torch.Generator().manual_seed(1))
+    got = gumbel_bounds(m)
+    monkeypatch.setitem(native._STATE, "lib", None)
+    assert torch.equal(got, gumbel_bounds(m))
+
+
+def test_native_declines_what_it_cannot_take():
+    ids = torch.arange(10)
+    out = torch.empty(10, dtype=torch.int64)
+    assert not native.native_bits(ids.to(torch.int32), 0, 1, 2, out)
+    assert not native.native_bits(ids[::2], 0, 1, 2, out[:5])
+    assert not native.native_bits(ids, 0, 1, 2, out[:9])
+
+
+@pytest.mark.parametrize("path", ["native", "torch"])
+def test_gumbel_bounds_cover_the_noise(path, monkeypatch):
+    """Every m, including the ones nearest 2**52 - 1 (the largest noise) and every power-of-
+    two boundary of h = (2**52 - 1 - m) >> 21, has noise <= its bound."""
+    if path == "torch":
+        monkeypatch.setitem(native._STATE, "lib", None)
+    top = 2**52 - 1
+    edges = [top - k for k in range(5000)]
+    for b in range(53):
+        edges += [top ^ ((1 << b) - 1), max(0, top - (1 << b)), max(0, top - (1 << b) + 1)]
+    gen = torch.Generator().manual_seed(2)
+    m = torch.cat((torch.tensor(edges), torch.randint(0, 2**52, (300_000,), generator=gen)))
+    noise = uniform_of(m).log_().neg_().log_().neg_()
+    bound = gumbel_bounds(m).to(torch.float64)
+    assert bool((bound >= noise).all())
+    # tight where the noise is large (that is what makes pruning work), except for h = 0
+    big = (noise > 10) & (torch.bitwise_xor(m, top) >> 21 > 0)
+    assert int(big.sum()) > 50 and float((bound - noise)[big].max()) < 0.76
+
+
+def test_philox_bits_falls_back_for_tensor_keys():
+    ids = torch.arange(100)
+    keys = seed_words(torch.full((100,), 77))
+    got = philox.philox_bits(ids, torch.full((100,), 3), *keys)
+    assert torch.equal(got, philox.philox_bits(ids, 3, *seed_words(77)))
