@@ -47,7 +47,8 @@ def time_batch(engine, batch: int, tokens: int, logprobs: int | None) -> float:
 def worker(args: argparse.Namespace) -> int:
     import torch
 
-    from launch.cluster import add_runtime_arguments, join
+    from launch.arguments import add_runtime_arguments
+    from launch.cluster import join
 
     parser = argparse.ArgumentParser()
     add_runtime_arguments(parser)  # every other serving option keeps its default

@@ -22,7 +22,7 @@ import re
 import sys
 from dataclasses import replace
 
-from launch.cluster import add_runtime_arguments, runtime_config
+from launch.arguments import add_runtime_arguments, runtime_config
 from ranks.contract.declarations import resolve_completion_token_capacity
 from ranks.contract.sizing import (
     FIXED_SECTIONS,

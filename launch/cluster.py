@@ -1,10 +1,9 @@
-"""Joining the torchrun job: process group, this rank's shard, the control channel; stop
-signals, load progress and the few lines rank 0 prints (``say``)."""
+"""Joining the torchrun job: process group, this rank's shard, the control channel, load
+progress; the coordinator's watch over its peers."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import signal
@@ -12,262 +11,22 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TextIO
 
 import torch
 
 from collectives.control import ControlConfig, default_store, open_control
 from collectives.groups import barrier, destroy, init_from_env, world_group
+from launch.arguments import runtime_config
+from launch.signals import StopSignals
 from ranks.step import RankStep
 from ranks.worker import run_peer
 from runtime.engine.bootstrap import build_engine, load_rank
 from runtime.engine.config import RuntimeConfig
 from runtime.engine.engine import Engine
-from runtime.text.reasoning import PARSERS
 
 log = logging.getLogger("launch")
-
-
-def add_runtime_arguments(p: argparse.ArgumentParser) -> None:
-    """Serving options; every default is RuntimeConfig's (runtime/engine/config.py)."""
-    d = RuntimeConfig.default
-    p.add_argument("--model", type=Path, default=None,
-                   help="local Hugging Face directory; default: the embedded tiny model")
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--capacity", type=int, default=d("capacity"), help="physical request slots")
-    p.add_argument("--max-model-len", type=int, default=d("max_model_len"),
-                   help="default: the checkpoint's max_position_embeddings, at most 4096")
-    p.add_argument("--chunk-size", type=int, default=d("chunk_size"),
-                   help="prefill chunk in tokens")
-    p.add_argument("--max-batched-tokens", type=int, default=d("max_batched_tokens"),
-                   help="tokens per step; default: twice the larger of chunk size and capacity")
-    p.add_argument("--prompt-logprobs", action="store_true",
-                   help="allocate prompt scoring (prompt_logprobs, echo with logprobs); "
-                        "costs fixed memory, off by default")
-    p.add_argument("--no-logprobs", action="store_true",
-                   help="export a core without logprob buffers (K=0)")
-    p.add_argument("--max-logprobs", type=int, default=d("max_logprobs"),
-                   help="K natural alternatives the core exports (1..20); below 20 the core "
-                        "declares no token-ID inputs and refuses logprob_token_ids")
-    p.add_argument("--completion-token-capacity", type=int,
-                   default=d("completion_token_capacity"),
-                   help="T token slots per completion record; 0 means 8")
-    p.add_argument("--reduction-backend", choices=("torch", "triton"), default=None,
-                   help="default: triton on CUDA, torch on CPU")
-    p.add_argument("--speculative-tokens", type=int, default=d("speculative_tokens"),
-                   help="N history proposals (prompt lookup) verified per decode; 0: off. "
-                        "Needs N + 1 <= T (--completion-token-capacity)")
-    p.add_argument("--ngram-min", type=int, default=d("ngram_min"),
-                   help="shortest suffix n-gram matched for a proposal")
-    p.add_argument("--ngram-max", type=int, default=d("ngram_max"),
-                   help="longest suffix n-gram matched for a proposal")
-    p.add_argument("--batch-invariant", action="store_true",
-                   help="every row's logprobs independent of its batch (identical with "
-                        "speculation on and off); slower")
-    p.add_argument("--reasoning-parser", choices=sorted(PARSERS),
-                   default=d("reasoning_parser"),
-                   help="thinking spans <think>...</think>; enables thinking_token_budget")
-    p.add_argument("--reasoning-config", type=_json_object, default=d("reasoning_config"),
-                   help='JSON {"reasoning_start_str": ..., "reasoning_end_str": ...}: the '
-                        "thinking delimiters (override the parser's)")
-    p.add_argument("--collective-timeout", type=float, default=d("collective_timeout_s"),
-                   help="seconds before a silent peer fails a collective")
-    p.add_argument("--heartbeat-timeout", type=float, default=d("heartbeat_timeout_s"),
-                   help="seconds without a heartbeat before a rank counts as lost")
-    p.add_argument("--log-level", default="WARNING")
-
-
-def _json_object(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("expected a JSON object")
-    return value
-
-
-def runtime_config(args: argparse.Namespace, device: str) -> RuntimeConfig:
-    model_dir = args.model
-    if model_dir is None:
-        from launch.tiny_model import ensure_tiny_model
-
-        model_dir = ensure_tiny_model()
-    backend = args.reduction_backend or ("triton" if device == "cuda" else "torch")
-    return RuntimeConfig(
-        model_dir=Path(model_dir),
-        served_model_name=args.served_model_name,
-        device=device,
-        capacity=args.capacity,
-        max_model_len=args.max_model_len,
-        chunk_size=args.chunk_size,
-        max_batched_tokens=args.max_batched_tokens,
-        logprobs=not args.no_logprobs,
-        prompt_logprobs=args.prompt_logprobs,
-        max_logprobs=args.max_logprobs,
-        completion_token_capacity=args.completion_token_capacity,
-        reduction_backend=backend,
-        collective_timeout_s=args.collective_timeout,
-        heartbeat_timeout_s=args.heartbeat_timeout,
-        speculative_tokens=args.speculative_tokens,
-        ngram_min=args.ngram_min,
-        ngram_max=args.ngram_max,
-        batch_invariant=args.batch_invariant,
-        reasoning_parser=args.reasoning_parser,
-        reasoning_config=args.reasoning_config,
-    )
-
-
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-ECHO_S = 2.0
-"""Under torchrun a terminal's Ctrl-C reaches every rank twice: from the terminal and
-forwarded by torchrun. A repeat within this many seconds of the first signal is that echo."""
-START_GRACE_S = 5.0
-"""A rank stopped while starting up exits (status ``StopSignals.status``) this long after the
-signal even if its main thread is still blocked, e.g. in a store or collective wait for a rank
-that has already left."""
-STOP_GRACE_S = 15.0
-"""A rank stopped while serving that is still running this long after the signal (a peer that
-never got the coordinator's Shutdown, say) logs an error and exits with status 1."""
-
-
-def say(text: str) -> None:
-    """One ``helios: <text>`` line on stderr, in one write(2) call: safe in a signal handler,
-    never interleaved with another line. On a terminal it first erases a progress line."""
-    erase = "\r\033[K" if os.isatty(2) else ""
-    try:
-        os.write(2, f"{erase}helios: {text}\n".encode())
-    except OSError:
-        pass
-
-
-def env_rank() -> int:
-    """This process's rank as torchrun exports it (0 without torchrun)."""
-    return int(os.environ.get("RANK", "0"))
-
-
-class Interrupted(BaseException):
-    """A stop signal arrived while this rank was still starting up (see StopSignals)."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-class StopSignals:
-    """SIGINT, SIGTERM and SIGHUP end this rank without a traceback; rank 0 announces the
-    stop in one line, ``helios: shutting down (<reason>)``, and every other rank stays silent.
-
-    Until ``serving()`` a signal raises Interrupted in the main thread, so a long load or
-    start-up ends at once. From ``serving()`` on it only requests a stop: the ``on_stop``
-    callbacks run (the coordinator's stops uvicorn, a peer's asks the coordinator to stop the
-    job) and the process leaves through its normal cleanup. A repeat within ECHO_S of the
-    first signal is ignored; a later one runs the ``on_force`` callbacks.
-
-    Python runs signal handlers in the main thread only, and only between bytecodes: a main
-    thread blocked in C++ (a store wait, a collective) would never see them. So the signals
-    also go to a thread (``signal.set_wakeup_fd``) that requests the stop at once, and a
-    deadline ends the process if its cleanup does not: START_GRACE_S after a signal during
-    start-up (quietly, with ``status``), STOP_GRACE_S after one while serving (status 1).
-    Handlers are installed even where SIGINT was ignored at start (a background job), as
-    torchrun forwards SIGINT to its workers.
-    """
-
-    def __init__(self, rank: int, status: int = 0) -> None:
-        self.rank = rank
-        self.status = status
-        self.reason: str | None = None
-        self.signum: int | None = None
-        self._raise = True
-        self._raised = False
-        self._at = 0.0
-        self._lock = threading.RLock()  # re-entrant: the handler may interrupt its own thread
-        self._on_stop: list[Callable[[], None]] = []
-        self._on_force: list[Callable[[], None]] = []
-
-    def install(self) -> StopSignals:
-        """Install the handlers and the signal thread (from the main thread)."""
-        read_fd, write_fd = os.pipe()
-        os.set_blocking(write_fd, False)
-        signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
-        for sig in STOP_SIGNALS:
-            signal.signal(sig, self._handle)
-        threading.Thread(target=self._watch, args=(read_fd,), name="stop-signals",
-                         daemon=True).start()
-        return self
-
-    @property
-    def requested(self) -> bool:
-        return self.reason is not None
-
-    def serving(self) -> None:
-        """From now on a signal requests a stop instead of raising Interrupted."""
-        self._raise = False
-
-    def on_stop(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` when a stop is requested (now, if it already was)."""
-        with self._lock:
-            self._on_stop.append(fn)
-            now = self.requested
-        if now:
-            _call(fn)
-
-    def on_force(self, fn: Callable[[], None]) -> None:
-        self._on_force.append(fn)
-
-    def request(self, reason: str, signum: int | None = None) -> bool:
-        """Ask for a stop, from any thread; the first request wins and is the one announced.
-        Returns whether this was the first."""
-        with self._lock:
-            if self.reason is not None:
-                return False
-            self.reason, self.signum, self._at = reason, signum, time.monotonic()
-            callbacks = list(self._on_stop)
-            starting = self._raise
-        if self.rank == 0:
-            say(f"shutting down ({reason})")
-        grace = START_GRACE_S if starting else STOP_GRACE_S
-        deadline = threading.Timer(grace, self._deadline, args=(grace, starting))
-        deadline.daemon = True
-        deadline.start()
-        for fn in callbacks:
-            _call(fn)
-        return True
-
-    def _handle(self, signum: int, frame: object) -> None:
-        # The main thread, once it runs Python again; the signal thread has usually already
-        # requested the stop (and counted any repeat).
-        self.request(signal.Signals(signum).name, signum)
-        if self._raise and not self._raised:
-            self._raised = True
-            raise Interrupted(signum)
-
-    def _watch(self, fd: int) -> None:
-        while True:
-            for signum in os.read(fd, 64):  # one byte per signal that has a Python handler
-                if signum not in STOP_SIGNALS:
-                    continue
-                first = self.request(signal.Signals(signum).name, signum)
-                if not first and time.monotonic() - self._at > ECHO_S:
-                    for fn in list(self._on_force):
-                        _call(fn)
-
-    def _deadline(self, grace: float, starting: bool) -> None:
-        if starting:
-            exit_process(self.status)
-        log.error("rank %d: still running %.0f s after %s; exiting", self.rank, grace,
-                  self.reason)
-        exit_process(1)
-
-
-def _call(fn: Callable[[], None]) -> None:
-    try:
-        fn()
-    except Exception:  # noqa: BLE001 - a stop callback must not turn into a traceback
-        log.warning("stop callback %r failed", fn, exc_info=True)
 
 
 def process_key(rank: int) -> str:
@@ -465,17 +224,3 @@ def watch_peers(channel, engine: Engine, stop: StopSignals | None = None,
             except Exception:  # noqa: BLE001 - the store's host (torchrun) is going away
                 store = None
         time.sleep(0.5)
-
-
-def exit_process(code: int) -> None:
-    """End the process with ``code`` once our own cleanup is done.
-
-    Interpreter finalization would then destroy the C++ side of the process group and the
-    rank-0 TCPStore daemon in an unspecified order, which under load can abort the process
-    ("terminate called without an active exception") after a clean shutdown. Everything
-    this process owns is already flushed and closed, so it leaves without finalization.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    logging.shutdown()
-    os._exit(code)

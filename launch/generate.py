@@ -17,14 +17,9 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from launch.cluster import (
-    Interrupted,
-    StopSignals,
-    add_runtime_arguments,
-    env_rank,
-    exit_process,
-    join,
-)
+from launch.arguments import add_runtime_arguments
+from launch.cluster import join
+from launch.signals import Interrupted, StopSignals, env_rank, exit_process
 from ranks.contract.requests import RequestError
 from runtime.engine.client import EngineError, SamplingParams
 
@@ -67,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output", type=Path, required=True)
     args = p.parse_args(argv)
     # A stop signal (any rank) fails the requests in flight and ends the job with status 1,
-    # without writing the output; see launch.cluster.StopSignals.
+    # without writing the output; see launch.signals.StopSignals.
     stop = StopSignals(env_rank(), status=1).install()
     cluster = engine = pool = None
     try:

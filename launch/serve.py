@@ -10,7 +10,7 @@ scoring: on|off)`` once uvicorn listens, followed by one capacity line (``helios
 <n>``), and ``helios: shutting down (<reason>)`` on SIGINT,
 SIGTERM or SIGHUP to any rank (``SIGINT``; ``SIGTERM on rank 1`` when only a peer got it).
 Then uvicorn stops listening, requests in flight get DRAIN_S to finish before they fail, the
-peers get Shutdown, and every rank exits with status 0 (launch.cluster.StopSignals). A bare
+peers get Shutdown, and every rank exits with status 0 (launch.signals.StopSignals). A bare
 `torchrun` still prints its own SignalException traceback on SIGINT; `helios-serve --tp N`
 (launch.wrapper) runs torchrun quietly.
 """
@@ -39,15 +39,9 @@ from collections.abc import Callable, Iterator  # noqa: E402
 
 import uvicorn  # noqa: E402
 
-from launch.cluster import (  # noqa: E402
-    Interrupted,
-    StopSignals,
-    add_runtime_arguments,
-    env_rank,
-    exit_process,
-    join,
-    say,
-)
+from launch.arguments import add_runtime_arguments  # noqa: E402
+from launch.cluster import join  # noqa: E402
+from launch.signals import Interrupted, StopSignals, env_rank, exit_process, say  # noqa: E402
 
 DRAIN_S = 3.0
 """How long requests in flight may still finish after a stop (see serve_http)."""

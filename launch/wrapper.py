@@ -24,7 +24,7 @@ from collectives.torchrun import run_torchrun as run_torchrun_main
 
 WORKERS_GRACE_S = 20.0
 """After a repeated stop signal, how long the workers get before SIGKILL (more than a rank's
-own deadline, launch.cluster.STOP_GRACE_S)."""
+own deadline, launch.signals.STOP_GRACE_S)."""
 
 
 def parse(argv: list[str] | None = None) -> tuple[int, list[str]]:

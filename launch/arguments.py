@@ -1,0 +1,101 @@
+"""The runtime's command-line options (shared by launch.serve, launch.generate, launch.capacity
+and the benchmarks) and the RuntimeConfig they build."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from runtime.engine.config import RuntimeConfig
+from runtime.text.reasoning import PARSERS
+
+
+def add_runtime_arguments(p: argparse.ArgumentParser) -> None:
+    """Serving options; every default is RuntimeConfig's (runtime/engine/config.py)."""
+    d = RuntimeConfig.default
+    p.add_argument("--model", type=Path, default=None,
+                   help="local Hugging Face directory; default: the embedded tiny model")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--capacity", type=int, default=d("capacity"), help="physical request slots")
+    p.add_argument("--max-model-len", type=int, default=d("max_model_len"),
+                   help="default: the checkpoint's max_position_embeddings, at most 4096")
+    p.add_argument("--chunk-size", type=int, default=d("chunk_size"),
+                   help="prefill chunk in tokens")
+    p.add_argument("--max-batched-tokens", type=int, default=d("max_batched_tokens"),
+                   help="tokens per step; default: twice the larger of chunk size and capacity")
+    p.add_argument("--prompt-logprobs", action="store_true",
+                   help="allocate prompt scoring (prompt_logprobs, echo with logprobs); "
+                        "costs fixed memory, off by default")
+    p.add_argument("--no-logprobs", action="store_true",
+                   help="export a core without logprob buffers (K=0)")
+    p.add_argument("--max-logprobs", type=int, default=d("max_logprobs"),
+                   help="K natural alternatives the core exports (1..20); below 20 the core "
+                        "declares no token-ID inputs and refuses logprob_token_ids")
+    p.add_argument("--completion-token-capacity", type=int,
+                   default=d("completion_token_capacity"),
+                   help="T token slots per completion record; 0 means 8")
+    p.add_argument("--reduction-backend", choices=("torch", "triton"), default=None,
+                   help="default: triton on CUDA, torch on CPU")
+    p.add_argument("--speculative-tokens", type=int, default=d("speculative_tokens"),
+                   help="N history proposals (prompt lookup) verified per decode; 0: off. "
+                        "Needs N + 1 <= T (--completion-token-capacity)")
+    p.add_argument("--ngram-min", type=int, default=d("ngram_min"),
+                   help="shortest suffix n-gram matched for a proposal")
+    p.add_argument("--ngram-max", type=int, default=d("ngram_max"),
+                   help="longest suffix n-gram matched for a proposal")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="every row's logprobs independent of its batch (identical with "
+                        "speculation on and off); slower")
+    p.add_argument("--reasoning-parser", choices=sorted(PARSERS),
+                   default=d("reasoning_parser"),
+                   help="thinking spans <think>...</think>; enables thinking_token_budget")
+    p.add_argument("--reasoning-config", type=_json_object, default=d("reasoning_config"),
+                   help='JSON {"reasoning_start_str": ..., "reasoning_end_str": ...}: the '
+                        "thinking delimiters (override the parser's)")
+    p.add_argument("--collective-timeout", type=float, default=d("collective_timeout_s"),
+                   help="seconds before a silent peer fails a collective")
+    p.add_argument("--heartbeat-timeout", type=float, default=d("heartbeat_timeout_s"),
+                   help="seconds without a heartbeat before a rank counts as lost")
+    p.add_argument("--log-level", default="WARNING")
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
+
+
+def runtime_config(args: argparse.Namespace, device: str) -> RuntimeConfig:
+    model_dir = args.model
+    if model_dir is None:
+        from launch.tiny_model import ensure_tiny_model
+
+        model_dir = ensure_tiny_model()
+    backend = args.reduction_backend or ("triton" if device == "cuda" else "torch")
+    return RuntimeConfig(
+        model_dir=Path(model_dir),
+        served_model_name=args.served_model_name,
+        device=device,
+        capacity=args.capacity,
+        max_model_len=args.max_model_len,
+        chunk_size=args.chunk_size,
+        max_batched_tokens=args.max_batched_tokens,
+        logprobs=not args.no_logprobs,
+        prompt_logprobs=args.prompt_logprobs,
+        max_logprobs=args.max_logprobs,
+        completion_token_capacity=args.completion_token_capacity,
+        reduction_backend=backend,
+        collective_timeout_s=args.collective_timeout,
+        heartbeat_timeout_s=args.heartbeat_timeout,
+        speculative_tokens=args.speculative_tokens,
+        ngram_min=args.ngram_min,
+        ngram_max=args.ngram_max,
+        batch_invariant=args.batch_invariant,
+        reasoning_parser=args.reasoning_parser,
+        reasoning_config=args.reasoning_config,
+    )
