@@ -16,6 +16,10 @@ Two implementations of the same function:
   (position, 0, 0) make the first two rounds cheaper, and the last round needs only one
   product. About 75 elementwise int64 passes per lane instead of 190, over cache-sized
   blocks of lanes, in reused buffers. Tests compare both with a scalar reference.
+  On CPU, with scalar position and key, the same bits come from compiled code
+  (kernels/philox_native.py) when a C compiler is available: about 5x faster, bit-identical.
+- ``gumbel_bounds``: an FP32 upper bound of each lane's noise from its bits, so that the
+  sampler evaluates the float64 noise only on lanes that can still win.
 """
 
 from __future__ import annotations

