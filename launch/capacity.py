@@ -23,13 +23,8 @@ import sys
 
 from launch.arguments import add_runtime_arguments
 from launch.capacity_report import Plan, UsageError, human, report, shortfall_message
-from ranks.contract.sizing import (
-    FIXED_SECTIONS,
-    WEIGHT_KINDS,
-    Buffer,
-    JobSizing,
-    RankSizing,
-)
+from ranks.contract.buffers import FIXED_SECTIONS, WEIGHT_KINDS, Buffer
+from ranks.contract.sizing import JobSizing, RankSizing
 
 UNITS = {
     "": 1, "b": 1,

@@ -7,16 +7,9 @@ import argparse
 from dataclasses import replace
 
 from launch.arguments import runtime_config
+from ranks.contract.buffers import FIXED_SECTIONS, default_dtype, dtype_name
 from ranks.contract.declarations import resolve_completion_token_capacity
-from ranks.contract.sizing import (
-    FIXED_SECTIONS,
-    JobSizing,
-    RankSizing,
-    default_dtype,
-    dtype_name,
-    job_sizing,
-    max_capacity,
-)
+from ranks.contract.sizing import JobSizing, RankSizing, job_sizing, max_capacity
 from ranks.model.config import ModelConfig
 
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-from ranks.contract.sizing import Buffer, RankSizing, rank_sizing
+from ranks.contract.buffers import Buffer
+from ranks.contract.sizing import RankSizing, rank_sizing
 from ranks.model import ShardedCausalLM
 from ranks.step import RankStep
 from runtime.engine.bootstrap import load_rank

@@ -91,14 +91,14 @@ def test_report_tells_tied_from_untied_heads(llama, qwen2):
 def test_triton_workspaces_are_listed(llama, monkeypatch):
     """The Triton reduction's prepared workspaces (interpreter geometry on CPU tensors)."""
     from kernels.triton import prepared, sharded
-    from ranks.contract import sizing
+    from ranks.contract import buffers
 
     # A serving process builds one step; here other tests may have cached larger launches
     # for the same width, which prepared_sharded would reuse.
     monkeypatch.setattr(sharded, "_PREPARED", {})
 
-    assert sizing.TRITON_BLOCK_CAP == prepared.DEFAULT_BLOCK_SIZE
-    assert sizing.TRITON_INTERPRETED_BLOCK_CAP == prepared.RANK_MAX_BLOCK
+    assert buffers.TRITON_BLOCK_CAP == prepared.DEFAULT_BLOCK_SIZE
+    assert buffers.TRITON_INTERPRETED_BLOCK_CAP == prepared.RANK_MAX_BLOCK
     assert interpreting_triton()
     _, step = build(llama, reduction_backend="triton")
     check_rank(step, sizing_of(step, interpreted=True))
