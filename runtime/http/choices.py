@@ -2,9 +2,9 @@
 choices merged through a bounded queue, collected into whole outcomes or streamed as chunks.
 
 Nothing here keeps a response history: a choice's stream holds only what the detokenizer and
-the stop filter cannot release yet plus the one delta it looks ahead past (so that the finish
-rides on the last token's chunk, see `run_choice`), and merged choices pass through a bounded
-queue.
+the stop filter cannot release yet plus at most one delta it looks ahead past where the end
+could come next (so that the finish rides on the last token's chunk, see `run_choice`), and
+merged choices pass through a bounded queue.
 
 A choice whose engine request scores its prompt (params.prompt_logprobs set) first yields its
 prompt scores, in prompt order, as deltas without text: `Delta.prompt` holds None for prompt
@@ -117,8 +117,11 @@ async def run_choice(engine: EngineClient, job: ChoiceJob, tb: TokenBytes) -> As
     """Engine events -> deltas; ends the engine request early when a stop string matches.
 
     vLLM's stream shape: the finish rides on the delta that carries the last text/entries, so
-    this looks ahead one event. A visible delta (text or entries) is held until the next
-    visible one or the end arrives; a delta with nothing visible (text held back by the
+    this looks ahead one event where the end could come next. A visible delta (text or
+    entries) goes out at once when its token says that no end can come before another token
+    (GeneratedToken.last is False) and no stop string can end the output (its match may leave
+    nothing visible to carry the finish); otherwise it is held until the next visible one or
+    the end arrives; a delta with nothing visible (text held back by the
     detokenizer or the stop filter) is carried into the next delta (its token counts with
     it). The end is sent on its own only when it shows a token not shown yet (the token
     that completed a stop string, or carried ones); otherwise it joins the held delta (the
@@ -136,6 +139,7 @@ async def run_choice(engine: EngineClient, job: ChoiceJob, tb: TokenBytes) -> As
         prompt_ids=job.prompt_ids,
     )
     eos_ids = engine.info.eos_token_ids
+    at_once = not any(job.stops)
     held: Delta | None = None
     carried: Delta | None = None
 
@@ -176,8 +180,12 @@ async def run_choice(engine: EngineClient, job: ChoiceJob, tb: TokenBytes) -> As
                     carried = delta
                     continue
                 if held is not None:
-                    yield held
-                held = delta
+                    out, held = held, None
+                    yield out
+                if at_once and isinstance(event, GeneratedToken) and event.last is False:
+                    yield delta
+                else:
+                    held = delta
     except Exception:
         if held is not None:
             out, held = held, None

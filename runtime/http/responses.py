@@ -1,4 +1,8 @@
-"""Response encoding: strict JSON (NaN or Infinity is a bug), SSE events, error bodies."""
+"""Response encoding: JSON (orjson), SSE events, error bodies.
+
+orjson writes NaN and Infinity as null instead of refusing them; no body can hold one, because
+the only floats in bodies are logprobs, and the wire builders (`wire.wire_logprob`) refuse NaN
+and +inf and send -inf as -9999.0 before anything is encoded."""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
+import orjson
 from fastapi.responses import Response
 
 from ranks.contract.requests import RequestError
@@ -28,37 +33,42 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def dumps(obj: Any) -> str:
-    """Strict JSON: NaN or Infinity anywhere is a bug and raises ValueError."""
-    return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+def dumps(obj: Any) -> bytes:
+    """Compact UTF-8 JSON. What orjson refuses (integers past 64 bits, keys that are not
+    strings: a tokenizer_config.json passed through) goes through the standard encoder."""
+    try:
+        return orjson.dumps(obj)
+    except orjson.JSONEncodeError:
+        text = json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        return text.encode()
 
 
 PIECE = 65_536
 
 
-def dumps_in_pieces(obj: dict[str, Any]) -> str:
+def dumps_in_pieces(obj: dict[str, Any]) -> bytes:
     """`dumps(obj)` for a body with long top-level lists (/tokenize's `tokens`), encoded a
     slice at a time: the encoder holds the GIL for each call, and short calls let the event
     loop's thread run in between (run it off the loop)."""
     parts = []
     for key, value in obj.items():
         if isinstance(value, list) and len(value) > PIECE:
-            items = ",".join(dumps(value[i:i + PIECE])[1:-1]
-                             for i in range(0, len(value), PIECE))
-            parts.append(f"{dumps(key)}:[{items}]")
+            items = b",".join(dumps(value[i:i + PIECE])[1:-1]
+                              for i in range(0, len(value), PIECE))
+            parts.append(dumps(key) + b":[" + items + b"]")
         else:
-            parts.append(f"{dumps(key)}:{dumps(value)}")
-    return "{" + ",".join(parts) + "}"
+            parts.append(dumps(key) + b":" + dumps(value))
+    return b"{" + b",".join(parts) + b"}"
 
 
-def sse(obj: Any) -> str:
-    return f"data: {dumps(obj)}\n\n"
+def sse(obj: Any) -> bytes:
+    return b"data: " + dumps(obj) + b"\n\n"
 
 
-SSE_DONE = "data: [DONE]\n\n"
+SSE_DONE = b"data: [DONE]\n\n"
 
 
-async def sse_stream(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+async def sse_stream(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
     """SSE lines for chunk objects; a failure after admission becomes an error event; [DONE]."""
     try:
         async with aclosing(chunks) as source:

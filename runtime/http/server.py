@@ -3,7 +3,7 @@
 Routes: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions, and
 vLLM's tokenizer routes POST /tokenize, POST /detokenize, GET /tokenizer_info.
 Every refusal before admission is HTTP 400 with vLLM's error object naming the parameter;
-bodies are encoded with allow_nan=False, so NaN or Infinity never reach a client.
+NaN or Infinity never reach a client (see runtime/http/responses.py).
 """
 
 from __future__ import annotations
@@ -362,7 +362,7 @@ class TrackedStream(StreamingResponse):
     """A StreamingResponse that calls `on_close` once it ends, however it ends (finished,
     failed, cancelled because the client went away, or never started)."""
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None],
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None],
                  **kwargs: Any) -> None:
         super().__init__(content, **kwargs)
         self.on_close = on_close

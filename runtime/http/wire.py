@@ -63,6 +63,18 @@ def wire_logprob(value: float) -> float:
     return float(value)
 
 
+_NEG_INF = -math.inf
+
+
+def wire_logprobs(values: Iterable[float]) -> list[float]:
+    """`wire_logprob` of each value, in one pass (the first non-finite one raises)."""
+    out = [WIRE_FLOOR if value == _NEG_INF else float(value) for value in values]
+    if not all(map(math.isfinite, out)):
+        bad = next(value for value in out if not math.isfinite(value))
+        raise NonFiniteLogprob(f"logprob {bad!r} cannot be sent as JSON")
+    return out
+
+
 @dataclass(frozen=True)
 class Position:
     """One reported position. For echo, prompt position 0 is Position(id, None)."""
@@ -104,14 +116,19 @@ def token_text(tb: TokenBytes, token_id: int, mode: WireMode) -> str:
     return token_id_string(token_id) if mode.as_token_ids else tb.token_string(token_id)
 
 
-def _keys(tb: TokenBytes, ids: Sequence[int], mode: WireMode) -> list[str]:
+def _keys(tb: TokenBytes, ids: list[int], mode: WireMode) -> list[str]:
     if mode.as_token_ids:
         return [token_id_string(i) for i in ids]
+    texts = tb.token_strings(ids)
+    if len(set(texts)) == len(texts):
+        return texts
     keys: list[str] = []
-    for token_id in ids:
-        key = tb.token_string(token_id)
-        keys.append(token_id_string(token_id) if key in keys else key)
-    if len(set(keys)) != len(keys):
+    seen: set[str] = set()
+    for token_id, key in zip(ids, texts, strict=True):
+        key = token_id_string(token_id) if key in seen else key
+        keys.append(key)
+        seen.add(key)
+    if len(seen) != len(keys):
         return [token_id_string(i) for i in ids]
     return keys
 
@@ -122,16 +139,18 @@ def top_logprobs_dict(
     """The Completions top_logprobs entry of one position (None without a logprob)."""
     if position.logprob is None:
         return None
-    pairs: list[tuple[int, float]] = []
-    if not mode.selected:
-        pairs.append((position.token_id, position.logprob))
-    pairs += [
-        (alt.token_id, alt.logprob)
-        for alt in position.alternatives
-        if mode.selected or alt.token_id != position.token_id
-    ]
-    keys = _keys(tb, [token_id for token_id, _ in pairs], mode)
-    return {key: wire_logprob(value) for key, (_, value) in zip(keys, pairs, strict=True)}
+    alternatives = position.alternatives
+    alt_ids, alt_values = zip(*alternatives, strict=True) if alternatives else ((), ())
+    chosen = position.token_id
+    if mode.selected:
+        ids, values = list(alt_ids), list(alt_values)
+    elif chosen in alt_ids:
+        kept = [(i, v) for i, v in zip(alt_ids, alt_values, strict=True) if i != chosen]
+        ids = [chosen, *(i for i, _ in kept)]
+        values = [position.logprob, *(v for _, v in kept)]
+    else:
+        ids, values = [chosen, *alt_ids], [position.logprob, *alt_values]
+    return dict(zip(_keys(tb, ids, mode), wire_logprobs(values), strict=True))
 
 
 def completion_logprobs(
@@ -153,24 +172,21 @@ def completion_logprobs(
     return out
 
 
-def _chat_item(tb: TokenBytes, token_id: int, logprob: float, mode: WireMode) -> dict[str, Any]:
-    return {
-        "token": token_text(tb, token_id, mode),
-        "logprob": wire_logprob(logprob),
-        "bytes": list(tb.bytes_of(token_id)),
-    }
-
-
 def chat_token_logprob(
     position: Position, tb: TokenBytes, mode: WireMode = WireMode()
 ) -> dict[str, Any]:
     """One Chat `logprobs.content[]` entry."""
     if position.logprob is None:
         raise ValueError(f"token {position.token_id} has no logprob (forced): no chat entry")
-    item = _chat_item(tb, position.token_id, position.logprob, mode)
-    item["top_logprobs"] = [
-        _chat_item(tb, alt.token_id, alt.logprob, mode) for alt in position.alternatives
+    ids = [position.token_id, *(alt[0] for alt in position.alternatives)]
+    values = wire_logprobs([position.logprob, *(alt[1] for alt in position.alternatives)])
+    texts = [token_id_string(i) for i in ids] if mode.as_token_ids else tb.token_strings(ids)
+    items = [
+        {"token": text, "logprob": value, "bytes": list(tb.bytes_of(token_id))}
+        for token_id, text, value in zip(ids, texts, values, strict=True)
     ]
+    item = items[0]
+    item["top_logprobs"] = items[1:]
     return item
 
 

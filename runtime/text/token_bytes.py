@@ -158,6 +158,7 @@ class TokenBytes:
             if self.plan.first_token_drop and self.plan.first_token_drop in piece:
                 first[token_id] = self.plan.piece_bytes(piece, first=True)
         self._table = table
+        self._strings = [data.decode("utf-8", errors="replace") for data in table]
         self._first = first
         self._special = frozenset(
             t["id"] for t in spec.get("added_tokens", []) if t.get("special") and t["id"] < size
@@ -197,7 +198,15 @@ class TokenBytes:
         Leading spaces are kept (the stream's Strip does not apply to a lone token), like
         vLLM's decoded tokens after it restores SentencePiece's stripped leading space.
         """
-        return self.bytes_of(token_id).decode("utf-8", errors="replace")
+        self._check(token_id)
+        return self._strings[token_id]
+
+    def token_strings(self, token_ids: list[int]) -> list[str]:
+        """`token_string` of each id (one range check for the whole list)."""
+        if token_ids and not 0 <= min(token_ids) <= max(token_ids) < len(self._table):
+            self._check(next(t for t in token_ids if not 0 <= t < len(self._table)))
+        strings = self._strings
+        return [strings[token_id] for token_id in token_ids]
 
     @staticmethod
     def token_id_string(token_id: int) -> str:
