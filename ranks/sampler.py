@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from collectives.exchange import WordExchange
+from kernels import philox_native
 from ranks.sampler_filters import (
     FILTER_WORDS,
     PICK_WORDS,
@@ -75,6 +76,8 @@ class ShardedSampler:
         self.scratch = torch.empty(max_rows, local_width, dtype=torch.float32, device=self.device)
         self.filter_exchange = WordExchange(group, max_rows, FILTER_WORDS, self.device)
         self.pick_exchange = WordExchange(group, max_rows, PICK_WORDS, self.device)
+        if self.device.type == "cpu":
+            philox_native.available()  # compiled (or found in its cache) now, not mid-serving
 
     def sample(
         self,
