@@ -128,7 +128,7 @@ def reduce_logprobs(
         )
     request = row_request(chosen, token_ids, requested, k, vocab, logits.device)
     if backend == "torch":
-        from kernels.torch_backend import reduce_torch
+        from kernels.torch_impl.backend import reduce_torch
 
         return reduce_torch(logits, request, vocab, out)
     require_triton_device(logits.device)

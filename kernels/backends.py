@@ -57,7 +57,7 @@ class ShardSteps(Protocol):
 def shard_steps(backend: str) -> ShardSteps:
     """The module implementing the shard steps for ``backend`` (triton imported on demand)."""
     if backend == "torch":
-        from kernels import torch_sharded
+        from kernels.torch_impl import sharded as torch_sharded
 
         return torch_sharded
     if backend == "triton":

@@ -1,6 +1,6 @@
-"""Packed-payload assembly shared by the torch paths (kernels/torch_tiles.py,
-kernels/torch_lean.py, kernels/torch_sharded.py): flagged-row selection, top-K of candidate
-keys, and the [rows, PAYLOAD_WORDS] layout of chosen pair + alternative pairs."""
+"""Packed-payload assembly shared by the torch paths (kernels/torch_impl/: tiles.py, lean.py,
+sharded.py): flagged-row selection, top-K of candidate keys, and the [rows, PAYLOAD_WORDS]
+layout of chosen pair + alternative pairs."""
 
 from __future__ import annotations
 

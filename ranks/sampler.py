@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from collectives.exchange import WordExchange
-from kernels import philox_native
+from kernels.noise import philox_native
 from ranks.sampler_filters import (
     FILTER_WORDS,
     PICK_WORDS,

@@ -12,7 +12,7 @@ import threading
 
 import torch
 
-from kernels.philox import (
+from kernels.noise.philox import (
     GUMBEL_SPAN,
     gumbel_bounds,
     gumbel_noise,

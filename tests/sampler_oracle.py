@@ -36,7 +36,7 @@ topk_topp_sampler.py (3babc05a). Model runner V2 (vllm/v1/worker/gpu/sample/samp
 9. Random rows: vLLM's ``random_sample`` takes ``argmax(probs / q)``, q ~ Exp(1) from torch
    generators. Here: Gumbel-max, ``argmax(float64(y) + gumbel_noise(seed, position, id))``
    over the kept ids (smallest id on ties), with the counter-based Philox noise of
-   kernels/philox.py. Same distribution, different tokens (see docs/api.md, Sampling order).
+   kernels/noise/philox.py. Same distribution, different tokens (see docs/api.md, Sampling order).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.philox import gumbel_noise
+from kernels.noise.philox import gumbel_noise
 from ranks.sampling_params import RowSampling
 
 NEG_INF = float("-inf")

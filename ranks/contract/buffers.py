@@ -317,7 +317,7 @@ def scored_frame_buffers(step: StepConfig) -> tuple[Buffer, ...]:
 def scoring_buffers(step: StepConfig, layout: ShardLayout, dtype: str) -> tuple[Buffer, ...]:
     """ranks/step/scoring.py PromptScorer (only with --prompt-logprobs): the ladder's frames,
     the [64, local_vocabulary] logit block and the two 64-word scoring exchanges
-    (kernels/scoring_sharded.py) for 64 rows."""
+    (kernels/scoring/driver.py) for 64 rows."""
     if not step.prompt_logprobs:
         return ()
     world = layout.tp_size

@@ -7,7 +7,7 @@ rows uses the smallest C >= n and writes rows [0, n) of frame ``submission % 2``
 
 The chunk's final-normed hidden rows are projected through this rank's LM head shard at most
 64 at a time into one reused [64, local_vocabulary] logit block (the only scoring logit
-matrix), and each block is scored with two 64-word exchanges (kernels/scoring_sharded.py).
+matrix), and each block is scored with two 64-word exchanges (kernels/scoring/driver.py).
 Every rank runs the same blocks, so the exchanges line up.
 """
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.layout import PROMPT_BLOCK_ROWS, PROMPT_ROW_WORDS
-from kernels.scoring_sharded import PreparedPromptScoring
+from kernels.scoring.driver import PreparedPromptScoring
 from ranks.contract.declarations import FRAMES, PROMPT_LOGPROBS, PROMPT_TARGET_TOKENS, BufferDecl
 
 LADDER_START = 128

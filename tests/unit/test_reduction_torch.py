@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_flatten
 
 from kernels.api import pack_token_ids, reduce_logprobs, reduce_logprobs_sharded
 from kernels.rows import RowRequest
-from kernels.torch_backend import reduce_torch
+from kernels.torch_impl.backend import reduce_torch
 from tests.oracles import WORDS, check_payload, check_row, f32_values, tolerance
 
 
@@ -366,7 +366,7 @@ def test_reduction_never_writes_the_logits(vocab: int, dtype: torch.dtype) -> No
 
 def _tile_by_tile(monkeypatch) -> None:
     """Force the tile-by-tile launches (the implementation the CPU fast path reproduces)."""
-    import kernels.torch_lean as lean
+    import kernels.torch_impl.lean as lean
 
     monkeypatch.setattr(lean, "LEAN", False)
 
@@ -423,7 +423,7 @@ def test_cpu_fast_path_with_small_tiles(monkeypatch, tile):
         outs = []
         for lean in (True, False):
             with monkeypatch.context() as m:
-                m.setattr("kernels.torch_lean.LEAN", lean)
+                m.setattr("kernels.torch_impl.lean.LEAN", lean)
                 out = torch.full((3, WORDS), -1, dtype=torch.int32)
                 reduce_torch(x, RowRequest(chosen, ids, counts, flags, 20), vocab, out,
                              tile=tile)
@@ -434,8 +434,8 @@ def test_cpu_fast_path_with_small_tiles(monkeypatch, tile):
 def test_sharded_cpu_steps_match_tile_steps_on_several_shards(monkeypatch):
     """Three simulated shards through the three step functions: the CPU fast path and the
     tile-by-tile steps produce the same payload."""
-    from kernels import torch_sharded as steps
     from kernels.layout import EXCHANGE1_WORDS, EXCHANGE2_WORDS
+    from kernels.torch_impl import sharded as steps
 
     vocab, rows, width = 10_007, 4, 3336
     full = make_logits("ties", rows, vocab, 0, seed=11).to(torch.bfloat16)

@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kernels.philox import gumbel_noise
+from kernels.noise.philox import gumbel_noise
 from ranks.sampler import ShardedSampler
 from ranks.sampler_filters import key_values, score_keys, value_keys
 from ranks.sampler_gumbel import gumbel_best

@@ -3,9 +3,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels.philox_native as native
+import kernels.noise.philox_native as native
 import ranks.sampler_gumbel as gumbel
-from kernels.philox import gumbel_noise
+from kernels.noise.philox import gumbel_noise
 from ranks.sampler import ShardedSampler
 from ranks.sampler_filters import score_keys
 from ranks.sampler_gumbel import gumbel_best

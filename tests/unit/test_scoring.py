@@ -14,8 +14,8 @@ from kernels.layout import (
     PROMPT_TARGET_BITS,
 )
 from kernels.reference import reference_logprobs, score_reference
-from kernels.scoring import score_candidates, score_merge, score_stats, target_values
-from kernels.scoring_sharded import PreparedPromptScoring
+from kernels.scoring.driver import PreparedPromptScoring
+from kernels.scoring.steps import score_candidates, score_merge, score_stats, target_values
 from kernels.sortkeys import bits_to_float
 
 

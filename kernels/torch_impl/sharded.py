@@ -16,7 +16,6 @@ import threading
 import numpy as np
 import torch
 
-from kernels import torch_lean
 from kernels.layout import (
     CHOSEN_BITS,
     CHOSEN_ID,
@@ -35,9 +34,10 @@ from kernels.sortkeys import (
     keys_to_words,
     words_to_keys,
 )
-from kernels.torch_lean import NumpyRequest, natural_best
-from kernels.torch_lean_stats import Candidates, lean_combine, lean_tile_stats, native_values
-from kernels.torch_tiles import (
+from kernels.torch_impl import lean as torch_lean
+from kernels.torch_impl.lean import NumpyRequest, natural_best
+from kernels.torch_impl.lean_stats import Candidates, lean_combine, lean_tile_stats, native_values
+from kernels.torch_impl.tiles import (
     CHUNK_LANES,
     NEG_INF,
     TILE_LANES,
@@ -217,7 +217,7 @@ def final_merge(
 
 # ----------------------------------------------------------------------------- CPU fast path
 #
-# On CPU tensors the three steps run kernels/torch_lean.py's launches (the same slabs, far
+# On CPU tensors the three steps run kernels/torch_impl/lean.py's launches (the same slabs, far
 # fewer tensor ops, numpy bookkeeping) with bit-identical results. Launch 4 reuses what
 # launches 1-2 found for the same logits (same storage and version) and the same rows:
 # the chunk maxima (or a one-tile row's candidates), instead of recomputing them.

@@ -21,7 +21,7 @@ Row (int32, PROMPT_ROW_WORDS = 43): target id, FP32 logprob bits, rank, 20 (id, 
 pairs in the generation ordering (value desc, id asc; ties made by the subtraction included).
 An invalid row (target -1) is: -1, NaN, 0, and -1 for every pair word. 2 x 64 x 4 = 512 bytes
 per row per rank; no vocabulary-sized row travels and no [rows, vocabulary] FP32 copy exists
-(slabs of at most SLAB_ELEMENTS lanes, as in kernels/torch_tiles.py).
+(slabs of at most SLAB_ELEMENTS lanes, as in kernels/torch_impl/tiles.py).
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ from kernels.sortkeys import (
     keys_to_words,
     words_to_keys,
 )
-from kernels.torch_sharded import global_lse
-from kernels.torch_tiles import TileStats, combine, slab_of, slabs, tile_candidates, tile_stats
+from kernels.torch_impl.sharded import global_lse
+from kernels.torch_impl.tiles import TileStats, combine, slab_of, slabs, tile_candidates, tile_stats
 
 NAN_BITS = 0x7FC00000
 _NEG_INF_BITS = -8388608  # float_bits(-inf)

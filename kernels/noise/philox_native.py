@@ -1,12 +1,12 @@
 """Philox bits for one CPU row in compiled code, when a C compiler is at hand.
 
 ``native_bits(ids, position, k0, k1, out)`` writes the same int64 m = (w0 << 20) | (w1 >> 12)
-as ``kernels.philox.philox_bits`` (integer arithmetic only, so the bits are identical, not
+as ``kernels.noise.philox.philox_bits`` (integer arithmetic only, so the bits are identical, not
 merely close). The C source below is compiled once per source hash with the system C
 compiler (``$CC``, else ``cc``) into a per-user cache directory and loaded with ctypes. Without
 a compiler, on failure, off x86/aarch64 CPUs, or with ``HELIOS_NATIVE_PHILOX=0``,
 ``available()`` is False and callers keep the torch path. ``native_gumbel_bounds`` is the
-same for kernels.philox.gumbel_bounds (float32, rounded as the torch path rounds it). Tests
+same for kernels.noise.philox.gumbel_bounds (float32, rounded as the torch path rounds it). Tests
 compare both paths.
 """
 
@@ -196,7 +196,7 @@ def native_bits(token_ids: torch.Tensor, position: int, k0: int, k1: int,
 
 def native_gumbel_bounds(m: torch.Tensor, c0: float, c1: float, out: torch.Tensor) -> bool:
     """out = c0 - c1 * float32 bits of float32(int32((m ^ (2**52 - 1)) >> 21)), as
-    kernels.philox.gumbel_bounds computes it; False when not applicable (nothing written)."""
+    kernels.noise.philox.gumbel_bounds computes it; False when not applicable (nothing written)."""
     if (m.device.type != "cpu" or out.device.type != "cpu" or m.dtype != torch.int64
             or out.dtype != torch.float32 or not m.is_contiguous() or not out.is_contiguous()
             or out.numel() != m.numel()):

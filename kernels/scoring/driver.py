@@ -7,7 +7,13 @@ import torch
 
 from collectives.exchange import WordExchange
 from kernels.layout import PROMPT_BLOCK_ROWS, PROMPT_EXCHANGE_WORDS
-from kernels.scoring import check_block, score_candidates, score_merge, score_stats, target_values
+from kernels.scoring.steps import (
+    check_block,
+    score_candidates,
+    score_merge,
+    score_stats,
+    target_values,
+)
 from kernels.sharded import agreed_shard_starts
 
 

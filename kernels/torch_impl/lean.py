@@ -22,7 +22,7 @@ from kernels.layout import TILE_CANDIDATES as TOP
 from kernels.payload import top_keys
 from kernels.rows import RowRequest
 from kernels.sortkeys import EMPTY_KEY, key_ids, key_values
-from kernels.torch_lean_stats import (
+from kernels.torch_impl.lean_stats import (
     CANDIDATE_CHUNKS,
     CANDIDATES,
     NAN32,
@@ -32,7 +32,7 @@ from kernels.torch_lean_stats import (
     native_values,
     uses_chunks,
 )
-from kernels.torch_tiles import (
+from kernels.torch_impl.tiles import (
     CHUNK_LANES,
     TILE_LANES,
     TileStats,

@@ -1,14 +1,14 @@
-"""The torch reduction's entry point: CPU tensors take the fast path (kernels/torch_lean.py),
-other devices the tile-by-tile launches (kernels/torch_tiles.py); the same payload bits."""
+"""The torch reduction's entry point: CPU tensors take the fast path (kernels/torch_impl/lean.py),
+other devices the tile-by-tile launches (kernels/torch_impl/tiles.py); the same payload bits."""
 
 from __future__ import annotations
 
 import torch
 
-from kernels import torch_lean
 from kernels.payload import flagged_rows, pick_rows, write_rows
 from kernels.rows import RowRequest
-from kernels.torch_tiles import (
+from kernels.torch_impl import lean as torch_lean
+from kernels.torch_impl.tiles import (
     TILE_LANES,
     count_rows,
     final_merge,

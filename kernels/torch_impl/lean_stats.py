@@ -1,5 +1,5 @@
-"""Launch 1 of the CPU fast path (kernels/torch_lean.py): tile statistics bit for bit equal to
-kernels/torch_tiles.py's ``tile_stats``, in far fewer tensor calls, on the same slabs.
+"""Launch 1 of the CPU fast path (kernels/torch_impl/lean.py): tile statistics bit for bit equal to
+kernels/torch_impl/tiles.py's ``tile_stats``, in far fewer tensor calls, on the same slabs.
 
 Up to PLAN_LANES lanes per call, a StatsPlan (kept per thread, reused across calls) takes the
 chunk and tile maxima straight from the native rows, then per slab only: a slice, the exact
@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from kernels.layout import TILE_CANDIDATES as TOP
-from kernels.torch_tiles import (
+from kernels.torch_impl.tiles import (
     CHUNK_LANES,
     NAN,
     NEG_INF,

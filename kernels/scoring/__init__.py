@@ -1,0 +1,1 @@
+"""Prompt scoring on vocabulary shards: the step functions (steps.py) and their driver."""
