@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from collectives.groups import all_reduce_sum, all_reduce_sum_ordered, group_rank, group_size
-from ranks.model import invariant
 from ranks.model.config import ModelConfig
+from ranks.model.invariant import attention as invariant_attention
+from ranks.model.invariant import choose_linear
 from ranks.model.sharding import ShardLayout, shard_layout
 from ranks.model.weights import LayerWeights, LoadProgress, ShardWeights, load_shard_weights
 
@@ -76,7 +77,7 @@ class ShardedCausalLM:
         self._q_width = layout.local_heads * hd
         self._kv_width = layout.local_kv_heads * hd
         self.batch_invariant = batch_invariant
-        self._linear = invariant.choose_linear(self._linears()) if batch_invariant else F.linear
+        self._linear = choose_linear(self._linears()) if batch_invariant else F.linear
         self._reduce = all_reduce_sum_ordered if batch_invariant else all_reduce_sum
 
     @classmethod
@@ -283,7 +284,7 @@ class ShardedCausalLM:
         cache_v[slots, positions] = v
         groups = layout.local_heads // layout.local_kv_heads
         if self.batch_invariant:
-            out = invariant.attention(q, positions, slots, cache_k, cache_v, groups)
+            out = invariant_attention(q, positions, slots, cache_k, cache_v, groups)
         else:
             out = self._planned_attention(q, cache_k, cache_v, plan, groups)
         o = self._linear(out.view(-1, self._q_width), layer.o_proj)
