@@ -1,18 +1,20 @@
 """HTTP serving throughput with and without logprobs, on loopback.
 
 Starts its own server (the embedded tiny model unless --model is given; --url uses a running
-one), then runs the same workload with 16 concurrent clients three times: no logprobs,
-logprobs=0 and logprobs=20 (Completions; --chat uses Chat Completions with top_logprobs).
-Prints requests/s, generated tokens/s and response bytes per request, each also as a ratio to
-the no-logprobs run measured in the same process.
+one), then runs the same workload with 16 concurrent clients (--concurrency) in three modes:
+no logprobs, logprobs=0 and logprobs=20 (Completions; --chat uses Chat Completions with
+top_logprobs). The modes alternate within each of --repeat rounds, so that load from other
+processes affects them alike. Prints the median requests/s, generated tokens/s and response
+bytes per request of each mode, each also as a ratio to the no-logprobs median.
 
-    python -m bench.serve [--requests 256] [--max-tokens 32] [--stream] [--chat]
+    python -m bench.serve [--requests 256] [--max-tokens 32] [--stream] [--chat] [--repeat 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import statistics
 import subprocess
 import time
 from dataclasses import dataclass
@@ -44,6 +46,9 @@ class Result:
     @property
     def bytes_per_response(self) -> float:
         return self.bytes / self.requests
+
+
+MODES = (("no logprobs", None), ("logprobs=0", 0), ("logprobs=20", 20))
 
 
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
@@ -108,6 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--stream", action="store_true")
     parser.add_argument("--chat", action="store_true")
+    parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args(argv)
     proc = None
     url = args.url
@@ -117,15 +123,18 @@ def main(argv: list[str] | None = None) -> None:
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
         warm = argparse.Namespace(**{**vars(args), "requests": args.concurrency})
         asyncio.run(run(warm, url, model, "warmup", 20))
-        results = [asyncio.run(run(args, url, model, name, lp)) for name, lp in
-                   (("no logprobs", None), ("logprobs=0", 0), ("logprobs=20", 20))]
+        runs: dict[str, list[Result]] = {name: [] for name, _ in MODES}
+        for _ in range(args.repeat):
+            for name, lp in MODES:
+                runs[name].append(asyncio.run(run(args, url, model, name, lp)))
     finally:
         if proc is not None:
             server.stop_server(proc)
+    results = [median_result(name, runs[name]) for name, _ in MODES]
     base = results[0]
     kind = "chat" if args.chat else "completions"
     print(f"{kind}, stream={args.stream}, {args.concurrency} clients, {args.requests} requests, "
-          f"max_tokens={args.max_tokens}")
+          f"max_tokens={args.max_tokens}, median of {args.repeat}")
     print(f"{'run':<13}{'req/s':>9}{'tok/s':>10}{'bytes/resp':>12}"
           f"{'req/s x':>10}{'tok/s x':>9}{'bytes x':>9}")
     for r in results:
@@ -133,6 +142,13 @@ def main(argv: list[str] | None = None) -> None:
               f"{r.rps / base.rps:>10.3f}{r.tps / base.tps:>9.3f}"
               f"{r.bytes_per_response / base.bytes_per_response:>9.2f}")
 
+
+def median_result(name: str, results: list[Result]) -> Result:
+    """The run of median duration (same requests and tokens in every run of a mode)."""
+    ordered = sorted(results, key=lambda r: r.seconds)
+    middle = ordered[len(ordered) // 2]
+    seconds = statistics.median(r.seconds for r in results)
+    return Result(name, seconds, middle.requests, middle.tokens, middle.bytes)
 
 if __name__ == "__main__":
     main()
