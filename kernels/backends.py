@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -65,3 +65,13 @@ def shard_steps(backend: str) -> ShardSteps:
 
         return sharded
     raise ValueError(f"sharded backend: expected one of {SHARDED_BACKENDS}, got {backend!r}")
+
+
+def whole_reduction(backend: str) -> Callable[..., torch.Tensor] | None:
+    """What a one-rank group runs instead of the shard steps: ``reduce_torch`` for the torch
+    backend; None for Triton, whose prepared six launches also serve one rank."""
+    if backend != "torch":
+        return None
+    from kernels.torch_impl.backend import reduce_torch
+
+    return reduce_torch

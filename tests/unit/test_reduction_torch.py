@@ -485,3 +485,27 @@ def test_one_row_and_decode_shapes_never_hold_a_rows_by_vocab_fp32_tensor(rows, 
         with _BigAllocations(limit, [x, out]) as spy:
             call()
         assert not spy.big, f"large allocations: {spy.big}"
+
+
+@pytest.mark.parametrize(("rows", "vocab", "flagged"), [(3, 1031, 2), (2, 40_000, 2)])
+def test_one_rank_driver_equals_the_shard_steps(rows, vocab, flagged):
+    """A size-1 group runs reduce_torch instead of the shard steps: the same payload bits."""
+    from kernels.layout import EXCHANGE1_WORDS, EXCHANGE2_WORDS
+    from kernels.sharded import PreparedShardedReduction
+    from kernels.torch_impl import sharded as steps
+
+    x = make_logits("ties", rows, vocab, 0, seed=5)
+    ids, counts = pack_token_ids([[], [7, 0]][:rows] + [[]] * (rows - 2), rows, vocab)
+    flags = (torch.arange(rows) < flagged).to(torch.int32)
+    request = RowRequest(torch.arange(rows) * 13 % vocab, ids, counts, flags, 20)
+    driver = PreparedShardedReduction(None, rows, vocab, 0, vocab, vocab, "torch", "cpu")
+    assert driver.whole is reduce_torch
+    out = driver(x, request, torch.full((rows, WORDS), -1, dtype=torch.int32))
+    e1 = torch.zeros(1, rows, EXCHANGE1_WORDS, dtype=torch.int32)
+    steps.shard_stats(x, request, vocab, e1[0])
+    e2 = torch.empty(1, rows, EXCHANGE2_WORDS, dtype=torch.int32)
+    lse = torch.empty(rows)
+    steps.shard_candidates(x, request, e1, 0, vocab, lse, e2[0])
+    expected = torch.full((rows, WORDS), -1, dtype=torch.int32)
+    steps.final_merge(e2, lse, request, [0, vocab], expected)
+    assert torch.equal(out, expected)
