@@ -8,8 +8,9 @@ request gets HTTP 429 with `Retry-After`, and nothing of it reaches the engine. 
 here is changed on the event loop only; the scrape reads plain integers.
 
 Metrics (names in vLLM's style, prefixed `helios:`): the queue gauges, token and request
-counters, the copy counters of the coordinator's frame executor and prompt reader, rejections
-by reason, and the frame bytes of the rank step (ranks.contract.sizing.frame_bytes), the completion
+counters, the copy counters of the coordinator's frame executor and prompt reader, the
+speculative rounds' drafts and accepted tokens (vLLM's spec_decode_* names), rejections by
+reason, and the frame bytes of the rank step (ranks.contract.sizing.frame_bytes), the completion
 frames apart from the scored and host ones.
 """
 
@@ -122,6 +123,17 @@ class ServerCollector:
                            counters.payload_bytes)
             yield _counter("record_bytes_copied", "Completion record bytes copied to the host",
                            counters.record_bytes)
+        speculation = getattr(self.engine, "speculation", None)
+        if speculation is not None:
+            yield _counter("spec_decode_num_drafts", "Speculative rounds (decodes that "
+                           "verified proposals)", speculation.rounds)
+            yield _counter("spec_decode_num_draft_tokens", "Proposed tokens offered for "
+                           "verification", speculation.offered)
+            yield _counter("spec_decode_num_accepted_tokens", "Proposed tokens accepted",
+                           speculation.accepted)
+            yield _counter("spec_decode_num_emitted_tokens", "Tokens emitted by speculative "
+                           "rounds (accepted, corrections and bonus tokens)",
+                           speculation.emitted)
         prompts = getattr(self.engine, "prompts", None)
         if prompts is not None:
             yield _counter("prompt_logprob_rows", "Scored prompt rows copied to the host",

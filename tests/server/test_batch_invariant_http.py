@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
 
 from tests.server.helpers import launch, post, strict_json
@@ -57,3 +58,13 @@ def test_speculation_on_and_off_return_identical_choices(servers):
                for s in servers]
     assert answers[0] == answers[1]
     assert len(answers[0][0]["logprobs"]["content"]) == 16
+    drafts, accepted = (metric(on, "spec_decode_num_draft_tokens_total"),
+                        metric(on, "spec_decode_num_accepted_tokens_total"))
+    assert 0 < accepted <= drafts  # rounds ran, and some proposals were accepted
+    assert metric(off, "spec_decode_num_draft_tokens_total") == 0
+
+
+def metric(server, name: str) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    return next(float(line.split()[-1]) for line in text.splitlines()
+                if line.startswith(f"helios:{name} "))
