@@ -50,7 +50,7 @@ GRACEFUL_S = 5
 
 
 MAX_REQUEST_BYTES = 8 * 1024 * 1024
-"""--max-request-bytes' default (runtime.http.limits.DEFAULT_MAX_REQUEST_BYTES)."""
+"""--max-request-bytes' default (runtime.http.protocol.limits.DEFAULT_MAX_REQUEST_BYTES)."""
 MIB = 1024 * 1024
 
 

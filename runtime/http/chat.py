@@ -14,8 +14,11 @@ from typing import Any
 from ranks.contract.requests import RequestError, check_logprob_request
 from runtime.engine.client import EngineClient
 from runtime.http.assets import ModelAssets
-from runtime.http.choices import ChoiceJob, Delta, Totals, collect, envelope, stream_chunks
-from runtime.http.params import (
+from runtime.http.choice_stream import ChoiceJob, Delta, Totals
+from runtime.http.choices import collect, envelope, stream_chunks
+from runtime.http.protocol.messages import ChatMessage, parse_messages
+from runtime.http.protocol.models import ChatCompletionRequest
+from runtime.http.protocol.params import (
     build_params,
     check_choices,
     check_request,
@@ -24,7 +27,6 @@ from runtime.http.params import (
     resolve_max_tokens,
     wire_mode,
 )
-from runtime.http.protocol import ChatCompletionRequest, ChatMessage, parse_messages
 from runtime.http.wire import Position, WireMode, chat_logprobs, request_prompt_logprobs
 from runtime.text.chat_template import ChatTemplateError
 

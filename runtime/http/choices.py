@@ -1,234 +1,24 @@
-"""One engine request per choice: engine events -> detokenizer + stop filter -> Deltas; the
-choices merged through a bounded queue, collected into whole outcomes or streamed as chunks.
-
-Nothing here keeps a response history: a choice's stream holds only what the detokenizer and
-the stop filter cannot release yet plus at most one delta it looks ahead past where the end
-could come next (so that the finish rides on the last token's chunk, see `run_choice`), and
-merged choices pass through a bounded queue.
-
-A choice whose engine request scores its prompt (params.prompt_logprobs set) first yields its
-prompt scores, in prompt order, as deltas without text: `Delta.prompt` holds None for prompt
-position 0 (no context; it rides with the first scored chunk) and then the engine's
-PromptLogprob entries. The endpoints turn them into `prompt_logprobs` or echoed positions.
+"""A request's choices, collected into whole outcomes (`collect`) or streamed as response
+chunks (`stream_chunks`), from the merged per-choice Deltas of runtime/http/choice_stream.py.
+Nothing here keeps a response history; the endpoints turn outcomes and chunks into their wire
+shapes (prompt scores into `prompt_logprobs` or echoed positions).
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
 from runtime.engine.client import (
     EngineClient,
-    Finished,
-    GeneratedToken,
     PromptLogprob,
-    PromptScores,
-    SamplingParams,
 )
 from runtime.http.assets import ModelAssets
-from runtime.http.protocol import StreamOptions
+from runtime.http.choice_stream import ChoiceJob, Delta, Totals, merge, run_choice
+from runtime.http.protocol.models import StreamOptions
 from runtime.http.responses import new_id, now
-from runtime.http.wire import Position, positions
-from runtime.text.stops import OutputStream
-from runtime.text.token_bytes import TokenBytes
-
-MERGE_QUEUE = 32
-
-
-@dataclass
-class ChoiceJob:
-    """One choice: one engine request."""
-
-    index: int
-    prompt_ids: list[int]
-    params: SamplingParams
-    stops: list[str]
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    offset_base: int = 0
-    """Added to every text offset (the echoed prompt's length in characters)."""
-
-
-@dataclass
-class Delta:
-    text: str
-    positions: list[Position]
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    tokens: int = 0
-    """Generated tokens this delta accounts for (usage), terminating stop tokens included."""
-    prompt: list[PromptLogprob | None] = field(default_factory=list)
-    """Prompt scores released in this delta, in prompt order (None: prompt position 0)."""
-
-
-@dataclass
-class Totals:
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    per_choice: dict[int, int] = field(default_factory=dict)
-
-    def add(self, index: int, delta: Delta) -> None:
-        self.completion_tokens += delta.tokens
-        self.per_choice[index] = self.per_choice.get(index, 0) + delta.tokens
-
-    def usage(self, completion_tokens: int | None = None) -> dict[str, int]:
-        done = self.completion_tokens if completion_tokens is None else completion_tokens
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": done,
-            "total_tokens": self.prompt_tokens + done,
-        }
-
-
-def stop_reason_of(
-    finished: Finished, params: SamplingParams, eos_ids: Sequence[int]
-) -> int | None:
-    """vLLM's stop_reason for a token stop: the id for stop_token_ids, None for EOS."""
-    token = finished.stop_token_id
-    if token is None or token not in params.stop_token_ids:
-        return None
-    if token in eos_ids and not params.ignore_eos:
-        return None
-    return token
-
-
-def _join(first: Delta | None, second: Delta) -> Delta:
-    """`first` followed by `second` as one delta (the finish is `second`'s)."""
-    if first is None:
-        return second
-    return Delta(
-        first.text + second.text,
-        first.positions + second.positions,
-        finish_reason=second.finish_reason,
-        stop_reason=second.stop_reason,
-        tokens=first.tokens + second.tokens,
-        prompt=first.prompt + second.prompt,
-    )
-
-
-def _visible(delta: Delta | None) -> bool:
-    return delta is not None and bool(delta.text or delta.positions or delta.prompt)
-
-
-async def run_choice(engine: EngineClient, job: ChoiceJob, tb: TokenBytes) -> AsyncIterator[Delta]:
-    """Engine events -> deltas; ends the engine request early when a stop string matches.
-
-    vLLM's stream shape: the finish rides on the delta that carries the last text/entries, so
-    this looks ahead one event where the end could come next. A visible delta (text or
-    entries) goes out at once when its token says that no end can come before another token
-    (GeneratedToken.last is False) and no stop string can end the output (its match may leave
-    nothing visible to carry the finish); otherwise it is held until the next visible one or
-    the end arrives; a delta with nothing visible (text held back by the
-    detokenizer or the stop filter) is carried into the next delta (its token counts with
-    it). The end is sent on its own only when it shows a token not shown yet (the token
-    that completed a stop string, or carried ones); otherwise it joins the held delta (the
-    text it flushes, e.g. a trailing partial character, belongs to the held token). The
-    finishing delta is empty only when nothing visible was left to carry it (e.g. the first
-    token is EOS). Every delta but the last is visible; a failure first releases the held
-    delta. Prompt scores come first, one delta per scored chunk; prompt position 0 (None) is
-    carried into the first of them.
-    """
-    stream = OutputStream(
-        tb,
-        job.stops,
-        include_stop_str_in_output=job.include_stop_str_in_output,
-        skip_special_tokens=job.skip_special_tokens,
-        prompt_ids=job.prompt_ids,
-    )
-    eos_ids = engine.info.eos_token_ids
-    at_once = not any(job.stops)
-    held: Delta | None = None
-    carried: Delta | None = None
-
-    def entries(chunk) -> list:
-        return positions(chunk.entries, job.offset_base, logprobs=job.params.wants_logprobs)
-
-    if job.params.prompt_logprobs is not None:
-        carried = Delta("", [], prompt=[None])
-    try:
-        async with aclosing(engine.generate(job.prompt_ids, job.params)) as events:
-            async for event in events:
-                if isinstance(event, PromptScores):
-                    delta = Delta("", [], prompt=list(event.entries))
-                elif isinstance(event, GeneratedToken):
-                    chunk = stream.push(event)
-                    delta = Delta(chunk.text, entries(chunk), tokens=1)
-                    if chunk.stop is not None:
-                        delta.finish_reason, delta.stop_reason = "stop", chunk.stop
-                else:
-                    chunk = stream.finish(event)
-                    delta = Delta(
-                        chunk.text,
-                        entries(chunk),
-                        finish_reason=event.reason,
-                        stop_reason=stop_reason_of(event, job.params, eos_ids),
-                        tokens=0 if event.stop_token_id is None else 1,
-                    )
-                fresh = isinstance(event, GeneratedToken) or carried is not None
-                delta, carried = _join(carried, delta), None
-                if delta.finish_reason is not None:
-                    if held is not None and fresh and _visible(delta):
-                        out, held = held, None
-                        yield out
-                    last, held = _join(held, delta), None
-                    yield last
-                    return
-                if not _visible(delta):
-                    carried = delta
-                    continue
-                if held is not None:
-                    out, held = held, None
-                    yield out
-                if at_once and isinstance(event, GeneratedToken) and event.last is False:
-                    yield delta
-                else:
-                    held = delta
-    except Exception:
-        if held is not None:
-            out, held = held, None
-            yield out
-        raise
-
-
-_END = object()
-
-
-async def merge(streams: list[AsyncIterator[Delta]]) -> AsyncIterator[tuple[int, Delta]]:
-    """Interleave the choices' deltas through a bounded queue; errors propagate."""
-    if len(streams) == 1:
-        async with aclosing(streams[0]) as only:
-            async for delta in only:
-                yield 0, delta
-        return
-    queue: asyncio.Queue = asyncio.Queue(MERGE_QUEUE)
-
-    async def pump(index: int, stream: AsyncIterator[Delta]) -> None:
-        try:
-            async with aclosing(stream) as source:
-                async for delta in source:
-                    await queue.put((index, delta))
-            await queue.put((index, _END))
-        except Exception as exc:  # noqa: BLE001 - handed to the consumer
-            await queue.put((index, exc))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            index, item = await queue.get()
-            if item is _END:
-                remaining -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+from runtime.http.wire import Position
 
 
 def envelope(id_prefix: str, obj: str, assets: ModelAssets) -> dict[str, Any]:

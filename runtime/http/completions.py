@@ -17,8 +17,10 @@ from typing import Any
 from ranks.contract.requests import RequestError, check_token_ids
 from runtime.engine.client import EngineClient, EngineInfo
 from runtime.http.assets import ModelAssets
-from runtime.http.choices import ChoiceJob, Delta, Totals, collect, envelope, stream_chunks
-from runtime.http.params import (
+from runtime.http.choice_stream import ChoiceJob, Delta, Totals
+from runtime.http.choices import collect, envelope, stream_chunks
+from runtime.http.protocol.models import CompletionRequest
+from runtime.http.protocol.params import (
     build_params,
     check_choices,
     check_request,
@@ -27,7 +29,6 @@ from runtime.http.params import (
     resolve_max_tokens,
     wire_mode,
 )
-from runtime.http.protocol import CompletionRequest
 from runtime.http.wire import (
     Position,
     WireMode,

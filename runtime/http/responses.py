@@ -19,7 +19,7 @@ from fastapi.responses import Response
 
 from ranks.contract.requests import RequestError
 from runtime.engine.client import EngineError
-from runtime.http.protocol import error_body
+from runtime.http.protocol.models import error_body
 from runtime.http.wire import NonFiniteLogprob
 
 log = logging.getLogger("runtime.http")

@@ -20,11 +20,11 @@ from typing import Any
 from ranks.contract.requests import check_token_ids
 from runtime.http.assets import ModelAssets
 from runtime.http.chat import render
-from runtime.http.protocol import (
+from runtime.http.protocol.messages import parse_messages
+from runtime.http.protocol.models import (
     DetokenizeRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
-    parse_messages,
 )
 from runtime.text.detokenizer import detokenize
 

@@ -15,7 +15,7 @@ import pytest
 
 from runtime.engine.client import EngineInfo, Finished, GeneratedToken
 from runtime.engine.engine import Engine as RealEngine
-from runtime.http.protocol import CHAT_REFUSED, COMPLETION_REFUSED, IGNORED, REFUSED
+from runtime.http.protocol.refusals import CHAT_REFUSED, COMPLETION_REFUSED, IGNORED, REFUSED
 from runtime.http.server import create_app
 from tests.server.helpers import served_name, strict_json
 

@@ -7,7 +7,12 @@ import re
 
 from ranks.contract.requests import RequestError
 from runtime.engine.client import SamplingParams
-from runtime.http.protocol import MAX_CHOICES, MAX_STOP_LENGTH, MAX_STOP_STRINGS, SamplingFields
+from runtime.http.protocol.models import (
+    MAX_CHOICES,
+    MAX_STOP_LENGTH,
+    MAX_STOP_STRINGS,
+    SamplingFields,
+)
 from runtime.http.wire import WireMode
 
 LOGIT_BIAS_LIMIT = 100.0

@@ -1,0 +1,3 @@
+"""The request side of the OpenAI-compatible API: request models (models.py), the field
+policy (refusals.py), chat messages (messages.py), limits checked before parsing (limits.py)
+and the fields -> SamplingParams mapping with the endpoint-level checks (params.py)."""
