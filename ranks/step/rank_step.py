@@ -99,16 +99,16 @@ class RankStep:
         """(logits of the sampling rows, final-normed hidden rows of the scored chunk)."""
         if not inputs.token_ids.numel():
             return None, None
-        if not inputs.scored_index.numel():
-            logits = self.model.forward(
-                inputs.token_ids, inputs.positions, inputs.slots, inputs.logit_index
-            )
-            return logits, None
-        rows = torch.cat((inputs.logit_index, inputs.scored_index))
+        sampling = inputs.logit_index.numel()
+        rows = inputs.logit_index
+        if inputs.scored_index.numel():
+            rows = torch.cat((rows, inputs.scored_index))
         hidden = self.model.forward_hidden(inputs.token_ids, inputs.positions, inputs.slots,
                                            rows)
-        sampling = inputs.logit_index.numel()
-        return self.model.project(hidden[:sampling]), hidden[sampling:]
+        # The logits go straight into the buffer the reduction reads (no copy of them).
+        out = None if self.reduction is None else self.reduction.logits[:sampling]
+        logits = self.model.project(hidden[:sampling], out=out)
+        return logits, (hidden[sampling:] if inputs.scored_index.numel() else None)
 
     def sample(self, inputs: StepInputs, logits: torch.Tensor | None) -> list[int]:
         if not inputs.rows:

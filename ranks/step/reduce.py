@@ -104,7 +104,8 @@ class StepReduction:
         rows = logits.shape[0]
         if row_positions is None:
             row_positions = torch.where(row_slots >= 0, 0, -1)
-        self.logits[:rows].copy_(logits)
+        if logits.data_ptr() != self.logits.data_ptr():
+            self.logits[:rows].copy_(logits)
         self.gate(self.outputs.completion_records[frame], row_slots, row_epochs, row_positions)
         self.driver(self.logits, self.request, self.out)
         self.write(frame, row_slots[:rows], row_positions[:rows])

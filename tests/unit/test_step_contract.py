@@ -57,14 +57,14 @@ def two_slot_plan(submission: int = 0, logprobs: tuple[bool, bool] = (True, True
 def capture_logits(step) -> list[torch.Tensor]:
     """Every forward's logits (sampling rows in plan order), recorded on the instance."""
     seen: list[torch.Tensor] = []
-    forward = step.model.forward
+    project = step.model.project
 
-    def recording(*args):
-        logits = forward(*args)
+    def recording(hidden, out=None):
+        logits = project(hidden, out=out)
         seen.append(logits.clone())
         return logits
 
-    step.model.forward = recording
+    step.model.project = recording
     return seen
 
 
