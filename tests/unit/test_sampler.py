@@ -411,36 +411,3 @@ def test_filtered_rows_tokens_are_pinned():
     ]
     got = make_sampler(32000, 4).sample(pin_logits(32000, 4, 7), rows, [[]] * 4, [[]] * 4)
     assert got.tolist() == [612, 13805, 22720, 4780]
-
-
-DENSE_KINDS = ["normal", "flat", "ties", "spike", "neg_inf", "huge", "tiny"]
-
-
-@pytest.mark.parametrize("kind", DENSE_KINDS)
-def test_dense_rows_pick_the_exhaustive_winner(kind):
-    """Wide rows evaluate the noise only where a lane's bound reaches the best score found:
-    the winner (and the smallest id among equal scores) is the exhaustive one's."""
-    width, rows = 20_000, 4
-    gen = torch.Generator().manual_seed(DENSE_KINDS.index(kind))
-    x = torch.randn(rows, width, generator=gen) * 3
-    if kind == "flat":
-        x = torch.zeros(rows, width)
-    elif kind == "ties":
-        x = torch.round(x)
-    elif kind == "spike":
-        x[:, 123] += 40
-    elif kind == "neg_inf":
-        x[torch.rand(rows, width, generator=gen) < 0.4] = NEG_INF
-    elif kind == "huge":
-        x = x + 3e6  # beyond the pruning margins: every lane's noise is evaluated
-    elif kind == "tiny":
-        x = x * 1e-7
-    seeds = torch.tensor([0, -1, 2**62, 77], dtype=torch.int64)
-    positions = torch.tensor([0, 5, 2**32 - 1, 12], dtype=torch.int64)
-    keys, ids = gumbel_best(x, seeds, positions, vocab_start=500)
-    lanes = torch.arange(width) + 500
-    noise = gumbel_noise(seeds.unsqueeze(1), positions.unsqueeze(1), lanes)
-    full = score_keys(x.double() + noise)
-    best = full.max(1).values
-    brute = torch.where(full == best.unsqueeze(1), lanes, 2**40).min(1).values
-    assert torch.equal(keys, best) and torch.equal(ids, brute)

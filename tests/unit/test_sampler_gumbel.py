@@ -12,7 +12,7 @@ from ranks.sampler_gumbel import gumbel_best
 from ranks.sampling_params import RowSampling
 
 NEG_INF = float("-inf")
-KINDS = ["normal", "flat", "ties", "spike", "neg_inf", "wide", "tiny", "mostly_masked"]
+KINDS = ["normal", "flat", "ties", "spike", "neg_inf", "wide", "huge", "tiny", "mostly_masked"]
 
 
 def exhaustive(x: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, start: int):
@@ -36,6 +36,8 @@ def rows_of(kind: str, rows: int, width: int, seed: int) -> torch.Tensor:
         x[torch.rand(rows, width, generator=gen) < 0.5] = NEG_INF
     elif kind == "wide":
         x = x * 12  # a spread near the Gumbel span
+    elif kind == "huge":
+        x = x + 3e6  # beyond the pruning margins: every lane's noise is evaluated
     elif kind == "tiny":
         x = x * 1e-7
     elif kind == "mostly_masked":
