@@ -70,14 +70,14 @@ def test_engine_error_after_admission(model_dirs):
     engine = ScriptedEngine([token(0, 70, -1.5, [(70, -1.5)]), EngineError("peer rank 2 lost")])
     whole = call(engine, model_dirs["byte_level"], "POST", "/v1/completions", BODY)
     assert whole.status_code == 500
-    body = strict_json(whole.content)
+    body = strict_json(whole.content)["error"]
     assert body["code"] == 500 and "peer rank 2 lost" in body["message"]
     streamed = call(engine, model_dirs["byte_level"], "POST", "/v1/completions",
                     {**BODY, "stream": True})
     assert streamed.status_code == 200
     chunks = events(streamed)
     assert chunks[0]["choices"][0]["logprobs"]["token_logprobs"] == [-1.5]
-    assert chunks[-1]["object"] == "error" and "peer rank 2 lost" in chunks[-1]["message"]
+    assert "peer rank 2 lost" in chunks[-1]["error"]["message"]
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf])
@@ -88,7 +88,7 @@ def test_non_finite_logprob_never_reaches_json(model_dirs, bad):
     strict_json(whole.content)
     chat = {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "stream": True}
     chunks = events(call(engine, model_dirs["byte_level"], "POST", "/v1/chat/completions", chat))
-    assert chunks[-1]["object"] == "error"
+    assert chunks[-1]["error"]["code"] == 500
 
 
 def test_negative_infinity_is_sent_as_floor(model_dirs):
@@ -108,10 +108,10 @@ def test_core_without_id_inputs_and_k0(model_dirs):
     response = call(no_ids, model_dirs["byte_level"], "POST", "/v1/completions",
                     {**BODY, "logprobs": 0, "logprob_token_ids": [1, 2]})
     assert response.status_code == 400
-    assert strict_json(response.content)["param"] == "logprob_token_ids"
+    assert strict_json(response.content)["error"]["param"] == "logprob_token_ids"
     response = call(no_ids, model_dirs["byte_level"], "POST", "/v1/completions",
                     {**BODY, "logprobs": 6})
-    assert strict_json(response.content)["param"] == "logprobs"
+    assert strict_json(response.content)["error"]["param"] == "logprobs"
     assert no_ids.requests == 0
 
 

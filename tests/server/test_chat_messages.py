@@ -56,8 +56,8 @@ def chat(app, body: dict) -> httpx.Response:
 
 def refused(response: httpx.Response, where: str, *words: str) -> dict:
     assert response.status_code == 400, response.text
-    body = strict_json(response.content)
-    assert body == {"object": "error", "message": body["message"], "type": "BadRequestError",
+    body = strict_json(response.content)["error"]
+    assert body == {"message": body["message"], "type": "BadRequestError",
                     "param": "messages", "code": 400}
     assert where in body["message"], body
     for word in words:
@@ -120,7 +120,7 @@ def test_malformed_messages_are_refused(app, messages, where, word):
 def test_malformed_message_lists_are_refused(app, body):
     response = chat(app, body)
     assert response.status_code == 400, response.text
-    assert strict_json(response.content)["param"] == "messages"
+    assert strict_json(response.content)["error"]["param"] == "messages"
 
 
 def rendered(model_dir, messages: list[dict], **kwargs) -> list[int]:

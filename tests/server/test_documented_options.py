@@ -43,7 +43,7 @@ CHAT = {"messages": [{"role": "user", "content": "Hi"}]}
 
 def refused(response: httpx.Response, param: str) -> None:
     assert response.status_code == 400, response.text
-    body = strict_json(response.content)
+    body = strict_json(response.content)["error"]
     assert body["param"] == param and param in body["message"], body
 
 
@@ -156,7 +156,7 @@ def test_chat_without_a_template(tmp_path, model_dirs):
 
         chat, text = asyncio.run(go())
         refused(chat, "messages")
-        assert "chat template" in strict_json(chat.content)["message"]
+        assert "chat template" in strict_json(chat.content)["error"]["message"]
         assert text.status_code == 200
     finally:
         engine.shutdown()

@@ -90,13 +90,13 @@ def test_non_finite_logits_fail_only_their_request(poisoned_server):
     )
     # The requesting request fails after admission: a 500 naming the cause, never NaN.
     assert bad.status_code == 500, bad.text
-    body = strict_json(bad.content)
+    body = strict_json(bad.content)["error"]
     assert body["code"] == 500 and "non-finite" in body["message"]
     # Streaming: the error arrives as an SSE error event, then [DONE].
     assert bad_stream.status_code == 200
     events = sse_events(bad_stream)
-    assert events[-1]["object"] == "error" and events[-1]["code"] == 500
-    assert "non-finite" in events[-1]["message"]
+    assert events[-1]["error"]["code"] == 500
+    assert "non-finite" in events[-1]["error"]["message"]
     # The neighbour in the same batch is untouched: transformers' values on the same weights.
     assert good.status_code == 200, good.text
     lp = strict_json(good.content)["choices"][0]["logprobs"]
@@ -149,7 +149,7 @@ def test_peer_killed_under_a_running_tp2_server(tmp_path):
         assert not reader.is_alive(), "the stream never ended after the peer died"
         events = [strict_json(line[6:]) for line in seen
                   if line.startswith("data: {")]
-        assert events[-1]["object"] == "error" and events[-1]["code"] == 500, events[-1]
+        assert events[-1]["error"]["code"] == 500, events[-1]
         assert [line for line in seen if line][-1] == "data: [DONE]"
         assert len(events) < 200  # it did not run to the end
         deadline = time.monotonic() + 60

@@ -335,7 +335,7 @@ def test_tokenize_and_detokenize(scoring_server):
     ]:
         response = post(server, path, body)
         assert response.status_code == status, (path, body, response.text)
-        assert strict_json(response.content)["param"] == param
+        assert strict_json(response.content)["error"]["param"] == param
 
 
 # ----------------------------------------------------------------------------- refusals
@@ -343,7 +343,7 @@ def check_refused(server, path: str, body: dict, param: str, *, mentions: str = 
     for stream in (False, True):
         response = post(server, path, {"model": served_name(server), **body, "stream": stream})
         assert response.status_code == 400, response.text
-        error = strict_json(response.content)
+        error = strict_json(response.content)["error"]
         assert error["param"] == param and param in error["message"], error
         assert mentions in error["message"]
 

@@ -177,9 +177,9 @@ def test_refused_fields_name_themselves(app, route, name, value):
     for stream in (False, True):
         response = call(app, route, {name: value}, stream=stream)
         assert response.status_code == 400, response.text
-        body = strict_json(response.content)
-        assert body == {"object": "error", "message": body["message"],
-                        "type": "BadRequestError", "param": name, "code": 400}
+        body = strict_json(response.content)["error"]
+        assert body == {"message": body["message"], "type": "BadRequestError", "param": name,
+                        "code": 400}
         assert name in body["message"]
     assert engine.requests == before
 
@@ -222,7 +222,7 @@ def test_wrong_types_of_known_fields_are_refused(app):
                                  ("chat", {"include_reasoning": "maybe"}, "include_reasoning")]:
         response = call(app, route, fields)
         assert response.status_code == 400
-        assert strict_json(response.content)["param"] == param
+        assert strict_json(response.content)["error"]["param"] == param
 
 
 # ----------------------------------------------------------------------------- real server

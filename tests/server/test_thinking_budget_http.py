@@ -79,4 +79,4 @@ def test_budget_without_a_reasoning_configuration_is_refused(server):
     refused = post(server, "/v1/completions", {"prompt": "a", "max_tokens": 2,
                                                "thinking_token_budget": 2})
     assert refused.status_code == 400
-    assert strict_json(refused.content)["param"] == "thinking_token_budget"
+    assert strict_json(refused.content)["error"]["param"] == "thinking_token_budget"

@@ -214,7 +214,8 @@ class DetokenizeRequest(OpenAIModel):
 
 
 def error_body(message: str, param: str | None, code: int = 400) -> dict[str, Any]:
-    """vLLM's error response: {"object": "error", "message", "type", "param", "code"}."""
+    """vLLM's error response (its ErrorResponse, OpenAI's shape):
+    {"error": {"message", "type", "param", "code"}}, `code` the HTTP status."""
     kind = {
         400: "BadRequestError",
         404: "NotFoundError",
@@ -223,4 +224,4 @@ def error_body(message: str, param: str | None, code: int = 400) -> dict[str, An
         500: "InternalServerError",
         503: "ServiceUnavailableError",
     }.get(code, "Error")
-    return {"object": "error", "message": message, "type": kind, "param": param, "code": code}
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}

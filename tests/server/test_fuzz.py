@@ -1,0 +1,113 @@
+"""Schema fuzzing of the running server: generated bodies for /v1/completions and
+/v1/chat/completions (valid, malformed and adversarial values for every field) never get a
+5xx, and every answer is strict JSON (no NaN or Infinity): a 200 has choices (or, streamed, SSE
+events ending in [DONE]), an error has vLLM's error object naming a message."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.server.helpers import sse_events, strict_json
+
+pytestmark = pytest.mark.slow
+
+ERRORS = {400, 404, 413, 422, 429}
+SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70),
+                    st.floats(allow_nan=False), st.text(max_size=8))
+IDS = st.lists(st.one_of(st.integers(-3, 330), st.integers(-(2**66), 2**66), st.booleans(),
+                         st.floats(-2, 400, allow_nan=False)), max_size=6)
+FIELDS = {
+    "max_tokens": st.one_of(st.integers(-2, 6), SCALARS),
+    "temperature": st.one_of(st.floats(-1, 3, allow_nan=False), SCALARS),
+    "top_p": st.one_of(st.floats(-0.5, 1.5, allow_nan=False), SCALARS),
+    "top_k": st.one_of(st.integers(-2, 400), SCALARS),
+    "min_p": st.one_of(st.floats(-0.5, 1.5, allow_nan=False), SCALARS),
+    "n": st.one_of(st.integers(-1, 3), SCALARS),
+    "seed": SCALARS,
+    "stop": st.one_of(st.text(max_size=4), st.lists(st.text(max_size=4), max_size=3), SCALARS),
+    "stop_token_ids": st.one_of(IDS, SCALARS),
+    "logit_bias": st.one_of(st.dictionaries(st.text(max_size=5), SCALARS, max_size=3),
+                            st.dictionaries(st.integers(-5, 400).map(str),
+                                            st.floats(-200, 200, allow_nan=False), max_size=3),
+                            SCALARS),
+    "presence_penalty": st.one_of(st.floats(-3, 3, allow_nan=False), SCALARS),
+    "frequency_penalty": st.one_of(st.floats(-3, 3, allow_nan=False), SCALARS),
+    "repetition_penalty": st.one_of(st.floats(-1, 3, allow_nan=False), SCALARS),
+    "ignore_eos": st.one_of(st.booleans(), SCALARS),
+    "min_tokens": st.one_of(st.integers(-1, 8), SCALARS),
+    "logprob_token_ids": st.one_of(IDS, SCALARS),
+    "stream": st.booleans(),
+    "stream_options": st.one_of(st.fixed_dictionaries({}, optional={
+        "include_usage": SCALARS, "continuous_usage_stats": SCALARS}), SCALARS),
+    "skip_special_tokens": st.one_of(st.booleans(), SCALARS),
+    "return_tokens_as_token_ids": st.one_of(st.booleans(), SCALARS),
+    "speculative": st.one_of(st.booleans(), SCALARS),
+    "thinking_token_budget": st.one_of(st.integers(-1, 4), SCALARS),
+}
+COMPLETION_FIELDS = {
+    **FIELDS,
+    "prompt": st.one_of(st.text(max_size=12), IDS, st.lists(st.text(max_size=6), max_size=3),
+                        st.lists(IDS, max_size=2), SCALARS),
+    "logprobs": st.one_of(st.integers(-2, 25), SCALARS),
+    "echo": st.one_of(st.booleans(), SCALARS),
+    "prompt_logprobs": st.one_of(st.integers(-2, 25), SCALARS),
+}
+MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", "x"]),
+                                 "content": st.one_of(st.text(max_size=10), SCALARS)})
+CHAT_FIELDS = {
+    **FIELDS,
+    "messages": st.one_of(st.lists(MESSAGE, min_size=1, max_size=3), st.lists(SCALARS),
+                          SCALARS),
+    "logprobs": st.one_of(st.booleans(), SCALARS),
+    "top_logprobs": st.one_of(st.integers(-2, 25), SCALARS),
+}
+
+
+def bodies(fields: dict, required: str):
+    optional = {k: v for k, v in fields.items() if k != required}
+    return st.fixed_dictionaries({required: fields[required]}, optional=optional)
+
+
+def check(response: httpx.Response, stream: bool) -> None:
+    assert response.status_code < 500, response.text[:2000]
+    if response.status_code != 200:
+        assert response.status_code in ERRORS, response.status_code
+        error = strict_json(response.content)["error"]
+        assert isinstance(error["message"], str) and error["message"]
+        return
+    if stream:
+        events = sse_events(response)
+        assert events and all("error" not in e for e in events), events[-1:]
+    else:
+        assert strict_json(response.content)["choices"]
+
+
+def send(server, path: str, body: dict) -> httpx.Response:
+    body = {"model": server.model_dir.name, **body}
+    if isinstance(body.get("max_tokens"), int) and body["max_tokens"] > 6:
+        body["max_tokens"] = 6
+    return httpx.post(server.url + path, content=json.dumps(body), timeout=120.0,
+                      headers={"content-type": "application/json"})
+
+
+FUZZ = settings(max_examples=int(os.environ.get("HELIOS_FUZZ_EXAMPLES", "120")), deadline=None,
+                suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                       HealthCheck.too_slow])
+
+
+@FUZZ
+@given(bodies(COMPLETION_FIELDS, "prompt"))
+def test_completions_never_fail_with_5xx(server, body):
+    check(send(server, "/v1/completions", body), body.get("stream") is True)
+
+
+@FUZZ
+@given(bodies(CHAT_FIELDS, "messages"))
+def test_chat_completions_never_fail_with_5xx(server, body):
+    check(send(server, "/v1/chat/completions", body), body.get("stream") is True)
