@@ -95,7 +95,7 @@ async def stream_chunks(
     top-level fields to a delta's chunk (chat's `prompt_logprobs`)."""
     head = envelope(id_prefix, obj, assets)
     include_usage = bool(options and options.include_usage)
-    continuous = bool(options and options.continuous_usage_stats)
+    continuous = include_usage and bool(options and options.continuous_usage_stats)
     pending = dict(prefixes or {})
 
     def chunk(body: dict[str, Any], index: int, more: dict[str, Any] | None = None

@@ -63,7 +63,9 @@ class OpenAIModel(BaseModel):
 
 
 class StreamOptions(OpenAIModel):
-    include_usage: bool | None = True
+    """vLLM's current defaults: `{}` asks for nothing, and per-chunk usage needs include_usage."""
+
+    include_usage: bool | None = False
     continuous_usage_stats: bool | None = False
 
 
@@ -140,7 +142,7 @@ class SamplingFields(OpenAIModel):
 class CompletionRequest(SamplingFields):
     REFUSED_FIELDS: ClassVar[tuple[str, ...]] = COMPLETION_REFUSED
 
-    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]] | None = None
     echo: bool | None = False
     logprobs: int | None = None
     max_tokens: int | None = 16
