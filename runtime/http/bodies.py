@@ -46,6 +46,10 @@ def validation_error(exc: ValidationError | RequestValidationError) -> Response:
     param = loc[0] if loc else None
     where = ".".join(loc)
     message = first.get("msg", "invalid request")
+    if kind := first.get("type"):
+        # pydantic's own suffix: vLLM's message carries the error type too (clients match
+        # e.g. "less_than_equal" for an out-of-range seed).
+        message = f"{message} [type={kind}]"
     return error_response(f"{where}: {message}" if where else message, param)
 
 

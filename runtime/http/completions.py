@@ -112,12 +112,18 @@ def echo_text(tb: TokenBytes, text: str | None, ids: list[int]) -> tuple[str, li
     return text, [min(offset, len(text)) for offset in skipped_offsets]
 
 
+EMPTY_PROMPT = "Either prompt or prompt_embeds must be provided and non-empty."
+"""vLLM's wording (clients match it), for a missing, null or empty prompt or an empty item."""
+
+
 def _prompts(req: CompletionRequest, assets: ModelAssets, info: EngineInfo
              ) -> list[tuple[str | None, list[int]]]:
     """Each prompt's text (None for ids) and ids. Token ids are checked against the vocabulary
     before any use (echo decodes them); a text longer than the context can hold is refused
     before it is tokenized."""
     prompt = req.prompt
+    if prompt is None:
+        raise RequestError("prompt", EMPTY_PROMPT)
     if isinstance(prompt, str):
         items: list = [prompt]
     elif prompt and all(isinstance(p, int) for p in prompt):
@@ -125,12 +131,12 @@ def _prompts(req: CompletionRequest, assets: ModelAssets, info: EngineInfo
     else:
         items = list(prompt)
     if not items:
-        raise RequestError("prompt", "the prompt must not be empty")
+        raise RequestError("prompt", EMPTY_PROMPT)
     out = []
     for item in items:
         if isinstance(item, str):
             if not item:
-                raise RequestError("prompt", "the prompt must not be empty")
+                raise RequestError("prompt", EMPTY_PROMPT)
             ids = assets.encode(item, add_special_tokens=req.add_special_tokens, param="prompt",
                                 max_model_len=info.max_model_len)
             out.append((item, ids))
@@ -157,7 +163,7 @@ def prepare_completion(
     total = 0
     for p, (text, ids) in enumerate(prompts):
         if not ids:
-            raise RequestError("prompt", "the prompt must contain at least one token")
+            raise RequestError("prompt", EMPTY_PROMPT)
         max_tokens = resolve_max_tokens(
             explicit, len(ids), info.max_model_len, "max_tokens",
             default=DEFAULT_MAX_TOKENS,

@@ -23,11 +23,15 @@ TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,19}", re.ASCII)
 def parse_logit_bias(raw: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
     if not raw:
         return ()
+    bad = [key for key in raw if not TOKEN_ID_KEY.fullmatch(key)]
+    if bad:
+        # Every offending key at once, as vLLM reports them.
+        shown = [key if len(key) <= 32 else key[:32] + "..." for key in bad[:8]]
+        listed = ", ".join(repr(key) for key in shown) + (", ..." if len(bad) > 8 else "")
+        noun = "key" if len(bad) == 1 else "keys"
+        raise RequestError("logit_bias", f"{noun} {listed}: not token ids (ASCII digits)")
     pairs: dict[int, float] = {}
     for key, bias in raw.items():
-        if not TOKEN_ID_KEY.fullmatch(key):
-            shown = key if len(key) <= 32 else key[:32] + "..."
-            raise RequestError("logit_bias", f"key {shown!r} is not a token id (ASCII digits)")
         token_id = int(key)
         if token_id in pairs:
             raise RequestError("logit_bias", f"token id {token_id} appears more than once")
