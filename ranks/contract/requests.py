@@ -47,7 +47,8 @@ def check_token_ids(param: str, ids: Iterable[object], vocab_size: int) -> None:
     outside = [t for t in ids if not 0 <= t < vocab_size]
     if outside:
         raise RequestError(
-            param, f"ids {outside[:8]} outside the vocabulary [0, {vocab_size})"
+            param, f"ids {outside[:8]} are out of vocabulary: an id must be greater than or "
+            f"equal to 0 and less than {vocab_size}"
         )
 
 

@@ -86,3 +86,12 @@ def test_empty_or_missing_prompt_uses_vllm_wording(server, prompt):
     assert response.status_code == 400
     error = strict_json(response.content)["error"]
     assert error == {"message": EMPTY, "type": "BadRequestError", "param": "prompt", "code": 400}
+
+
+@pytest.mark.parametrize("prompt", [[999_999], [5, -1]])
+def test_out_of_vocabulary_prompt_ids_use_vllm_wording(server, prompt):
+    """test_prompt_validation.py::test_out_of_vocab_token_ids matches "out of vocabulary"."""
+    with pytest.raises(openai.BadRequestError, match="out of vocabulary") as info:
+        server.client().completions.create(model=served_name(server), prompt=prompt,
+                                           max_tokens=2)
+    assert info.value.body["param"] == "prompt"

@@ -137,12 +137,14 @@ def test_repeated_token_ids_are_refused():
 
 def test_token_ids_at_or_above_vocab_size_are_refused():
     error = refused({0: LaneRequest(token_ids=(3, VOCAB))})
-    assert error.message == f"ids [{VOCAB}] outside the vocabulary [0, {VOCAB})"
+    assert error.message == (f"ids [{VOCAB}] are out of vocabulary: an id must be greater than "
+                             f"or equal to 0 and less than {VOCAB}")
 
 
 def test_negative_token_ids_are_refused():
     error = refused({0: LaneRequest(token_ids=(-1, 3))})
-    assert error.message == f"ids [-1] outside the vocabulary [0, {VOCAB})"
+    assert error.message == ("ids [-1] are out of vocabulary: an id must be greater than or "
+                             f"equal to 0 and less than {VOCAB}")
 
 
 def test_non_integer_token_ids_are_refused():
