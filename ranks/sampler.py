@@ -4,7 +4,8 @@ Each rank holds ``logits[rows, local_width]`` for global ids ``vocab_start + lan
 or beyond ``local_valid`` are padding and never sampled. Transformations, in vLLM v1's order
 (vllm/v1/sample/sampler.py, ``Sampler.apply_logits_processors`` then ``Sampler.sample``; each
 step is cited in tests/sampler_oracle.py and docs/api.md, "Sampling order"):
-allowed_token_ids (grammar mask), logit_bias, repetition/frequency/presence penalties; greedy
+allowed_token_ids (grammar mask), min_tokens (the stop ids masked before it), logit_bias,
+repetition/frequency/presence penalties; greedy
 rows take the argmax here; then temperature, min-p, top-k, top-p (its mass is over what min-p
 and top-k kept), and a Gumbel-max whose Philox noise is keyed by (seed, position, global id),
 so a seeded row samples the same token at every TP degree. The raw logits are never
@@ -133,6 +134,9 @@ class ShardedSampler:
                 blocked = torch.ones(self.local_valid, dtype=torch.bool, device=self.device)
                 blocked[lanes] = False
                 x[i].masked_fill_(blocked, NEG_INF)
+            if r.blocked_ids:
+                lanes, _ = self._local(r.blocked_ids)
+                x[i].index_fill_(0, lanes, NEG_INF)
             if r.logit_bias:
                 lanes, bias = self._local(
                     [t for t, _ in r.logit_bias], [b for _, b in r.logit_bias]

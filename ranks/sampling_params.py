@@ -36,6 +36,8 @@ class RowSampling:
     Philox noise together with ``position``, the index of the generated token. ``top_k`` 0 or
     -1 disables top-k. ``logit_bias`` is a tuple of distinct (token id, bias) pairs (a mapping
     is accepted and converted); ``allowed_token_ids`` (the grammar mask) is None for no mask.
+    While ``position < min_tokens`` the ids ``min_tokens_ids`` (the request's stop token ids:
+    EOS unless ignored, and ``stop_token_ids``) cannot be sampled (vLLM's min_tokens).
     """
 
     seed: int
@@ -49,9 +51,11 @@ class RowSampling:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     allowed_token_ids: tuple[int, ...] | None = None
+    min_tokens: int = 0
+    min_tokens_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("seed", "position", "top_k"):
+        for name in ("seed", "position", "top_k", "min_tokens"):
             if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int):
                 raise RequestError(name, f"expected an int, got {getattr(self, name)!r}")
         if not SEED_MIN <= self.seed < SEED_MAX:
@@ -78,6 +82,15 @@ class RowSampling:
             if not allowed or len(set(allowed)) != len(allowed):
                 raise RequestError("allowed_token_ids", "expected distinct ids, at least one")
             object.__setattr__(self, "allowed_token_ids", allowed)
+        if self.min_tokens < 0:
+            raise RequestError("min_tokens", f"expected >= 0, got {self.min_tokens}")
+        blocked = tuple(_token_id("min_tokens", t) for t in self.min_tokens_ids)
+        object.__setattr__(self, "min_tokens_ids", blocked)
+
+    @property
+    def blocked_ids(self) -> tuple[int, ...]:
+        """Ids that cannot be sampled at this position (the stop ids before min_tokens)."""
+        return self.min_tokens_ids if self.position < self.min_tokens else ()
 
     @property
     def greedy(self) -> bool:
@@ -102,6 +115,7 @@ class RowSampling:
 
     def max_token_id(self) -> int:
         ids = [t for t, _ in self.logit_bias] + list(self.allowed_token_ids or ())
+        ids += self.min_tokens_ids
         return max(ids, default=-1)
 
 

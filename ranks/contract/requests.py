@@ -38,6 +38,16 @@ def check_prompt_logprobs(value: int | None, k: int, enabled: bool) -> None:
         raise RequestError(PROMPT_LOGPROBS, f"must be an integer in [0, {k}], got {value!r}")
 
 
+def check_min_tokens(min_tokens: object, max_tokens: int) -> None:
+    """0 <= min_tokens <= max_tokens (vLLM's wording)."""
+    if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 0:
+        raise RequestError("min_tokens", f"min_tokens must be greater than or equal to 0, "
+                                         f"got {min_tokens!r}")
+    if min_tokens > max_tokens:
+        raise RequestError("min_tokens", f"min_tokens must be less than or equal to "
+                                         f"max_tokens={max_tokens}, got {min_tokens}")
+
+
 def check_token_ids(param: str, ids: Iterable[object], vocab_size: int) -> None:
     """Token ids must be ints (not bool) inside [0, vocab_size)."""
     ids = list(ids)

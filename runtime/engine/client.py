@@ -30,6 +30,9 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_tokens: int = 0
+    """EOS (unless ignored) and the stop token ids cannot be sampled before this many tokens,
+    and stop strings are not matched before then (vLLM's min_tokens)."""
     logprobs: int | None = None
     """None: no logprobs. 0..K: the chosen token's logprob plus that many natural alternatives."""
     logprob_token_ids: tuple[int, ...] | None = None

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from ranks.contract.requests import (
     RequestError,
     check_logprob_request,
+    check_min_tokens,
     check_prompt_logprobs,
     check_token_ids,
 )
@@ -113,6 +114,7 @@ class Engine:
         check_token_ids("allowed_token_ids", params.allowed_token_ids or (), info.vocab_size)
         check_token_ids("logit_bias", [t for t, _ in params.logit_bias], info.vocab_size)
         check_thinking_budget(params.thinking_token_budget, info.reasoning)
+        check_min_tokens(params.min_tokens, params.max_tokens)
         if not isinstance(params.speculative, bool):
             raise RequestError("speculative", f"must be a boolean, got {params.speculative!r}")
         request_spec(info, 0, prompt_ids, params, info.reasoning)

@@ -201,6 +201,8 @@ def request_spec(
         repetition_penalty=params.repetition_penalty,
         logit_bias=params.logit_bias,
         allowed_token_ids=params.allowed_token_ids,
+        min_tokens=params.min_tokens,
+        min_tokens_ids=tuple(sorted(stops)) if params.min_tokens else (),
     )
     scored = params.prompt_logprobs is not None
     thinking = {}

@@ -130,6 +130,7 @@ async def run_choice(engine: EngineClient, job: ChoiceJob, tb: TokenBytes) -> As
         include_stop_str_in_output=job.include_stop_str_in_output,
         skip_special_tokens=job.skip_special_tokens,
         prompt_ids=job.prompt_ids,
+        min_tokens=job.params.min_tokens,
     )
     eos_ids = engine.info.eos_token_ids
     at_once = not any(job.stops)

@@ -77,11 +77,17 @@ class StopFilter(Generic[T]):
     def queued_entries(self) -> int:
         return len(self._queue)
 
-    def push(self, text: str, starts: Iterable[tuple[T, TokenStart]] = ()) -> Released[T]:
+    def push(self, text: str, starts: Iterable[tuple[T, TokenStart]] = (), *,
+             match: bool = True) -> Released[T]:
+        """``match=False``: do not look for stop strings (vLLM matches none before min_tokens
+        tokens), but keep holding a tail that may begin one, so a stop string completed by a
+        later, matched push is still found whole."""
         if self.done:
             raise RuntimeError("push() after the output ended")
         self._held += text
         self._queue.extend(starts)
+        if not match:
+            return self._release(len(self._held) - self._hold_length(), None)
         hit = self._first_stop()
         if hit is not None:
             begin, end, stop = hit
@@ -155,7 +161,10 @@ class OutputStream:
         include_stop_str_in_output: bool = False,
         skip_special_tokens: bool = True,
         prompt_ids: Sequence[int] = (),
+        min_tokens: int = 0,
     ) -> None:
+        self._min_tokens = min_tokens
+        """Stop strings are matched only once more than this many tokens exist (vLLM)."""
         self._detok = Detokenizer.after_prompt(
             token_bytes, prompt_ids, skip_special_tokens=skip_special_tokens
         )
@@ -181,7 +190,8 @@ class OutputStream:
         if self.done:
             raise RuntimeError("push() after the output ended")
         self._pending.append(token)
-        return self._chunk(self._detok.feed(token.token_id), final=False)
+        match = token.index >= self._min_tokens
+        return self._chunk(self._detok.feed(token.token_id), final=False, match=match)
 
     def finish(self, finished: Finished | None = None) -> Chunk:
         """End of generation. The terminating stop token (finished.stop_token_id), if any, was
@@ -191,9 +201,9 @@ class OutputStream:
             return Chunk("", ())
         return self._chunk(self._detok.finish(), final=True)
 
-    def _chunk(self, step: DetokStep, *, final: bool) -> Chunk:
+    def _chunk(self, step: DetokStep, *, final: bool, match: bool = True) -> Chunk:
         starts = [(self._pending.popleft(), start) for start in step.starts]
-        released = self._filter.push(step.text, starts)
+        released = self._filter.push(step.text, starts, match=match)
         if final and released.stop is None:
             tail = self._filter.finish()
             released = Released(released.text + tail.text, released.entries + tail.entries)

@@ -53,7 +53,8 @@ COMPLETION_CASES = [
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"suffix": "tail"}, "suffix"),
     ({"use_beam_search": True}, "use_beam_search"),
-    ({"min_tokens": 3}, "min_tokens"),
+    ({"min_tokens": 3}, "min_tokens"),  # more than max_tokens (2)
+    ({"min_tokens": -1}, "min_tokens"),
 ]
 
 CHAT_CASES = [

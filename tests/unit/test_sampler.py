@@ -411,3 +411,36 @@ def test_filtered_rows_tokens_are_pinned():
     ]
     got = make_sampler(32000, 4).sample(pin_logits(32000, 4, 7), rows, [[]] * 4, [[]] * 4)
     assert got.tolist() == [612, 13805, 22720, 4780]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_min_tokens_masks_the_stop_ids_until_its_position(temperature):
+    """Before min_tokens the request's stop ids cannot be sampled, as if allowed_token_ids
+    excluded them (both are -inf masks ahead of logit_bias); from min_tokens on, nothing."""
+    vocab = 300
+    logits = pin_logits(vocab, 4, 3)
+    top = logits.argmax(1).tolist()
+    sampler = make_sampler(vocab, 4)
+
+    def rows(position: int, extra) -> list[RowSampling]:
+        return [RowSampling(seed=5 + i, position=position, temperature=temperature, **extra(i))
+                for i in range(4)]
+
+    def blocked(i):
+        return {"min_tokens": 2, "min_tokens_ids": (top[i], 7)}
+
+    def allowed(i):
+        return {"allowed_token_ids": tuple(t for t in range(vocab) if t not in (top[i], 7))}
+
+    def none(_):
+        return {}
+
+    history = [[]] * 4
+    for position in (0, 1):
+        got = sampler.sample(logits, rows(position, extra=blocked), history, history).tolist()
+        same = sampler.sample(logits, rows(position, extra=allowed), history, history).tolist()
+        assert got == same and all(g != t and g != 7 for g, t in zip(got, top, strict=True))
+    late = sampler.sample(logits, rows(2, extra=blocked), history, history).tolist()
+    assert late == sampler.sample(logits, rows(2, extra=none), history, history).tolist()
+    if temperature == 0.0:
+        assert late == top

@@ -247,3 +247,14 @@ def test_stream_matches_whole_sequence_oracle(build) -> None:
         assert entries == [(i, starts[i].offset) for i in keep]
 
     check()
+
+
+def test_stop_strings_wait_for_min_tokens(level) -> None:
+    """vLLM matches stop strings only once more than min_tokens tokens exist: a stop inside
+    the first min_tokens tokens is kept in the text, a later one still ends the output."""
+    tok, tb = level
+    ids = tok.encode("ab STOP cd STOP ef").ids
+    first = next(i for i in range(len(ids)) if "STOP" in tok.decode(ids[: i + 1]))
+    text, _, stop, _ = run(tb, gen(ids), ["STOP"], min_tokens=first + 1)
+    assert (text, stop) == ("ab STOP cd ", "STOP")
+    assert run(tb, gen(ids), ["STOP"], min_tokens=first)[:3:2] == ("ab ", "STOP")

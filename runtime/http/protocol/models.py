@@ -90,6 +90,7 @@ class SamplingFields(OpenAIModel):
     top_k: int | None = None
     min_p: float | None = None
     ignore_eos: bool = False
+    min_tokens: int = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     allowed_token_ids: list[TokenId] | None = None
@@ -113,7 +114,6 @@ class SamplingFields(OpenAIModel):
     use_beam_search: bool = False
     length_penalty: float | None = None
     best_of: int | None = None
-    min_tokens: int = 0
     bad_words: list[str] | None = None
     logits_processors: Any = None
     vllm_xargs: Any = None

@@ -80,6 +80,7 @@ def build_params(
         allowed_token_ids=allowed,
         stop_token_ids=tuple(req.stop_token_ids or ()),
         ignore_eos=req.ignore_eos,
+        min_tokens=req.min_tokens,
         logprobs=None if logprob_token_ids is not None else logprobs,
         logprob_token_ids=None if logprob_token_ids is None else tuple(logprob_token_ids),
         prompt_logprobs=prompt_logprobs,

@@ -63,7 +63,6 @@ REFUSED: dict[str, Refusal] = {
     "length_penalty": Refusal("length_penalty applies to beam search, which is not supported",
                               _not_one),
     "best_of": Refusal("best_of other than n is not supported by this server", _best_of),
-    "min_tokens": Refusal("min_tokens is not supported by this server", _truthy),
     "bad_words": Refusal("bad_words is not supported by this server", _truthy),
     "logits_processors": Refusal("custom logits processors are not supported", _truthy),
     "vllm_xargs": Refusal("vllm_xargs (custom processor arguments) is not supported"),
@@ -106,7 +105,7 @@ REFUSED: dict[str, Refusal] = {
 vLLM takes on its endpoint (`REFUSED_FIELDS`); elsewhere they are unknown fields."""
 
 COMMON_REFUSED = (
-    "use_beam_search", "length_penalty", "best_of", "min_tokens", "bad_words",
+    "use_beam_search", "length_penalty", "best_of", "bad_words",
     "logits_processors", "vllm_xargs", "repetition_detection",
     "watermarking", "spaces_between_special_tokens", "return_token_ids",
     "truncate_prompt_tokens", "truncation_side", "kv_transfer_params", "response_format",
