@@ -25,6 +25,8 @@ from runtime.http.protocol.params import (
     check_stops,
     choice_seed,
     resolve_max_tokens,
+    truncate,
+    truncation,
     wire_mode,
 )
 from runtime.http.wire import Position, WireMode, chat_logprobs, request_prompt_logprobs
@@ -90,8 +92,10 @@ def prepare_chat(
     check_stops(stops)
     check_choices(req.n, 1)
     text = render(req, messages, assets)
+    keep = truncation(req, engine.info.max_model_len)
     ids = assets.encode(text, add_special_tokens=req.add_special_tokens, param="messages",
-                        max_model_len=engine.info.max_model_len)
+                        max_model_len=engine.info.max_model_len if keep is None else None)
+    ids = truncate(ids, keep, req.truncation_side)
     if not ids:
         raise RequestError("messages", "the rendered conversation has no tokens")
     info = engine.info

@@ -27,6 +27,8 @@ from runtime.http.protocol.params import (
     check_stops,
     choice_seed,
     resolve_max_tokens,
+    truncate,
+    truncation,
     wire_mode,
 )
 from runtime.http.wire import (
@@ -132,17 +134,20 @@ def _prompts(req: CompletionRequest, assets: ModelAssets, info: EngineInfo
         items = list(prompt)
     if not items:
         raise RequestError("prompt", EMPTY_PROMPT)
+    keep = truncation(req, info.max_model_len)
     out = []
     for item in items:
         if isinstance(item, str):
             if not item:
                 raise RequestError("prompt", EMPTY_PROMPT)
             ids = assets.encode(item, add_special_tokens=req.add_special_tokens, param="prompt",
-                                max_model_len=info.max_model_len)
-            out.append((item, ids))
+                                max_model_len=info.max_model_len if keep is None else None)
         else:
             check_token_ids("prompt", item, min(info.vocab_size, assets.token_bytes.size))
-            out.append((None, list(item)))
+            ids = list(item)
+        kept = truncate(ids, keep, req.truncation_side)
+        # A truncated text is echoed from its kept ids, as vLLM echoes the engine's prompt.
+        out.append((item if isinstance(item, str) and kept is ids else None, kept))
     return out
 
 

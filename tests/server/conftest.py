@@ -89,3 +89,8 @@ def plain_server(_servers) -> Server:
 @pytest.fixture(scope="session")
 def tp4_server(_servers) -> Server:
     return _ready(_servers, "tp4_server")
+
+
+@pytest.fixture(scope="session")
+def scoring_server(_servers) -> Server:
+    return _ready(_servers, "scoring_server")

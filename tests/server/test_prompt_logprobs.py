@@ -13,10 +13,8 @@ from runtime.engine.client import PromptLogprob, TokenLogprob
 from runtime.http.wire import NonFiniteLogprob, natural_ranks, prompt_logprobs_entry
 from runtime.text.token_bytes import TokenBytes
 from tests.checkpoints import hf_logprobs
-from tests.devices import missing_gpus
 from tests.oracles import check_natural
 from tests.server.helpers import (
-    SERVERS,
     TOLERANCE,
     chat_prompt_ids,
     encoder,
@@ -37,16 +35,6 @@ pytestmark = pytest.mark.slow
 NEAR_TIE = 1e-5
 IDS = {"return_tokens_as_token_ids": True}
 TEXT = "Hello café world, 中文 and 🙂"
-
-
-@pytest.fixture(scope="session")
-def scoring_server(_servers):
-    reason = missing_gpus(SERVERS["scoring_server"][1])
-    if reason is not None:
-        pytest.skip(reason)
-    server = _servers["scoring_server"]
-    server.wait_healthy()
-    return server
 
 
 # ----------------------------------------------------------------------------- oracles

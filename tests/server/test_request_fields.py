@@ -125,8 +125,6 @@ REFUSED_VALUES = {
     "spaces_between_special_tokens": False,
     "return_token_ids": True,
 
-    "truncate_prompt_tokens": 5,
-    "truncation_side": "left",
     "kv_transfer_params": {"do_remote_decode": True},
     "response_format": {"type": "json_object"},
     "structured_outputs": {"json": SCHEMA},

@@ -17,7 +17,7 @@ are in docs/api.md.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
@@ -91,6 +91,10 @@ class SamplingFields(OpenAIModel):
     min_p: float | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    """Keep this many prompt tokens (-1: the context length), vLLM's."""
+    truncation_side: Literal["left", "right"] | None = None
+    """"left" (the default) keeps the last truncate_prompt_tokens tokens, "right" the first."""
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     allowed_token_ids: list[TokenId] | None = None
@@ -121,8 +125,6 @@ class SamplingFields(OpenAIModel):
     watermarking: Any = None
     spaces_between_special_tokens: bool = True
     return_token_ids: bool | None = None
-    truncate_prompt_tokens: int | None = None
-    truncation_side: Any = None
     kv_transfer_params: Any = None
     response_format: Any = None
     structured_outputs: Any = None

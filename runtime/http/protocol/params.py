@@ -89,6 +89,27 @@ def build_params(
     )
 
 
+def truncation(req: SamplingFields, max_model_len: int) -> int | None:
+    """How many prompt tokens `truncate_prompt_tokens` keeps (-1: the context length), or None
+    for no truncation; vLLM's bound: at most max_model_len."""
+    keep = req.truncate_prompt_tokens
+    if keep is None:
+        return None
+    keep = max_model_len if keep == -1 else keep
+    if keep > max_model_len:
+        raise RequestError("truncate_prompt_tokens",
+                           f"truncate_prompt_tokens value ({keep}) is greater than max_model_len "
+                           f"({max_model_len}). Please request a smaller truncation size.")
+    return keep
+
+
+def truncate(ids: list[int], keep: int | None, side: str | None) -> list[int]:
+    """The prompt's last `keep` ids (truncation_side "left", the default) or its first."""
+    if keep is None or len(ids) <= keep:
+        return ids
+    return ids[:keep] if side == "right" else ids[len(ids) - keep:]
+
+
 def choice_seed(seed: int | None, index: int) -> int | None:
     """Choice i of a seeded request uses seed + i (so n > 1 choices differ)."""
     return None if seed is None else seed + index

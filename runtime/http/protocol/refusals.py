@@ -72,8 +72,6 @@ REFUSED: dict[str, Refusal] = {
     "return_token_ids": Refusal("return_token_ids is not supported by this server", _truthy),
     # prompt handling
     "prompt_embeds": Refusal("prompt_embeds is not supported by this server"),
-    "truncate_prompt_tokens": Refusal("truncate_prompt_tokens is not supported by this server"),
-    "truncation_side": Refusal("truncation_side is not supported (no prompt truncation)"),
     "suffix": Refusal("suffix is not supported by this server", _truthy),
     "kv_transfer_params": Refusal("kv_transfer_params (disaggregated serving) is not supported"),
     # structured outputs
@@ -108,7 +106,7 @@ COMMON_REFUSED = (
     "use_beam_search", "length_penalty", "best_of", "bad_words",
     "logits_processors", "vllm_xargs", "repetition_detection",
     "watermarking", "spaces_between_special_tokens", "return_token_ids",
-    "truncate_prompt_tokens", "truncation_side", "kv_transfer_params", "response_format",
+    "kv_transfer_params", "response_format",
     "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
     "guided_decoding_backend", "guided_whitespace_pattern",
 )
