@@ -152,9 +152,13 @@ async def chat(prep: PreparedChat, engine: EngineClient, assets: ModelAssets) ->
         "logprobs": _logprobs(prep, out.positions, assets),
         "finish_reason": out.finish_reason,
         "stop_reason": out.stop_reason,
+        **({"token_ids": out.token_ids} if prep.request.return_token_ids else {}),
     } for out in outcomes]
+    ids = {"prompt_token_ids": list(prep.jobs[0].prompt_ids)} if (
+        prep.request.return_token_ids) else {}
     return {
         **envelope("chatcmpl", "chat.completion", assets),
+        **ids,
         "choices": choices,
         "usage": totals.usage(),
         "system_fingerprint": None,
@@ -184,18 +188,27 @@ def stream_chat(
         }
         if delta.finish_reason is not None:
             out["stop_reason"] = delta.stop_reason
+        if return_ids:
+            out["token_ids"] = delta.token_ids
         return out
 
+    return_ids = bool(prep.request.return_token_ids)
+    started: set[int] = set()
+
     def extra(index: int, delta: Delta) -> dict[str, Any]:
-        if not delta.prompt:
-            return {}
-        scores = request_prompt_logprobs(prep.request, delta.prompt, assets.token_bytes)
-        return {"prompt_logprobs": scores}
+        fields: dict[str, Any] = {}
+        if return_ids and index not in started:
+            started.add(index)
+            fields["prompt_token_ids"] = list(prep.jobs[index].prompt_ids)
+        if delta.prompt:
+            scores = request_prompt_logprobs(prep.request, delta.prompt, assets.token_bytes)
+            fields["prompt_logprobs"] = scores
+        return fields
 
     return stream_chunks(
         prep.jobs, engine, assets, id_prefix="chatcmpl", obj="chat.completion.chunk",
         options=prep.request.stream_options, totals=prep.totals,
         prompt_tokens=dict.fromkeys(range(len(prep.jobs)), prep.prompt_tokens),
         choice=choice, opening=opening,
-        extra=extra if prep.request.prompt_logprobs is not None else None,
+        extra=extra if prep.request.prompt_logprobs is not None or return_ids else None,
     )

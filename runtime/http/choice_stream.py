@@ -55,6 +55,9 @@ class Delta:
     """Generated tokens this delta accounts for (usage), terminating stop tokens included."""
     prompt: list[PromptLogprob | None] = field(default_factory=list)
     """Prompt scores released in this delta, in prompt order (None: prompt position 0)."""
+    token_ids: list[int] = field(default_factory=list)
+    """The generated ids this delta accounts for (a terminating stop token included), for
+    return_token_ids."""
 
 
 @dataclass
@@ -99,6 +102,7 @@ def _join(first: Delta | None, second: Delta) -> Delta:
         stop_reason=second.stop_reason,
         tokens=first.tokens + second.tokens,
         prompt=first.prompt + second.prompt,
+        token_ids=first.token_ids + second.token_ids,
     )
 
 
@@ -149,7 +153,8 @@ async def run_choice(engine: EngineClient, job: ChoiceJob, tb: TokenBytes) -> As
                     delta = Delta("", [], prompt=list(event.entries))
                 elif isinstance(event, GeneratedToken):
                     chunk = stream.push(event)
-                    delta = Delta(chunk.text, entries(chunk), tokens=1)
+                    delta = Delta(chunk.text, entries(chunk), tokens=1,
+                                  token_ids=[event.token_id])
                     if chunk.stop is not None:
                         delta.finish_reason, delta.stop_reason = "stop", chunk.stop
                 else:
@@ -160,6 +165,7 @@ async def run_choice(engine: EngineClient, job: ChoiceJob, tb: TokenBytes) -> As
                         finish_reason=event.reason,
                         stop_reason=stop_reason_of(event, job.params, eos_ids),
                         tokens=0 if event.stop_token_id is None else 1,
+                        token_ids=[] if event.stop_token_id is None else [event.stop_token_id],
                     )
                 fresh = isinstance(event, GeneratedToken) or carried is not None
                 delta, carried = _join(carried, delta), None

@@ -40,6 +40,8 @@ class ChoiceOutcome:
     end: Delta | None
     prompt: list[PromptLogprob | None] = field(default_factory=list)
     """Prompt scores (None for position 0) when the choice's request scored its prompt."""
+    token_ids: list[int] = field(default_factory=list)
+    """Every generated id, a terminating stop token included (return_token_ids)."""
 
     @property
     def finish_reason(self) -> str | None:
@@ -61,6 +63,7 @@ async def collect(
     texts = {job.index: [prefixes.get(job.index, "")] for job in jobs}
     items: dict[int, list[Position]] = {job.index: [] for job in jobs}
     prompts: dict[int, list[PromptLogprob | None]] = {job.index: [] for job in jobs}
+    ids: dict[int, list[int]] = {job.index: [] for job in jobs}
     ends: dict[int, Delta] = {}
     indices = [job.index for job in jobs]
     async for k, delta in merge(_streams(jobs, engine, assets)):
@@ -68,10 +71,11 @@ async def collect(
         texts[index].append(delta.text)
         items[index].extend(delta.positions)
         prompts[index].extend(delta.prompt)
+        ids[index].extend(delta.token_ids)
         totals.add(index, delta)
         if delta.finish_reason is not None:
             ends[index] = delta
-    return [ChoiceOutcome(i, "".join(texts[i]), items[i], ends.get(i), prompts[i])
+    return [ChoiceOutcome(i, "".join(texts[i]), items[i], ends.get(i), prompts[i], ids[i])
             for i in indices]
 
 

@@ -221,6 +221,15 @@ def _logprobs(prep: PreparedCompletion, index: int, prompt: list, items: list[Po
     return completion_logprobs(items, assets.token_bytes, prep.mode)
 
 
+def _token_ids(prep: PreparedCompletion, index: int, ids: list[int], *, first: bool) -> dict:
+    """return_token_ids (vLLM's): the prompt's ids in a choice's first chunk (or its whole
+    response), and the generated ids each chunk carries."""
+    if not prep.request.return_token_ids:
+        return {}
+    prompt = {"prompt_token_ids": list(prep.jobs[index].prompt_ids)} if first else {}
+    return {**prompt, "token_ids": list(ids)}
+
+
 async def complete(prep: PreparedCompletion, engine: EngineClient, assets: ModelAssets) -> dict:
     """The whole response; raises EngineError (or another error) after admission."""
     totals, tb = prep.totals, assets.token_bytes
@@ -232,6 +241,7 @@ async def complete(prep: PreparedCompletion, engine: EngineClient, assets: Model
         "finish_reason": out.finish_reason,
         "stop_reason": out.stop_reason,
         "prompt_logprobs": request_prompt_logprobs(prep.request, out.prompt, tb),
+        **_token_ids(prep, out.index, out.token_ids, first=True),
     } for out in outcomes]
     return {
         **envelope("cmpl", "text_completion", assets),
@@ -247,6 +257,7 @@ def stream_completion(
     """Chunk objects (the caller encodes them as SSE, adds errors and [DONE])."""
 
     scored = prep.request.prompt_logprobs is not None
+    started: set[int] = set()
 
     def choice(index: int, text: str, delta: Delta) -> dict[str, Any]:
         body = {
@@ -259,6 +270,8 @@ def stream_completion(
         if scored:
             scores = request_prompt_logprobs(prep.request, delta.prompt, assets.token_bytes)
             body["prompt_logprobs"] = scores or None
+        body.update(_token_ids(prep, index, delta.token_ids, first=index not in started))
+        started.add(index)
         return body
 
     return stream_chunks(

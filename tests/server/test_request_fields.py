@@ -123,7 +123,6 @@ REFUSED_VALUES = {
     "repetition_detection": {"max_pattern_size": 4},
     "watermarking": True,
     "spaces_between_special_tokens": False,
-    "return_token_ids": True,
 
     "kv_transfer_params": {"do_remote_decode": True},
     "response_format": {"type": "json_object"},

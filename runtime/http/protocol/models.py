@@ -100,6 +100,8 @@ class SamplingFields(OpenAIModel):
     allowed_token_ids: list[TokenId] | None = None
     logprob_token_ids: list[TokenId] | None = None
     return_tokens_as_token_ids: bool | None = None
+    return_token_ids: bool | None = None
+    """vLLM's: the prompt's and the generated token ids alongside the text."""
     prompt_logprobs: int | None = None
     """0..20 on a server started with --prompt-logprobs (the engine checks it)."""
     # Accepted and ignored (IGNORED).
@@ -124,7 +126,6 @@ class SamplingFields(OpenAIModel):
     repetition_detection: Any = None
     watermarking: Any = None
     spaces_between_special_tokens: bool = True
-    return_token_ids: bool | None = None
     kv_transfer_params: Any = None
     response_format: Any = None
     structured_outputs: Any = None

@@ -69,7 +69,6 @@ REFUSED: dict[str, Refusal] = {
     "repetition_detection": Refusal("repetition_detection is not supported by this server"),
     "watermarking": Refusal("watermarking is not supported by this server", _truthy),
     "spaces_between_special_tokens": Refusal("only the default (true) is supported", _false),
-    "return_token_ids": Refusal("return_token_ids is not supported by this server", _truthy),
     # prompt handling
     "prompt_embeds": Refusal("prompt_embeds is not supported by this server"),
     "suffix": Refusal("suffix is not supported by this server", _truthy),
@@ -105,7 +104,7 @@ vLLM takes on its endpoint (`REFUSED_FIELDS`); elsewhere they are unknown fields
 COMMON_REFUSED = (
     "use_beam_search", "length_penalty", "best_of", "bad_words",
     "logits_processors", "vllm_xargs", "repetition_detection",
-    "watermarking", "spaces_between_special_tokens", "return_token_ids",
+    "watermarking", "spaces_between_special_tokens",
     "kv_transfer_params", "response_format",
     "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
     "guided_decoding_backend", "guided_whitespace_pattern",
