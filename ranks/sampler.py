@@ -4,7 +4,7 @@ Each rank holds ``logits[rows, local_width]`` for global ids ``vocab_start + lan
 or beyond ``local_valid`` are padding and never sampled. Transformations, in vLLM v1's order
 (vllm/v1/sample/sampler.py, ``Sampler.apply_logits_processors`` then ``Sampler.sample``; each
 step is cited in tests/sampler_oracle.py and docs/api.md, "Sampling order"):
-allowed_token_ids (grammar mask), min_tokens (the stop ids masked before it), logit_bias,
+allowed_token_ids (grammar mask), bad_words and min_tokens (their ids masked), logit_bias,
 repetition/frequency/presence penalties; greedy
 rows take the argmax here; then temperature, min-p, top-k, top-p (its mass is over what min-p
 and top-k kept), and a Gumbel-max whose Philox noise is keyed by (seed, position, global id),
@@ -134,8 +134,11 @@ class ShardedSampler:
                 blocked = torch.ones(self.local_valid, dtype=torch.bool, device=self.device)
                 blocked[lanes] = False
                 x[i].masked_fill_(blocked, NEG_INF)
-            if r.blocked_ids:
-                lanes, _ = self._local(r.blocked_ids)
+            blocked = list(r.blocked_ids)
+            if r.bad_words:
+                blocked += r.banned_ids(output_ids[i])
+            if blocked:
+                lanes, _ = self._local(blocked)
                 x[i].index_fill_(0, lanes, NEG_INF)
             if r.logit_bias:
                 lanes, bias = self._local(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ranks.contract.requests import RequestError
@@ -38,6 +38,8 @@ class RowSampling:
     is accepted and converted); ``allowed_token_ids`` (the grammar mask) is None for no mask.
     While ``position < min_tokens`` the ids ``min_tokens_ids`` (the request's stop token ids:
     EOS unless ignored, and ``stop_token_ids``) cannot be sampled (vLLM's min_tokens).
+    ``bad_words`` are token-id sequences (vLLM's bad_words): a sequence's last id cannot be
+    sampled where the output so far ends with the rest of it (a one-id sequence: never).
     """
 
     seed: int
@@ -53,6 +55,7 @@ class RowSampling:
     allowed_token_ids: tuple[int, ...] | None = None
     min_tokens: int = 0
     min_tokens_ids: tuple[int, ...] = ()
+    bad_words: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("seed", "position", "top_k", "min_tokens"):
@@ -86,6 +89,21 @@ class RowSampling:
             raise RequestError("min_tokens", f"expected >= 0, got {self.min_tokens}")
         blocked = tuple(_token_id("min_tokens", t) for t in self.min_tokens_ids)
         object.__setattr__(self, "min_tokens_ids", blocked)
+        words = tuple(tuple(_token_id("bad_words", t) for t in w) for w in self.bad_words)
+        if any(not w for w in words):
+            raise RequestError("bad_words", "a bad word has no tokens")
+        object.__setattr__(self, "bad_words", words)
+
+    def banned_ids(self, output: Sequence[int]) -> list[int]:
+        """The bad words' last ids that the output so far would complete (vLLM's
+        apply_bad_words: the output ids only, not the prompt)."""
+        banned = []
+        for word in self.bad_words:
+            prefix = len(word) - 1
+            if not prefix or (len(output) >= prefix
+                              and tuple(output[len(output) - prefix:]) == word[:-1]):
+                banned.append(word[-1])
+        return banned
 
     @property
     def blocked_ids(self) -> tuple[int, ...]:
@@ -116,6 +134,7 @@ class RowSampling:
     def max_token_id(self) -> int:
         ids = [t for t, _ in self.logit_bias] + list(self.allowed_token_ids or ())
         ids += self.min_tokens_ids
+        ids += [t for word in self.bad_words for t in word]
         return max(ids, default=-1)
 
 

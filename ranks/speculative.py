@@ -57,7 +57,7 @@ def sampler_rows(
         for i in range(1 + len(item.proposals)):
             params.append(replace(sampling, position=base + i))
             prompts.append(state.prompt)
-            if i and sampling.penalized:
+            if i and (sampling.penalized or sampling.bad_words):
                 histories.append([*state.output, *item.proposals[:i]])
             else:
                 histories.append(state.output)  # unread by an unpenalized row

@@ -31,6 +31,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     min_tokens: int = 0
+    bad_words: tuple[tuple[int, ...], ...] = ()
+    """Token-id sequences that cannot be completed (vLLM's bad_words, already tokenized)."""
     """EOS (unless ignored) and the stop token ids cannot be sampled before this many tokens,
     and stop strings are not matched before then (vLLM's min_tokens)."""
     logprobs: int | None = None

@@ -115,6 +115,7 @@ class Engine:
         check_token_ids("logit_bias", [t for t, _ in params.logit_bias], info.vocab_size)
         check_thinking_budget(params.thinking_token_budget, info.reasoning)
         check_min_tokens(params.min_tokens, params.max_tokens)
+        check_token_ids("bad_words", [t for w in params.bad_words for t in w], info.vocab_size)
         if not isinstance(params.speculative, bool):
             raise RequestError("speculative", f"must be a boolean, got {params.speculative!r}")
         request_spec(info, 0, prompt_ids, params, info.reasoning)

@@ -203,6 +203,7 @@ def request_spec(
         allowed_token_ids=params.allowed_token_ids,
         min_tokens=params.min_tokens,
         min_tokens_ids=tuple(sorted(stops)) if params.min_tokens else (),
+        bad_words=params.bad_words,
     )
     scored = params.prompt_logprobs is not None
     thinking = {}

@@ -78,6 +78,10 @@ class ModelAssets:
                 f"leaves no room in the maximum context length of {max_model_len} tokens",
             )
 
+    def word_ids(self, text: str) -> list[int]:
+        """A word's ids without special tokens (bad_words)."""
+        return self.encode(text, add_special_tokens=False, param="bad_words")
+
     def encode(self, text: str, *, add_special_tokens: bool, param: str,
                max_model_len: int | None = None) -> list[int]:
         """The text's ids; with `max_model_len`, a text whose length alone proves it does not

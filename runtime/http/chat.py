@@ -19,6 +19,7 @@ from runtime.http.choices import collect, envelope, stream_chunks
 from runtime.http.protocol.messages import ChatMessage, parse_messages
 from runtime.http.protocol.models import ChatCompletionRequest
 from runtime.http.protocol.params import (
+    bad_word_ids,
     build_params,
     check_choices,
     check_request,
@@ -106,12 +107,13 @@ def prepare_chat(
         requested, len(ids), info.max_model_len, param, prompt_param="messages"
     )
     jobs = []
+    bad_words = bad_word_ids(req.bad_words, assets.word_ids)
     for i in range(req.n):
         params = build_params(
             req, max_tokens=max_tokens, logprobs=top,
             logprob_token_ids=req.logprob_token_ids if top is not None else None,
             seed=choice_seed(req.seed, i),
-            prompt_logprobs=req.prompt_logprobs if i == 0 else None,
+            prompt_logprobs=req.prompt_logprobs if i == 0 else None, bad_words=bad_words,
         )
         if i == 0:
             info = engine.info

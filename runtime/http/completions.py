@@ -21,6 +21,7 @@ from runtime.http.choice_stream import ChoiceJob, Delta, Totals
 from runtime.http.choices import collect, envelope, stream_chunks
 from runtime.http.protocol.models import CompletionRequest
 from runtime.http.protocol.params import (
+    bad_word_ids,
     build_params,
     check_choices,
     check_request,
@@ -162,6 +163,7 @@ def prepare_completion(
     stops = req.stop_strings()
     check_stops(stops)
     prompts = _prompts(req, assets, info)
+    bad_words = bad_word_ids(req.bad_words, assets.word_ids)
     check_choices(req.n, len(prompts))
     explicit = req.max_tokens if "max_tokens" in req.model_fields_set else None
     jobs, echo_texts, prompt_tokens, echoed = [], {}, {}, {}
@@ -186,7 +188,7 @@ def prepare_completion(
             params = build_params(
                 req, max_tokens=max_tokens, logprobs=req.logprobs,
                 logprob_token_ids=req.logprob_token_ids, seed=choice_seed(req.seed, i),
-                prompt_logprobs=engine_prompt_logprobs,
+                prompt_logprobs=engine_prompt_logprobs, bad_words=bad_words,
             )
             if i == 0:
                 engine.check(ids, params)

@@ -49,7 +49,7 @@ def refused(response: httpx.Response, param: str) -> None:
 
 @pytest.mark.parametrize(("path", "fields", "param"), [
     ("/v1/completions", {"best_of": 3}, "best_of"),
-    ("/v1/completions", {"bad_words": ["garden"]}, "bad_words"),
+    ("/v1/completions", {"bad_words": [""]}, "bad_words"),
     ("/v1/completions", {"truncate_prompt_tokens": 10**6}, "truncate_prompt_tokens"),
     ("/v1/completions", {"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
     ("/v1/chat/completions", {"truncation_side": "middle"}, "truncation_side"),

@@ -117,7 +117,6 @@ REFUSED_VALUES = {
     "use_beam_search": True,
     "length_penalty": 0.5,
     "best_of": 3,
-    "bad_words": ["the"],
     "logits_processors": ["my.module:Proc"],
     "vllm_xargs": {"k": 1},
     "repetition_detection": {"max_pattern_size": 4},

@@ -444,3 +444,26 @@ def test_min_tokens_masks_the_stop_ids_until_its_position(temperature):
     assert late == sampler.sample(logits, rows(2, extra=none), history, history).tolist()
     if temperature == 0.0:
         assert late == top
+
+
+def test_bad_words_mask_the_id_that_would_complete_a_word():
+    """A one-id word is never sampled; a longer word's last id only after its prefix, in the
+    output (not the prompt). Same tokens as the row under the equivalent allowed_token_ids."""
+    vocab = 300
+    logits = pin_logits(vocab, 3, 5)
+    top = logits.argmax(1).tolist()
+    sampler = make_sampler(vocab, 3)
+    words = ((top[0],), (11, 12, top[1]), (13, top[2]))
+    histories = [[4, 5], [9, 11, 12], [13, 14]]  # row 1 ends with word 2's prefix; row 2 not
+    rows = [RowSampling(seed=1 + i, position=3, temperature=0.0, bad_words=words)
+            for i in range(3)]
+    assert [r.banned_ids(h) for r, h in zip(rows, histories, strict=True)] == [
+        [top[0]], [top[0], top[1]], [top[0]]]
+    got = sampler.sample(logits, rows, [[13]] * 3, histories).tolist()
+    expect = []
+    for i, h in enumerate(histories):
+        banned = set(rows[i].banned_ids(h))
+        row = RowSampling(seed=1 + i, position=3, temperature=0.0,
+                          allowed_token_ids=tuple(t for t in range(vocab) if t not in banned))
+        expect.append(int(sampler.sample(logits[i : i + 1], [row], [[13]], [h])[0]))
+    assert got == expect and got[2] == top[2] and got[0] != top[0] and got[1] != top[1]

@@ -162,6 +162,32 @@ def test_speculation_changes_neither_tokens_nor_logprobs(runs, qwen2):
         assert_matches_transformers(qwen2, prompt, tokens, params)
 
 
+def test_bad_words_inside_rounds_see_the_accepted_proposals(runs, qwen2):
+    """A round's row i checks bad words against the output plus the proposals before it, so
+    no banned sequence appears, and speculation on and off give the same tokens. The words
+    are taken from the greedy output itself (repetitive: rounds accept proposals)."""
+    from dataclasses import replace
+
+    prompt, params = JOBS[0]
+
+    def greedy(n: int, words: tuple) -> tuple[list[int], int]:
+        engine = engine_for(qwen2, n)
+        events = engine.run_offline([(prompt, replace(params, bad_words=words))])
+        return [t.token_id for t in split_events(events[0])[0]], engine.speculation.accepted
+
+    tokens = [t.token_id for t in split_events(runs[0][0][0])[0]]
+    words: tuple = ((tokens[0], tokens[1]),)
+    for _ in range(2):  # ban the output's next run of three equal tokens, twice
+        out, _ = greedy(0, words)
+        j = next(j for j in range(len(out) - 2) if out[j] == out[j + 1] == out[j + 2])
+        words += (tuple(out[j : j + 3]),)
+    off, _ = greedy(0, words)
+    on, accepted = greedy(4, words)
+    assert on == off and accepted > 0
+    for word in words:
+        assert all(tuple(on[j : j + len(word)]) != word for j in range(len(on)))
+
+
 def test_rounds_accept_and_reject_and_records_agree(runs):
     assert not runs[0][1].rounds and not runs[0][2].rounds
     for n in (2, 4):

@@ -91,6 +91,8 @@ class SamplingFields(OpenAIModel):
     min_p: float | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
+    bad_words: list[str] | None = None
+    """vLLM's: words whose tokens (with and without a leading space) cannot be completed."""
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     """Keep this many prompt tokens (-1: the context length), vLLM's."""
     truncation_side: Literal["left", "right"] | None = None
@@ -120,7 +122,6 @@ class SamplingFields(OpenAIModel):
     use_beam_search: bool = False
     length_penalty: float | None = None
     best_of: int | None = None
-    bad_words: list[str] | None = None
     logits_processors: Any = None
     vllm_xargs: Any = None
     repetition_detection: Any = None

@@ -4,6 +4,7 @@ each request (every refusal is a RequestError naming the field: HTTP 400 before 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 from ranks.contract.requests import RequestError
 from runtime.engine.client import SamplingParams
@@ -60,6 +61,7 @@ def build_params(
     logprob_token_ids: list[int] | None,
     seed: int | None,
     prompt_logprobs: int | None = None,
+    bad_words: tuple[tuple[int, ...], ...] = (),
 ) -> SamplingParams:
     """SamplingParams for one choice (its __post_init__ raises RequestError naming the field).
     `prompt_logprobs`: what the engine scores (None: the prompt is not scored)."""
@@ -81,12 +83,30 @@ def build_params(
         stop_token_ids=tuple(req.stop_token_ids or ()),
         ignore_eos=req.ignore_eos,
         min_tokens=req.min_tokens,
+        bad_words=bad_words,
         logprobs=None if logprob_token_ids is not None else logprobs,
         logprob_token_ids=None if logprob_token_ids is None else tuple(logprob_token_ids),
         prompt_logprobs=prompt_logprobs,
         thinking_token_budget=req.thinking_token_budget,
         speculative=req.speculative,
     )
+
+
+def bad_word_ids(words: list[str] | None, encode: Callable[[str], list[int]]
+                 ) -> tuple[tuple[int, ...], ...]:
+    """vLLM's tokenization of bad_words: each word as written (left-stripped), and with one
+    leading space when that gives a different first token in as many tokens (a word in the
+    middle of a text)."""
+    out: list[tuple[int, ...]] = []
+    for word in words or ():
+        plain = encode(word.lstrip())
+        if not plain:
+            raise RequestError("bad_words", f"the bad word {word!r} has no tokens")
+        out.append(tuple(plain))
+        spaced = encode(" " + word.lstrip())
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(tuple(spaced))
+    return tuple(out)
 
 
 def truncation(req: SamplingFields, max_model_len: int) -> int | None:

@@ -63,7 +63,6 @@ REFUSED: dict[str, Refusal] = {
     "length_penalty": Refusal("length_penalty applies to beam search, which is not supported",
                               _not_one),
     "best_of": Refusal("best_of other than n is not supported by this server", _best_of),
-    "bad_words": Refusal("bad_words is not supported by this server", _truthy),
     "logits_processors": Refusal("custom logits processors are not supported", _truthy),
     "vllm_xargs": Refusal("vllm_xargs (custom processor arguments) is not supported"),
     "repetition_detection": Refusal("repetition_detection is not supported by this server"),
@@ -102,7 +101,7 @@ REFUSED: dict[str, Refusal] = {
 vLLM takes on its endpoint (`REFUSED_FIELDS`); elsewhere they are unknown fields."""
 
 COMMON_REFUSED = (
-    "use_beam_search", "length_penalty", "best_of", "bad_words",
+    "use_beam_search", "length_penalty", "best_of",
     "logits_processors", "vllm_xargs", "repetition_detection",
     "watermarking", "spaces_between_special_tokens",
     "kv_transfer_params", "response_format",
