@@ -49,6 +49,10 @@ FIELDS = {
     "return_tokens_as_token_ids": st.one_of(st.booleans(), SCALARS),
     "speculative": st.one_of(st.booleans(), SCALARS),
     "thinking_token_budget": st.one_of(st.integers(-1, 4), SCALARS),
+    "bad_words": st.one_of(st.lists(st.text(max_size=6), max_size=3), SCALARS),
+    "truncate_prompt_tokens": st.one_of(st.integers(-2, 6), SCALARS),
+    "truncation_side": st.one_of(st.sampled_from(["left", "right", "middle"]), SCALARS),
+    "return_token_ids": st.one_of(st.booleans(), SCALARS),
 }
 COMPLETION_FIELDS = {
     **FIELDS,
