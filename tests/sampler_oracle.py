@@ -12,11 +12,12 @@ topk_topp_sampler.py (3babc05a). Model runner V2 (vllm/v1/worker/gpu/sample/samp
    mode ``raw_logprobs``); not part of this oracle.
 1. FP32 copy (``Sampler.forward``: ``logits.to(torch.float32)``). NaN counts as -inf: our
    rule, vLLM has none.
-2. allowed_token_ids: ``Sampler.apply_logits_processors`` masks every other id to -inf.
-   (Bad words come next in vLLM; this server refuses them.)
+2. allowed_token_ids: ``Sampler.apply_logits_processors`` masks every other id to -inf; then
+   bad words (``apply_bad_words``, vllm/v1/sample/ops/bad_words.py): a word's last id to -inf
+   where the output ends with the rest of it.
 3. Non-argmax-invariant logits processors, in ``apply_logits_processors``: min_tokens
-   (``MinTokensLogitsProcessor``; refused by this server), then logit_bias
-   (``LogitBiasLogitsProcessor.apply``: ``logits[rows, ids] += bias``).
+   (``MinTokensLogitsProcessor``: the stop ids to -inf while fewer than min_tokens tokens
+   exist), then logit_bias (``LogitBiasLogitsProcessor.apply``: ``logits[rows, ids] += bias``).
 4. Penalties (``Sampler.apply_penalties`` -> ``apply_all_penalties`` -> ``apply_penalties``):
    repetition over prompt and output ids (``logit / p`` if ``logit > 0`` else ``logit * p``,
    as the CUDA kernel writes it), then frequency (``-= f * output count``), then presence
@@ -64,6 +65,11 @@ def processed(
         keep = torch.zeros(v, dtype=torch.bool)
         keep[list(r.allowed_token_ids)] = True
         x[~keep] = NEG_INF
+    for word in r.bad_words:
+        if len(word) == 1 or list(output[len(output) - len(word) + 1:]) == list(word[:-1]):
+            x[word[-1]] = NEG_INF
+    if r.position < r.min_tokens:
+        x[list(r.min_tokens_ids)] = NEG_INF
     for token, bias in r.logit_bias:
         x[token] += torch.tensor(bias, dtype=torch.float32)
     counts = torch.bincount(torch.tensor(list(output), dtype=torch.int64), minlength=v)

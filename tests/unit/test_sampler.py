@@ -151,6 +151,9 @@ ORDER_ROWS = [
         repetition_penalty=3.0,
         logit_bias={4: 4.0},
     ),
+    dict(temperature=0.0, bad_words=((4, 17), (17, 17, 9), (200,)), logit_bias={17: 2.0}),
+    dict(temperature=0.8, min_tokens=2, min_tokens_ids=(4, 9), bad_words=((17, 4),),
+         top_p=0.9, repetition_penalty=1.2),
 ]
 
 
