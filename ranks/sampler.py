@@ -134,11 +134,11 @@ class ShardedSampler:
                 blocked = torch.ones(self.local_valid, dtype=torch.bool, device=self.device)
                 blocked[lanes] = False
                 x[i].masked_fill_(blocked, NEG_INF)
-            blocked = list(r.blocked_ids)
+            masked = list(r.blocked_ids)
             if r.bad_words:
-                blocked += r.banned_ids(output_ids[i])
-            if blocked:
-                lanes, _ = self._local(blocked)
+                masked += r.banned_ids(output_ids[i])
+            if masked:
+                lanes, _ = self._local(masked)
                 x[i].index_fill_(0, lanes, NEG_INF)
             if r.logit_bias:
                 lanes, bias = self._local(
