@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server (FastAPI), and its uvicorn runner.
 
-Routes: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions, and
+Routes: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions,
+POST /v1/responses, and
 vLLM's tokenizer routes POST /tokenize, POST /detokenize, GET /tokenizer_info.
 Every refusal before admission is HTTP 400 with vLLM's error object naming the parameter;
 NaN or Infinity never reach a client (see runtime/http/responses.py).
@@ -42,6 +43,7 @@ from runtime.http.protocol.models import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    ResponsesRequest,
 )
 from runtime.http.responses import (
     dumps,
@@ -53,6 +55,7 @@ from runtime.http.responses import (
     request_error_response,
     sse_stream,
 )
+from runtime.http.responses_api import prepare_responses, respond, stream_responses
 from runtime.http.tokenization import detokenize_ids, tokenize, tokenize_model, tokenizer_info
 
 log = logging.getLogger("runtime.http.server")
@@ -228,7 +231,7 @@ def create_app(engine: EngineClient, model_dir: str | Path, served_model_name: s
             if work.cancelled():
                 return error_response("the client disconnected", None, 499)
             body = work.result()
-            reasons = [choice.get("finish_reason") for choice in body["choices"]]
+            reasons = finish_reasons(body)
             text = await off_loop(dumps, body)
             return Response(text, media_type="application/json")
         except RequestError as exc:
@@ -251,6 +254,12 @@ def create_app(engine: EngineClient, model_dir: str | Path, served_model_name: s
     async def chat_completions(request: Request) -> Response:
         return await serve_request(
             request, ChatCompletionRequest, prepare_chat, chat, stream_chat
+        )
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await serve_request(
+            request, ResponsesRequest, prepare_responses, respond, stream_responses
         )
 
     async def serve_tokenizer(request: Request, model, answer) -> Response:
@@ -289,6 +298,13 @@ def create_app(engine: EngineClient, model_dir: str | Path, served_model_name: s
         return json_response(tokenizer_info(assets))
 
     return app
+
+
+def finish_reasons(body: dict[str, Any]) -> list[str | None]:
+    """Each choice's finish reason (a Response has one output: its status says which)."""
+    if body.get("object") == "response":
+        return ["length" if body["status"] == "incomplete" else "stop"]
+    return [choice.get("finish_reason") for choice in body["choices"]]
 
 
 class TrackedStream(StreamingResponse):

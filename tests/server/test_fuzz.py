@@ -73,6 +73,32 @@ CHAT_FIELDS = {
 }
 
 
+PART = st.fixed_dictionaries({"type": st.sampled_from(["input_text", "output_text", "image"]),
+                              "text": st.one_of(st.text(max_size=8), SCALARS)})
+RESPONSES_FIELDS = {
+    "input": st.one_of(
+        st.text(max_size=12),
+        st.lists(st.fixed_dictionaries(
+            {"role": st.sampled_from(["user", "assistant", "system", "x"]),
+             "content": st.one_of(st.text(max_size=8), st.lists(PART, max_size=2), SCALARS)},
+            optional={"type": st.sampled_from(["message", "function_call"])}), max_size=3),
+        SCALARS),
+    "instructions": st.one_of(st.text(max_size=8), SCALARS),
+    "max_output_tokens": st.one_of(st.integers(-1, 6), SCALARS),
+    "temperature": FIELDS["temperature"],
+    "top_p": FIELDS["top_p"],
+    "top_logprobs": st.one_of(st.integers(-2, 25), SCALARS),
+    "include": st.one_of(st.just(["message.output_text.logprobs"]),
+                         st.lists(st.text(max_size=8), max_size=2), SCALARS),
+    "stream": st.booleans(),
+    "tools": st.one_of(st.just([]), st.lists(SCALARS, max_size=1), SCALARS),
+    "text": st.one_of(st.fixed_dictionaries({"format": st.fixed_dictionaries(
+        {"type": st.sampled_from(["text", "json_object"])})}), SCALARS),
+    "previous_response_id": st.one_of(st.none(), st.text(max_size=5)),
+    "seed": SCALARS,
+}
+
+
 def bodies(fields: dict, required: str):
     optional = {k: v for k, v in fields.items() if k != required}
     return st.fixed_dictionaries({required: fields[required]}, optional=optional)
@@ -89,13 +115,15 @@ def check(response: httpx.Response, stream: bool) -> None:
         events = sse_events(response)
         assert events and all("error" not in e for e in events), events[-1:]
     else:
-        assert strict_json(response.content)["choices"]
+        body = strict_json(response.content)
+        assert body["choices"] if "choices" in body else body["output"]
 
 
 def send(server, path: str, body: dict) -> httpx.Response:
     body = {"model": server.model_dir.name, **body}
-    if isinstance(body.get("max_tokens"), int) and body["max_tokens"] > 6:
-        body["max_tokens"] = 6
+    for key in ("max_tokens", "max_output_tokens"):
+        if isinstance(body.get(key), int) and body[key] > 6:
+            body[key] = 6
     return httpx.post(server.url + path, content=json.dumps(body), timeout=120.0,
                       headers={"content-type": "application/json"})
 
@@ -115,3 +143,9 @@ def test_completions_never_fail_with_5xx(server, body):
 @given(bodies(CHAT_FIELDS, "messages"))
 def test_chat_completions_never_fail_with_5xx(server, body):
     check(send(server, "/v1/chat/completions", body), body.get("stream") is True)
+
+
+@FUZZ
+@given(bodies(RESPONSES_FIELDS, "input"))
+def test_responses_never_fail_with_5xx(server, body):
+    check(send(server, "/v1/responses", body), body.get("stream") is True)

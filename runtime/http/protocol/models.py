@@ -183,6 +183,34 @@ class ChatCompletionRequest(SamplingFields):
     web_search_options: Any = None
 
 
+class ResponsesRequest(OpenAIModel):
+    """POST /v1/responses (OpenAI's Responses API, as vLLM takes it): text in, one assistant
+    message out. Served through the chat path (runtime/http/responses_api.py)."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    top_logprobs: int | None = None
+    include: list[str] | None = None
+    stream: bool = False
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    store: bool | None = None
+    metadata: dict[str, Any] | None = None
+    user: str | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    previous_response_id: str | None = None
+    text: dict[str, Any] | None = None
+    reasoning: Any = None
+    truncation: str | None = None
+    background: bool | None = None
+
+
 TOKENIZE_CHAT_REFUSED = ("tools", "chat_template", "mm_processor_kwargs")
 
 
