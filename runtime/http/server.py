@@ -187,6 +187,8 @@ def create_app(engine: EngineClient, model_dir: str | Path, served_model_name: s
                     for choice in chunk.get("choices", ()):
                         if choice.get("finish_reason") is not None:
                             reasons[choice["index"]] = choice["finish_reason"]
+                    if chunk.get("type") in ("response.completed", "response.incomplete"):
+                        reasons[0] = finish_reasons(chunk["response"])[0]
                     yield chunk
             except Exception:
                 reasons.update({j.index: "error" for j in prepared.jobs

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import httpx
 import openai
 import pytest
 
@@ -101,3 +102,22 @@ def test_refusals_name_the_field(server, fields, param):
     assert strict_json(response.content)["error"]["param"] == param
     with pytest.raises(openai.BadRequestError):
         server.client().responses.create(**body)
+
+
+def test_finished_responses_count_in_metrics(server):
+    def finished() -> float:
+        text = post_metrics(server)
+        return sum(float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith("helios:request_success_total{")
+                   and 'finished_reason="abort"' not in line)
+
+    before = finished()
+    client = server.client()
+    client.responses.create(model=served_name(server), input="Hi", max_output_tokens=2)
+    list(client.responses.create(model=served_name(server), input="Hi", max_output_tokens=2,
+                                 stream=True))
+    assert finished() - before >= 2
+
+
+def post_metrics(server) -> str:
+    return httpx.get(server.url + "/metrics", timeout=10).text
