@@ -14,6 +14,7 @@ max_output_tokens, nothing else is retained.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +26,7 @@ from runtime.engine.client import EngineClient
 from runtime.http.assets import ModelAssets
 from runtime.http.chat import PreparedChat, chat, prepare_chat, stream_chat
 from runtime.http.protocol.models import ChatCompletionRequest, ResponsesRequest
-from runtime.http.responses import new_id, now
+from runtime.http.responses import now
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -130,16 +131,20 @@ def prepare_responses(req: ResponsesRequest, engine: EngineClient, assets: Model
         if param is None:
             raise
         raise RequestError(param, exc.message.replace(exc.param, param)) from exc
-    return PreparedResponses(prepared, req, new_id("resp"), now())
+    return PreparedResponses(prepared, req, f"resp_{uuid.uuid4().hex}", now())
 
 
 def _part(text: str, entries: list) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": entries}
 
 
+def _item_id(prep: PreparedResponses) -> str:
+    return "msg_" + prep.id.removeprefix("resp_")
+
+
 def _message(prep: PreparedResponses, status: str, parts: list) -> dict[str, Any]:
-    return {"type": "message", "id": "msg_" + prep.id[5:], "status": status,
-            "role": "assistant", "content": parts}
+    return {"type": "message", "id": _item_id(prep), "status": status, "role": "assistant",
+            "content": parts}
 
 
 def _response(prep: PreparedResponses, assets: ModelAssets, status: str, output: list
@@ -182,15 +187,11 @@ async def respond(prep: PreparedResponses, engine: EngineClient, assets: ModelAs
     return _response(prep, assets, status, [_message(prep, status, [part])])
 
 
-def stream_responses(prep: PreparedResponses, engine: EngineClient, assets: ModelAssets
-                     ) -> AsyncIterator[dict[str, Any]]:
-    return _events(prep, engine, assets)
-
-
-async def _events(prep: PreparedResponses, engine: EngineClient, assets: ModelAssets
-                  ) -> AsyncIterator[dict[str, Any]]:
+async def stream_responses(prep: PreparedResponses, engine: EngineClient, assets: ModelAssets
+                           ) -> AsyncIterator[dict[str, Any]]:
+    """OpenAI's Responses events for one streamed request (see the module docstring)."""
     sequence = 0
-    item_id = "msg_" + prep.id[5:]
+    item_id = _item_id(prep)
 
     def event(kind: str, **fields: Any) -> dict[str, Any]:
         nonlocal sequence

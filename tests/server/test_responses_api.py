@@ -121,3 +121,10 @@ def test_finished_responses_count_in_metrics(server):
 
 def post_metrics(server) -> str:
     return httpx.get(server.url + "/metrics", timeout=10).text
+
+
+def test_ids_follow_openai(server):
+    response = server.client().responses.create(model=served_name(server), input="Hi",
+                                                max_output_tokens=2)
+    suffix = response.id.removeprefix("resp_")
+    assert suffix != response.id and response.output[0].id == "msg_" + suffix
