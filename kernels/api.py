@@ -75,6 +75,15 @@ def check_chosen(chosen: torch.Tensor, requested: torch.Tensor, vocab_size: int)
     """Chosen ids of requesting rows must be vocabulary ids (padding lanes are not tokens)."""
     if chosen.dtype.is_floating_point or chosen.dtype == torch.bool:
         raise ValueError(f"chosen: expected an integer tensor, got {chosen.dtype}")
+    if chosen.device.type == "cpu" and requested.device.type == "cpu":  # (numpy: no op costs)
+        ids, live = chosen.numpy(), requested.numpy() != 0
+        bad = live & ((ids < 0) | (ids >= vocab_size))
+        if bad.any():
+            row = int(bad.nonzero()[0][0])
+            raise ValueError(
+                f"chosen[{row}] = {int(ids[row])} outside vocabulary [0, {vocab_size})"
+            )
+        return
     live = requested != 0
     bad = live & ((chosen < 0) | (chosen >= vocab_size))
     if bool(bad.any()):

@@ -13,19 +13,11 @@ compare both paths.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
-from pathlib import Path
 
 import torch
 
-_LOG = logging.getLogger(__name__)
+from kernels.native import load_library
 
 # Why this layout: with SSE2 (baseline x86-64), _mm_mul_epu32 multiplies the low 32-bit half
 # of each 64-bit slot, giving the full 64-bit product. Each state word lives in the low half
@@ -125,34 +117,9 @@ _LOCK = threading.Lock()
 _STATE: dict[str, object] = {}
 
 
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "helios-kernels"
-
-
 def _build() -> ctypes.CDLL | None:
-    if os.environ.get(_ENV_SWITCH, "1") == "0":
-        return None
-    if platform.machine().lower() not in ("x86_64", "amd64", "aarch64", "arm64"):
-        return None
-    cc = os.environ.get("CC") or "cc"
-    if shutil.which(cc) is None:
-        return None
-    tag = hashlib.sha256((_SOURCE + " ".join(_FLAGS) + cc).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"philox_{platform.machine()}_{tag}.so"
-    try:
-        if not target.exists():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-                src = Path(tmp) / "philox.c"
-                src.write_text(_SOURCE)
-                built = Path(tmp) / target.name
-                subprocess.run([cc, *_FLAGS, "-o", str(built), str(src)], check=True,
-                               capture_output=True, timeout=120)
-                os.replace(built, target)  # atomic: concurrent builders write the same file
-        lib = ctypes.CDLL(str(target))
-    except (OSError, subprocess.SubprocessError) as exc:
-        _LOG.warning("native Philox unavailable (%s); using the torch path", exc)
+    lib = load_library("philox", _SOURCE, _FLAGS, _ENV_SWITCH)
+    if lib is None:
         return None
     fn = lib.philox_bits
     fn.restype = None

@@ -22,6 +22,7 @@ from kernels.layout import TILE_CANDIDATES as TOP
 from kernels.payload import top_keys
 from kernels.rows import RowRequest
 from kernels.sortkeys import EMPTY_KEY, key_ids, key_values
+from kernels.torch_impl.compiled import compiled_best, compiled_reduce
 from kernels.torch_impl.lean_stats import (
     CANDIDATE_CHUNKS,
     CANDIDATES,
@@ -167,6 +168,11 @@ def natural_best(
 ) -> tuple[Best, np.ndarray | None]:
     """The exact best `take` lanes of each of `rows` (launch 3), and `extra` lanes' raw
     values when candidates are gathered (else None)."""
+    compiled = compiled_best(logits, rows, valid, tile, stats, picks, lse,
+                             min(take, TOP, valid if picks is None else picks.lanes.shape[1]))
+    if compiled is not None:
+        ids, values, exact = compiled
+        return _vouched(Best(ids, values), exact, logits, rows, valid, lse, stats, tile), None
     more = None
     if picks is None:
         if not uses_chunks(valid, tile):  # (lean_tile_stats picks these rows' candidates)
@@ -186,13 +192,20 @@ def natural_best(
             return best, more
         picks, more = chunk_candidates(logits, rows, valid, tile, cmax, tail, extra)
     best, exact = rank_candidates(picks, lse, take)
+    return _vouched(best, exact, logits, rows, valid, lse, stats, tile), more
+
+
+def _vouched(best: Best, exact: np.ndarray, logits: torch.Tensor, rows: np.ndarray, valid: int,
+             lse: np.ndarray, stats: TileStats, tile: int) -> Best:
+    """`best` with the rows its candidates could not vouch for (exact False) recomputed by
+    the tile-by-tile launch 3."""
     if exact.all():
-        return best, more
+        return best
     redo = np.flatnonzero(~exact)
     again = exact_best(logits, rows, valid, lse, best.ids.shape[1], stats, redo, tile)
     ids, values = best.ids.copy(), best.values.copy()
     ids[redo], values[redo] = again.ids, again.values
-    return Best(ids, values, again.missing), more
+    return Best(ids, values, again.missing)
 
 
 def _rows_of(stats: TileStats, r0: int, count: int) -> TileStats:
@@ -224,6 +237,41 @@ def _subtract(raw: np.ndarray, lse: np.ndarray, finite: bool) -> np.ndarray:
     return values
 
 
+def _reduce_compiled(logits: torch.Tensor, req: NumpyRequest, rows: np.ndarray,
+                     counts: np.ndarray, valid: int, out: torch.Tensor, tile: int) -> bool:
+    """reduce_lean through compiled.c when it applies (False: nothing to keep): the natural
+    rows it cannot vouch for take the tile-by-tile launch 3 here."""
+    k, total = req.k, out.shape[0]
+    selected = req.ids
+    if selected.shape != (total, MAX_TOKEN_IDS) or req.counts.shape != (total,):
+        return False
+    narrow = k > 0 and not uses_chunks(valid, tile) and bool((counts == 0).any())
+    done = compiled_reduce(
+        logits, rows, valid, tile, np.ascontiguousarray(req.chosen, dtype=np.int64),
+        np.ascontiguousarray(req.counts, dtype=np.int32),
+        np.ascontiguousarray(selected, dtype=np.int32), k, narrow, out)
+    if done is None:
+        return False
+    redo, stats, lse = done
+    if not redo.any():
+        return True
+    if (redo == 2).any():
+        return False
+    which = np.flatnonzero(redo)
+    best = exact_best(logits, rows, valid, lse, min(k, TOP, valid), stats, which, tile)
+    bits = best.values.view(np.int32)
+    if best.missing:
+        bits = np.where(best.ids < 0, np.int32(-1), bits)
+    out_np = out.numpy()
+    block = out_np[rows[which]]
+    pairs = block[:, FIRST_PAIR:].reshape(which.size, MAX_TOKEN_IDS, 2)
+    m = best.ids.shape[1]
+    pairs[:, :m, 0] = best.ids
+    pairs[:, :m, 1] = bits
+    out_np[rows[which]] = block
+    return True
+
+
 def reduce_lean(logits: torch.Tensor, request: RowRequest, vocab_size: int,
                  out: torch.Tensor, tile: int) -> torch.Tensor:
     """reduce_torch on CPU: the same slabs and launches, lean (see the section comment)."""
@@ -234,6 +282,8 @@ def reduce_lean(logits: torch.Tensor, request: RowRequest, vocab_size: int,
         return out
     k = req.k
     counts = req.counts[rows]
+    if _reduce_compiled(logits, req, rows, counts, vocab_size, out, tile):
+        return out
     any_selected = bool(counts.any())
     natural = np.flatnonzero(counts == 0) if any_selected else None
     want = bool(k) and (natural is None or natural.size > 0)

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from kernels.layout import TILE_CANDIDATES as TOP
+from kernels.torch_impl.compiled import compiled_lse, compiled_tile_stats
 from kernels.torch_impl.tiles import (
     CHUNK_LANES,
     NAN,
@@ -78,8 +79,13 @@ def lean_tile_stats(
     """
     if tile % CHUNK_LANES or tile < CHUNK_LANES:
         raise ValueError(f"tile {tile} must be a positive multiple of {CHUNK_LANES}")
+    narrow = select and not uses_chunks(valid, tile)
+    compiled = compiled_tile_stats(logits, rows, valid, tile, CANDIDATES if narrow else 0)
+    if compiled is not None:
+        stats, found = compiled
+        return stats, None if found is None else Candidates(*found)
     n = rows.size
-    picks: dict[int, list] | None = {} if select and not uses_chunks(valid, tile) else None
+    picks: dict[int, list] | None = {} if narrow else None
     first = int(rows[0])
     x = None
     if int(rows[-1]) - first == n - 1:
@@ -274,6 +280,9 @@ def lean_combine(stats: TileStats) -> tuple[np.ndarray, torch.Tensor]:
 
 def lean_lse(stats: TileStats) -> tuple[np.ndarray, bool]:
     """Launch 2: (FP32 lse [n] numpy, all finite), bit-identical to normalization(stats)."""
+    compiled = compiled_lse(stats)
+    if compiled is not None:
+        return compiled
     big, mass = lean_combine(stats)
     lse = torch.log(mass).numpy()
     np.add(lse, big, out=lse)  # fl(log S + M) == fl(M + log S)

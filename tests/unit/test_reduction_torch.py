@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_flatten
 
 from kernels.api import pack_token_ids, reduce_logprobs, reduce_logprobs_sharded
 from kernels.rows import RowRequest
+from kernels.torch_impl import compiled
 from kernels.torch_impl.backend import reduce_torch
 from tests.oracles import WORDS, check_payload, check_row, f32_values, tolerance
 
@@ -381,11 +382,16 @@ FAST_CASES = [
 
 
 @pytest.mark.parametrize(("vocab", "kind", "dtype"), FAST_CASES)
-def test_cpu_fast_path_is_bit_identical_to_tile_by_tile(monkeypatch, vocab, kind, dtype):
-    """The CPU fast path (same slabs, fewer ops, candidates from chunk maxima or from each
-    slab, numpy bookkeeping) reports exactly the tile-by-tile launches' words, including
-    rows that fall back to them (ties across the boundary, -inf rows, NaN/inf lanes),
-    selected ids, unrequested rows, one-row calls, row subsets, and the sharded steps."""
+@pytest.mark.parametrize("compiled_on", [True, False])
+def test_cpu_fast_path_is_bit_identical_to_tile_by_tile(monkeypatch, vocab, kind, dtype,
+                                                         compiled_on):
+    """The CPU fast path (compiled launches where the machine allows, else the same slabs
+    with fewer ops, candidates from chunk maxima or from each slab, numpy bookkeeping)
+    reports exactly the tile-by-tile launches' words, including rows that fall back to them
+    (ties across the boundary, -inf rows, NaN/inf lanes), selected ids, unrequested rows,
+    one-row calls, row subsets, and the sharded steps."""
+    if not compiled_on:
+        monkeypatch.setitem(compiled._STATE, "lib", None)
     rows = 5
     x = make_logits(kind, rows, vocab, 3, seed=vocab).to(dtype)
     if kind == "normal":
@@ -421,14 +427,15 @@ def test_cpu_fast_path_with_small_tiles(monkeypatch, tile):
         ids, counts = pack_token_ids(None, 3, vocab)
         flags = torch.ones(3, dtype=torch.int32)
         outs = []
-        for lean in (True, False):
+        for lean, lib in ((True, compiled._lib()), (True, None), (False, None)):
             with monkeypatch.context() as m:
                 m.setattr("kernels.torch_impl.lean.LEAN", lean)
+                m.setitem(compiled._STATE, "lib", lib)
                 out = torch.full((3, WORDS), -1, dtype=torch.int32)
                 reduce_torch(x, RowRequest(chosen, ids, counts, flags, 20), vocab, out,
                              tile=tile)
                 outs.append(out)
-        assert torch.equal(outs[0], outs[1])
+        assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
 def test_sharded_cpu_steps_match_tile_steps_on_several_shards(monkeypatch):

@@ -1,0 +1,59 @@
+"""Compile a small C source once and load it with ctypes (the CPU fast paths' native parts).
+
+``load_library(name, source, flags, switch)`` builds ``source`` with the system C compiler
+(``$CC``, else ``cc``) into a per-user cache directory keyed by a hash of the source, the
+flags and the compiler, and loads it. It returns None (callers keep their torch path) when
+the environment variable ``switch`` is "0", off x86-64/aarch64, without a compiler, or when
+the build fails; the failure is logged once. Concurrent builders write the same file
+atomically.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+_LOG = logging.getLogger(__name__)
+
+X86 = ("x86_64", "amd64")
+MACHINES = (*X86, "aarch64", "arm64")
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "helios-kernels"
+
+
+def load_library(name: str, source: str, flags: tuple[str, ...], switch: str,
+                 machines: tuple[str, ...] = MACHINES) -> ctypes.CDLL | None:
+    if os.environ.get(switch, "1") == "0":
+        return None
+    machine = platform.machine().lower()
+    if machine not in machines:
+        return None
+    cc = os.environ.get("CC") or "cc"
+    if shutil.which(cc) is None:
+        return None
+    tag = hashlib.sha256((source + " ".join(flags) + cc).encode()).hexdigest()[:16]
+    target = cache_dir() / f"{name}_{machine}_{tag}.so"
+    try:
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+                src = Path(tmp) / f"{name}.c"
+                src.write_text(source)
+                built = Path(tmp) / target.name
+                subprocess.run([cc, *flags, "-o", str(built), str(src)], check=True,
+                               capture_output=True, timeout=120)
+                os.replace(built, target)  # atomic: concurrent builders write the same file
+        return ctypes.CDLL(str(target))
+    except (OSError, subprocess.SubprocessError) as exc:
+        _LOG.warning("native %s unavailable (%s); using the torch path", name, exc)
+        return None

@@ -1,0 +1,486 @@
+/* The CPU reduction's compiled launches (kernels/torch_impl/compiled.py loads this file).
+
+   Every FP32 value here is the one the torch launches (kernels/torch_impl/tiles.py and
+   lean.py) produce: exp and log are MKL's vmsExp / vmsLn in the mode torch's vml.h passes,
+   sums follow torch's cascade_sum order for the CPU's Vectorized<float> width, and every
+   other step is one IEEE operation. compiled.py checks that on this machine before use.
+*/
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef void (*vml_t)(int n, const float *a, float *r, long long mode);
+static vml_t VEXP, VLN;
+static long long MODE;
+static int WIDTH = 8;
+
+void configure(void *vexp, void *vln, long long mode, int width)
+{
+    VEXP = (vml_t)vexp;
+    VLN = (vml_t)vln;
+    MODE = mode;
+    WIDTH = width;
+}
+
+static int64_t ceil_log2(int64_t x)
+{
+    if (x <= 2) return 1;
+    int64_t b = 0;
+    for (uint64_t v = (uint64_t)(x - 1); v; v >>= 1) b++;
+    return b;
+}
+
+/* torch's row_sum on scalars (ilp 4), for fewer lanes than one vector. */
+static float scalar_sum(const float *x, int64_t size)
+{
+    float p[4] = {0.f, 0.f, 0.f, 0.f};
+    int64_t rows = size / 4, i;
+    for (i = 0; i < rows; i++)
+        for (int k = 0; k < 4; k++) p[k] += x[i * 4 + k];
+    for (i = rows * 4; i < size; i++) p[0] += x[i];
+    for (int k = 1; k < 4; k++) p[0] += p[k];
+    return p[0];
+}
+
+/* torch's vectorized_inner_sum for vectors of W lanes: multi_row_sum over rows of four
+   vectors with four cascade levels, the leftover vectors into accumulator 0, accumulators
+   1..3 into 0, then the scalar tail and the W lanes in order. */
+#define VECTOR_SUM(W)                                                                      \
+static float vector_sum_##W(const float *x, int64_t size0)                                 \
+{                                                                                          \
+    const int64_t vecs = size0 / W, rows = vecs / 4;                                       \
+    int64_t power = ceil_log2(rows) / 4;                                                   \
+    if (power < 4) power = 4;                                                              \
+    const int64_t step = (int64_t)1 << power, mask = step - 1;                             \
+    float acc[4][4][W];                                                                    \
+    memset(acc, 0, sizeof(acc));                                                           \
+    int64_t i = 0;                                                                         \
+    while (i + step <= rows) {                                                             \
+        for (int64_t j = 0; j < step; ++j, ++i)                                            \
+            for (int k = 0; k < 4; k++)                                                    \
+                for (int l = 0; l < W; l++) acc[0][k][l] += x[(i * 4 + k) * W + l];        \
+        for (int j = 1; j < 4; j++) {                                                      \
+            for (int k = 0; k < 4; k++)                                                    \
+                for (int l = 0; l < W; l++) {                                              \
+                    acc[j][k][l] += acc[j - 1][k][l];                                      \
+                    acc[j - 1][k][l] = 0.f;                                                \
+                }                                                                          \
+            if ((i & (mask << (j * power))) != 0) break;                                   \
+        }                                                                                  \
+    }                                                                                      \
+    for (; i < rows; ++i)                                                                  \
+        for (int k = 0; k < 4; k++)                                                        \
+            for (int l = 0; l < W; l++) acc[0][k][l] += x[(i * 4 + k) * W + l];            \
+    for (int j = 1; j < 4; j++)                                                            \
+        for (int k = 0; k < 4; k++)                                                        \
+            for (int l = 0; l < W; l++) acc[0][k][l] += acc[j][k][l];                      \
+    for (int64_t v = rows * 4; v < vecs; v++)                                              \
+        for (int l = 0; l < W; l++) acc[0][0][l] += x[v * W + l];                          \
+    for (int k = 1; k < 4; k++)                                                            \
+        for (int l = 0; l < W; l++) acc[0][0][l] += acc[0][k][l];                          \
+    float total = 0.f;                                                                     \
+    for (int64_t k = vecs * W; k < size0; k++) total += x[k];                              \
+    for (int l = 0; l < W; l++) total += acc[0][0][l];                                     \
+    return total;                                                                          \
+}
+VECTOR_SUM(8)
+VECTOR_SUM(16)
+
+static float torch_sum(const float *x, int64_t n)
+{
+    if (n < WIDTH) return scalar_sum(x, n);
+    return WIDTH == 16 ? vector_sum_16(x, n) : vector_sum_8(x, n);
+}
+
+static inline float widen_bf16(uint16_t h)
+{
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)h << 16;
+    return v.f;
+}
+
+/* Keeps the `cap` largest values seen (ties broken arbitrarily) in a min-heap, and the
+   largest value left out as the bound of every other one; a NaN makes the bound NaN, so
+   that launch 3 never vouches for such a row. */
+typedef struct {
+    float *raw, bound;
+    int64_t *lanes, size, cap;
+} Picks;
+
+static void leave_out(Picks *p, float v)
+{
+    if (p->bound == p->bound && !(v <= p->bound)) p->bound = v;
+}
+
+static void sift_down(Picks *p, int64_t i)
+{
+    float v = p->raw[i];
+    int64_t lane = p->lanes[i];
+    for (;;) {
+        int64_t c = 2 * i + 1;
+        if (c >= p->size) break;
+        if (c + 1 < p->size && p->raw[c + 1] < p->raw[c]) c++;
+        if (!(p->raw[c] < v)) break;
+        p->raw[i] = p->raw[c];
+        p->lanes[i] = p->lanes[c];
+        i = c;
+    }
+    p->raw[i] = v;
+    p->lanes[i] = lane;
+}
+
+static void pick(Picks *p, float v, int64_t lane)
+{
+    if (v != v) p->bound = v;
+    if (p->size < p->cap) {
+        int64_t i = p->size++;
+        while (i > 0 && v < p->raw[(i - 1) / 2]) {
+            p->raw[i] = p->raw[(i - 1) / 2];
+            p->lanes[i] = p->lanes[(i - 1) / 2];
+            i = (i - 1) / 2;
+        }
+        p->raw[i] = v;
+        p->lanes[i] = lane;
+        return;
+    }
+    if (!(v > p->raw[0])) {
+        leave_out(p, v);
+        return;
+    }
+    leave_out(p, p->raw[0]);
+    p->raw[0] = v;
+    p->lanes[0] = lane;
+    sift_down(p, 0);
+}
+
+typedef struct {
+    const char *base;
+    int64_t elem, row_stride;
+    const int64_t *rows;
+    int64_t r0, r1, valid, tile, chunks, tiles, cap;
+    float *cmax, *tmax, *tmass, *pick_raw, *pick_bound;
+    int64_t *pick_lanes;
+} Job;
+
+static void run_rows(const Job *job)
+{
+    const int64_t tile = job->tile, valid = job->valid, full = valid / tile;
+    const int64_t rest = valid - full * tile, per = tile / 16, tail = rest / 16;
+    float *buf = (float *)malloc(sizeof(float) * (size_t)tile);
+    const float qnan = NAN;
+    for (int64_t r = job->r0; r < job->r1; r++) {
+        const char *row = job->base + job->rows[r] * job->row_stride * job->elem;
+        float *cmax = job->cmax + r * job->chunks;
+        Picks picks = {0};
+        if (job->cap) {
+            picks.raw = job->pick_raw + r * job->cap;
+            picks.lanes = job->pick_lanes + r * job->cap;
+            picks.cap = job->cap;
+            picks.bound = -INFINITY;
+        }
+        for (int64_t t = 0; t <= full; t++) {
+            const int64_t lanes = t < full ? tile : rest;
+            if (lanes == 0) break;
+            const int64_t start = t * tile;
+            /* 1. exact FP32 copy of the tile, and whether it holds a NaN */
+            int nan_any = 0;
+            if (job->elem == 2) {
+                const uint16_t *src = (const uint16_t *)row + start;
+                for (int64_t i = 0; i < lanes; i++) buf[i] = widen_bf16(src[i]);
+            } else {
+                memcpy(buf, (const float *)row + start, sizeof(float) * (size_t)lanes);
+            }
+            for (int64_t i = 0; i < lanes; i++) nan_any |= buf[i] != buf[i];
+            if (job->cap)
+                for (int64_t i = 0; i < lanes; i++) pick(&picks, buf[i], start + i);
+            /* chunk maxima over strided chunks, the tile maximum over them and the lanes of
+               no chunk; a NaN lane makes its chunk and tile NaN */
+            const int64_t width = t < full ? per : tail;
+            float *chunk = t < full ? cmax + t * per : cmax + full * per;
+            for (int64_t j = 0; j < width; j++) chunk[j] = buf[j];
+            for (int64_t k = 1; k < 16; k++) {
+                const float *lane = buf + k * width;
+                for (int64_t j = 0; j < width; j++)
+                    chunk[j] = lane[j] > chunk[j] ? lane[j] : chunk[j];
+            }
+            float m = -INFINITY;
+            for (int64_t j = 0; j < width; j++) m = chunk[j] > m ? chunk[j] : m;
+            for (int64_t i = 16 * width; i < lanes; i++) m = buf[i] > m ? buf[i] : m;
+            if (nan_any) {
+                m = qnan;
+                for (int64_t k = 0; k < 16 * width; k++)
+                    if (buf[k] != buf[k]) chunk[k % width] = qnan;
+            }
+            job->tmax[r * job->tiles + t] = m;
+            /* 2. shift (0 for an all -inf tile), exp as torch's exp_ does it */
+            const float shift = m == -INFINITY ? 0.f : m;
+            for (int64_t i = 0; i < lanes; i++) buf[i] -= shift;
+            VEXP((int)lanes, buf, buf, MODE);
+            /* 3. the tile's mass in torch.sum's order */
+            job->tmass[r * job->tiles + t] = torch_sum(buf, lanes);
+        }
+        if (job->cap) job->pick_bound[r] = picks.bound;
+    }
+    free(buf);
+}
+
+static void *run_job(void *arg)
+{
+    run_rows((const Job *)arg);
+    return NULL;
+}
+
+void tile_stats(const void *base, int64_t elem, int64_t row_stride, const int64_t *rows,
+                int64_t n, int64_t valid, int64_t tile, float *cmax, float *tmax,
+                float *tmass, int64_t cap, int64_t *pick_lanes, float *pick_raw,
+                float *pick_bound, int64_t threads)
+{
+    const int64_t full = valid / tile, rest = valid - full * tile;
+    Job job = {(const char *)base, elem, row_stride, rows, 0, n, valid, tile,
+               full * (tile / 16) + rest / 16, full + (rest > 0), cap,
+               cmax, tmax, tmass, pick_raw, pick_bound, pick_lanes};
+    if (threads > n) threads = n;
+    if (threads <= 1) {
+        run_rows(&job);
+        return;
+    }
+    Job jobs[64];
+    pthread_t ids[64];
+    int created[64] = {0};
+    if (threads > 64) threads = 64;
+    for (int64_t i = 0; i < threads; i++) {
+        jobs[i] = job;
+        jobs[i].r0 = n * i / threads;
+        jobs[i].r1 = n * (i + 1) / threads;
+    }
+    for (int64_t i = 1; i < threads; i++)
+        created[i] = pthread_create(&ids[i], NULL, run_job, &jobs[i]) == 0;
+    run_rows(&jobs[0]);
+    for (int64_t i = 1; i < threads; i++) {
+        if (created[i]) pthread_join(ids[i], NULL);
+        else run_rows(&jobs[i]);
+    }
+}
+
+/* Launch 2: each row's lse = log(S) + M (lean_lse): one tile gives (M, S) = (max, mass);
+   more tiles are combined as combine() does (weights exp(max - shift) times the masses,
+   summed in torch's order). A non-finite lse becomes NaN. */
+void row_lse(const float *tmax, const float *tmass, int64_t n, int64_t tiles, float *big,
+             float *mass, float *lse)
+{
+    float *w = (float *)malloc(sizeof(float) * (size_t)(tiles > 0 ? tiles : 1));
+    for (int64_t r = 0; r < n; r++) {
+        const float *mx = tmax + r * tiles, *ms = tmass + r * tiles;
+        if (tiles == 1) {
+            big[r] = mx[0];
+            mass[r] = ms[0];
+            continue;
+        }
+        float m = -INFINITY;
+        int nan_any = 0;
+        for (int64_t t = 0; t < tiles; t++) {
+            m = mx[t] > m ? mx[t] : m;
+            nan_any |= mx[t] != mx[t];
+        }
+        if (nan_any) m = NAN;
+        const float shift = m == -INFINITY ? 0.f : m;
+        for (int64_t t = 0; t < tiles; t++) w[t] = mx[t] - shift;
+        VEXP((int)tiles, w, w, MODE);
+        for (int64_t t = 0; t < tiles; t++) w[t] *= ms[t];
+        big[r] = m;
+        mass[r] = torch_sum(w, tiles);
+    }
+    free(w);
+    VLN((int)n, mass, lse, MODE);
+    for (int64_t r = 0; r < n; r++) {
+        float v = lse[r] + big[r];
+        lse[r] = isfinite(v) ? v : NAN;
+    }
+}
+
+typedef struct {
+    float value;
+    int64_t lane;
+} Entry;
+
+/* (value desc, lane asc); -0.0 equals +0.0 */
+static int before(const Entry *a, const Entry *b)
+{
+    return a->value > b->value || (a->value == b->value && a->lane < b->lane);
+}
+
+static inline float read_lane(const char *row, int64_t elem, int64_t lane)
+{
+    return elem == 2 ? widen_bf16(((const uint16_t *)row)[lane]) : ((const float *)row)[lane];
+}
+
+/* Launch 3 for one row with a finite lse (lean.py's rank_candidates): candidates are the lanes
+   of the row's 64 highest chunks plus the tail's chunkless lanes (chunk mode, cm given; every
+   other lane is at most the 65th chunk maximum), or launch 1's picks (pick mode, `picked`
+   lanes, bound NULL when they are every lane). Their reported values v = raw - lse keep the
+   best 64 (the 65th bounds the rest); those, ordered by (v desc, lane asc), are the row's
+   exact best m when every bound is strictly below the m-th value: then it returns 1 and
+   ids/values hold them (values with -0.0 as +0.0). `lanes`/`raw` are scratch of at least
+   64 * 16 + 16 entries in chunk mode. */
+static int best_row(const char *row, int64_t elem, int64_t valid, int64_t tile,
+                    const float *cm, const float *tm, const int64_t *pick_lanes,
+                    const float *pick_raw, const float *pick_bound, int64_t picked, float l,
+                    int64_t m, int64_t *lanes, float *raw, int64_t *ids, float *values)
+{
+    const int64_t full = valid / tile, rest = valid - full * tile, per = tile / 16;
+    const int64_t tails = rest / 16, chunks = full * per + tails, loose = rest - tails * 16;
+    float top_raw[64], best_raw[64];
+    int64_t top_lane[64], best_lane[64];
+    int64_t count = 0;
+    float bound = -INFINITY;
+    if (!isfinite(l)) return 0;
+    if (cm) {
+        Picks top = {top_raw, -INFINITY, top_lane, 0, 64};
+        for (int64_t c = 0; c < full * per; c++) pick(&top, cm[c], c);
+        for (int64_t c = 0; c < tails; c++) pick(&top, tm[c], full * per + c);
+        if (chunks > 64) bound = top.bound;
+        for (int64_t i = 0; i < top.size; i++) {
+            const int64_t c = top_lane[i];
+            const int64_t first = c < full * per ? (c / per) * tile + c % per
+                                                 : full * tile + (c - full * per);
+            const int64_t stride = c < full * per ? per : tails;
+            for (int64_t j = 0; j < 16; j++) lanes[count++] = first + stride * j;
+        }
+        for (int64_t i = valid - loose; i < valid; i++) lanes[count++] = i;
+        for (int64_t i = 0; i < count; i++) raw[i] = read_lane(row, elem, lanes[i]);
+    } else {
+        lanes = (int64_t *)pick_lanes;
+        raw = (float *)pick_raw;
+        count = picked;
+        if (pick_bound) bound = *pick_bound;
+    }
+    Picks best = {best_raw, -INFINITY, best_lane, 0, 64};
+    for (int64_t i = 0; i < count; i++) pick(&best, raw[i] - l, lanes[i]);
+    float limit = bound - l;
+    if (count > 64 && !(best.bound <= limit)) limit = best.bound;
+    Entry order[64];
+    for (int64_t i = 0; i < best.size; i++) {
+        order[i].value = best_raw[i] + 0.0f;
+        order[i].lane = best_lane[i];
+    }
+    for (int64_t i = 1; i < best.size; i++) {
+        Entry e = order[i];
+        int64_t j = i;
+        for (; j > 0 && before(&e, &order[j - 1]); j--) order[j] = order[j - 1];
+        order[j] = e;
+    }
+    const int64_t take = m < best.size ? m : best.size;
+    const int every = !cm && !pick_bound;
+    if (take == 0 || !(every || limit < order[take - 1].value)) return 0;
+    for (int64_t i = 0; i < take; i++) {
+        ids[i] = order[i].lane;
+        values[i] = order[i].value;
+    }
+    return 1;
+}
+
+/* Launch 3 on n rows (see best_row): exact[r] = 1 where ids/values [r, m] hold the row's
+   best m. cmax/tail (row strides given) select chunk mode, else pick mode. */
+void best_lanes(const void *base, int64_t elem, int64_t row_stride, const int64_t *rows,
+                int64_t n, int64_t valid, int64_t tile, const float *cmax, int64_t cmax_stride,
+                const float *tail, int64_t tail_stride, const int64_t *pick_lanes,
+                const float *pick_raw, const float *pick_bound, int64_t picked,
+                const float *lse, int64_t m, int64_t *ids, float *values, uint8_t *exact)
+{
+    int64_t lanes[64 * 16 + 16];
+    float raw[64 * 16 + 16];
+    for (int64_t r = 0; r < n; r++) {
+        const char *row = (const char *)base + rows[r] * row_stride * elem;
+        exact[r] = (uint8_t)best_row(
+            row, elem, valid, tile, cmax ? cmax + r * cmax_stride : NULL,
+            cmax ? tail + r * tail_stride : NULL, cmax ? NULL : pick_lanes + r * picked,
+            cmax ? NULL : pick_raw + r * picked, pick_bound ? pick_bound + r : NULL, picked,
+            lse[r], m, lanes, raw, ids + r * m, values + r * m);
+    }
+}
+
+static inline int32_t reported_bits(float raw, float l)
+{
+    union { float f; int32_t i; } v;
+    v.f = l != l ? NAN : raw - l;
+    return v.i;
+}
+
+/* The whole one-rank reduction (lean.py's reduce_lean) into the packed payload rows
+   out[rows[r]]: launches 1 and 2, the chosen pair, the selected ids' pairs (caller order,
+   -1 beyond the count) or the natural best m. Returns the number of rows left for Python:
+   redo[r] = 1 for a natural row whose candidates cannot vouch for its best m (the tile-by-
+   tile launch 3 decides it; its pairs are left -1 here), 2 for a chosen or selected id
+   outside [0, valid) (then the caller redoes the whole call its own way). cmax/tmax/tmass
+   [n, ...] and lse [n] receive launches 1 and 2 for that. */
+int64_t reduce_rows(const void *base, int64_t elem, int64_t row_stride, const int64_t *rows,
+                    int64_t n, int64_t valid, int64_t tile, const int64_t *chosen,
+                    const int32_t *counts, const int32_t *sel, int64_t k, int64_t m,
+                    int64_t narrow, float *cmax, float *tmax, float *tmass, float *lse,
+                    int32_t *out, uint8_t *redo, int64_t threads)
+{
+    const int64_t full = valid / tile, rest = valid - full * tile, per = tile / 16;
+    const int64_t chunks = full * per + rest / 16, tiles = full + (rest > 0);
+    const int64_t cap = narrow ? (valid < 64 ? valid : 64) : 0;
+    int64_t *pick_lanes = cap ? (int64_t *)malloc(sizeof(int64_t) * (size_t)(n * cap)) : NULL;
+    float *pick_raw = cap ? (float *)malloc(sizeof(float) * (size_t)(n * cap)) : NULL;
+    float *pick_bound = cap ? (float *)malloc(sizeof(float) * (size_t)n) : NULL;
+    float *scratch = (float *)malloc(sizeof(float) * (size_t)(2 * n + 1));
+    int64_t lanes[64 * 16 + 16];
+    float raw[64 * 16 + 16];
+    int64_t left = 0;
+    tile_stats(base, elem, row_stride, rows, n, valid, tile, cmax, tmax, tmass, cap,
+               pick_lanes, pick_raw, pick_bound, threads);
+    row_lse(tmax, tmass, n, tiles, scratch, scratch + n, lse);
+    for (int64_t r = 0; r < n; r++) {
+        const int64_t at = rows[r];
+        const char *row = (const char *)base + at * row_stride * elem;
+        int32_t *word = out + at * (2 + 2 * 128);
+        const int64_t id = chosen[at], count = counts[at];
+        redo[r] = 0;
+        for (int64_t w = 2; w < 2 + 2 * 128; w++) word[w] = -1;
+        int bad = id < 0 || id >= valid || count < 0 || count > 128;
+        for (int64_t s = 0; !bad && s < count; s++)
+            bad = sel[at * 128 + s] < 0 || sel[at * 128 + s] >= valid;
+        if (bad) {
+            redo[r] = 2;
+            left++;
+            continue;
+        }
+        word[0] = (int32_t)id;
+        word[1] = reported_bits(read_lane(row, elem, id), lse[r]);
+        if (count > 0) {
+            for (int64_t s = 0; s < count; s++) {
+                const int32_t sid = sel[at * 128 + s];
+                word[2 + 2 * s] = sid;
+                word[3 + 2 * s] = reported_bits(read_lane(row, elem, sid), lse[r]);
+            }
+            continue;
+        }
+        if (k == 0) continue;
+        int64_t ids[32];
+        float values[32];
+        const int found = best_row(
+            row, elem, valid, tile, cap ? NULL : cmax + r * chunks,
+            cap ? NULL : cmax + r * chunks + full * per, cap ? pick_lanes + r * cap : NULL,
+            cap ? pick_raw + r * cap : NULL, cap && cap < valid ? pick_bound + r : NULL, cap,
+            lse[r], m, lanes, raw, ids, values);
+        if (!found) {
+            redo[r] = 1;
+            left++;
+            continue;
+        }
+        for (int64_t i = 0; i < m; i++) {
+            union { float f; int32_t i; } v = {values[i]};
+            word[2 + 2 * i] = (int32_t)ids[i];
+            word[3 + 2 * i] = v.i;
+        }
+    }
+    free(pick_lanes);
+    free(pick_raw);
+    free(pick_bound);
+    free(scratch);
+    return left;
+}

@@ -1,0 +1,350 @@
+"""The CPU reduction's launches 1-3 in compiled code (compiled.c), bit for bit the torch ones.
+
+Why compiled: in torch, launch 1 costs about five tensor calls per slab and a one-row call
+at vocabulary 32,000 is eight slabs, so the fixed cost of the launches (each tensor or numpy
+call costs microseconds here) exceeded a whole ``log_softmax``. Here one C call per launch
+walks the flagged rows. Launch 1 goes tile by tile with one tile of FP32 scratch (16 KiB at
+4,096 lanes; no slab, no [rows, vocabulary] copy):
+
+1. Convert the tile's lanes to FP32 (exact), tracking the strided chunk maxima (chunk j of
+   a tile = lanes j, j + tile/16, ...; the tail tile's chunks likewise over its body) and the
+   tile maximum; any NaN lane makes its chunk and tile maximum NaN.
+2. Shift by the tile maximum (by 0 when it is -inf), then exp through the same MKL routine
+   torch's ``exp_`` calls (``vmsExp``, high-accuracy mode, lane by lane independent).
+3. Sum the tile in torch's order: ``cascade_sum``'s contiguous inner reduction (vectors of
+   the CPU's ``Vectorized<float>`` width, four interleaved accumulators, four cascade levels,
+   scalar tail, then the vector's lanes in order); under a vector's width, its scalar
+   ``row_sum``.
+4. Rows too narrow for launch 3's chunk prefilter also keep their CANDIDATES largest raw
+   values (ties broken arbitrarily) and the largest value left out, as launch 3's
+   candidates.
+
+Launch 2 (``compiled_lse``) is lean_lse's arithmetic with the same exp, log and sum; launch 3
+(``compiled_best``) is lean.py's rank_candidates over the same candidates, comparisons and
+one subtraction per lane, and reports which rows it can vouch for (the others take the
+tile-by-tile launch 3, as before).
+
+Every FP32 value is therefore the torch path's. Because that equality rests on torch's
+internals (the exp and log routines, the summation order), the library is used only after a
+probe on this machine compares launches 1 and 2 with ``tile_stats`` and ``normalization``
+word for word (maxima with -0.0 read as +0.0, masses, chunk maxima, lse) over shapes that
+reach every branch; a mismatch, a torch build without MKL's ``vmsExp``/``vmsLn``, a CPU
+capability other than AVX2/AVX512, no C compiler, or ``HELIOS_NATIVE_REDUCTION=0`` leaves the
+torch path in place.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kernels.layout import TILE_CANDIDATES as TOP
+from kernels.native import X86, load_library
+from kernels.torch_impl.tiles import CHUNK_LANES, TileStats, normalization, tile_stats
+
+_LOG = logging.getLogger(__name__)
+
+
+_SOURCE = (Path(__file__).parent / "compiled.c").read_text()
+_FLAGS = ("-O3", "-fPIC", "-shared", "-ffp-contract=off", "-mavx2", "-pthread")
+_SWITCH = "HELIOS_NATIVE_REDUCTION"
+VML_MODE = 0x2 | 0x140000 | 0x100
+"""VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE: the mode torch's vml.h passes to vmsExp."""
+
+PARALLEL_LANES = 1 << 18
+"""Calls over at least this many lanes split their rows across torch's intra-op threads."""
+
+_LOCK = threading.Lock()
+_STATE: dict[str, object] = {}
+
+
+Picks = tuple[np.ndarray, np.ndarray, "np.ndarray | None"]
+"""Launch 3's candidates of narrow rows: lanes int64 [n, c] (row-relative), their raw FP32
+values [n, c], and the largest raw value left out FP32 [n, 1] (None when every lane is a
+candidate)."""
+
+
+def _vector_width() -> int | None:
+    """Floats per ``Vectorized<float>`` at torch's dispatched CPU capability."""
+    return {"AVX2": 8, "AVX512": 16}.get(torch.backends.cpu.get_cpu_capability())
+
+
+def _mkl(name: str) -> int | None:
+    """Address of an MKL vector routine inside this torch build (None without MKL)."""
+    path = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+    try:
+        return ctypes.cast(getattr(ctypes.CDLL(path), name), ctypes.c_void_p).value
+    except (OSError, AttributeError):
+        return None
+
+
+def _build() -> ctypes.CDLL | None:
+    width, exp, log = _vector_width(), _mkl("vmsExp"), _mkl("vmsLn")
+    if width is None or exp is None or log is None:
+        return None
+    lib = load_library("reduction", _SOURCE, _FLAGS, _SWITCH, machines=X86)
+    if lib is None:
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    for name, args in (
+        ("configure", [ptr, ptr, ctypes.c_longlong, ctypes.c_int]),
+        ("tile_stats", [ptr, i64, i64, ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr,
+                        i64]),
+        ("row_lse", [ptr, ptr, i64, i64, ptr, ptr, ptr]),
+        ("best_lanes", [ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, ptr, i64, ptr, ptr, ptr,
+                        i64, ptr, i64, ptr, ptr, ptr]),
+        ("reduce_rows", [ptr, i64, i64, ptr, i64, i64, i64, ptr, ptr, ptr, i64, i64, i64, ptr,
+                         ptr, ptr, ptr, ptr, ptr, i64]),
+    ):
+        getattr(lib, name).restype = None
+        getattr(lib, name).argtypes = args
+    lib.reduce_rows.restype = i64
+    lib.configure(exp, log, VML_MODE, width)
+    failed = _probe(lib)
+    _KEPT.outputs.clear()
+    if failed:
+        _LOG.warning("native tile statistics differ from torch's (%s); using the torch path",
+                     failed)
+        return None
+    return lib
+
+
+def _lib() -> ctypes.CDLL | None:
+    if "lib" not in _STATE:
+        with _LOCK:
+            if "lib" not in _STATE:
+                _STATE["lib"] = _build()
+    return _STATE["lib"]  # type: ignore[return-value]
+
+
+def available() -> bool:
+    return _lib() is not None
+
+
+def supports(logits: torch.Tensor) -> bool:
+    """Whether these logits can take the compiled launch 1 (CPU, bf16 or FP32 rows of unit
+    lane stride)."""
+    return (logits.device.type == "cpu" and logits.dim() == 2
+            and logits.dtype in (torch.bfloat16, torch.float32)
+            and (logits.stride(1) == 1 or logits.shape[1] <= 1))
+
+
+def compiled_tile_stats(
+    logits: torch.Tensor, rows: np.ndarray, valid: int, tile: int, cap: int = 0
+) -> tuple[TileStats, Picks | None] | None:
+    """Launch 1 (tile_stats, bit for bit) on rows `rows` of `logits`, and with cap > 0 each
+    row's `cap` largest raw values (Picks); None when the compiled path does not apply."""
+    if not supports(logits):
+        return None
+    lib = _lib()
+    if lib is None:
+        return None
+    return _run(lib, logits, rows, valid, tile, cap)
+
+
+class _Outputs:
+    """One shape's outputs and their views, kept per thread between calls (a view costs
+    microseconds here): the next call with the same shape on the same thread overwrites
+    them, as kernels/torch_impl/lean_stats.py's StatsPlan does."""
+
+    def __init__(self, n: int, valid: int, tile: int, cap: int) -> None:
+        full, rest = divmod(valid, tile)
+        per, tiles = tile // CHUNK_LANES, full + (rest > 0)
+        chunks = full * per + rest // CHUNK_LANES
+        words = torch.empty(n * (chunks + 2 * tiles), dtype=torch.float32)
+        flat = words[: n * chunks].view(n, chunks)
+        tmax = words[n * chunks : n * (chunks + tiles)].view(n, tiles)
+        tmass = words[n * (chunks + tiles) :].view(n, tiles)
+        self.stats = TileStats(tmax, tmass, flat[:, : full * per].view(n, full, per),
+                               flat[:, full * per :])
+        keep = min(cap, valid)
+        self.every = keep == valid
+        self.lanes = np.empty((n, keep), np.int64)
+        self.raw = np.empty((n, keep), np.float32)
+        self.bound = np.empty(n, np.float32)
+        self.flat_ptr = flat.data_ptr()
+        self.args = (n, valid, tile, flat.data_ptr(), tmax.data_ptr(), tmass.data_ptr(), keep,
+                     self.lanes.ctypes.data, self.raw.ctypes.data, self.bound.ctypes.data)
+
+
+class _Kept(threading.local):
+    def __init__(self) -> None:
+        self.outputs: OrderedDict[tuple[int, int, int, int], _Outputs] = OrderedDict()
+
+
+_KEPT = _Kept()
+OUTPUTS_KEPT = 4
+
+
+def _outputs(n: int, valid: int, tile: int, cap: int) -> _Outputs:
+    key = (n, valid, tile, cap)
+    kept = _KEPT.outputs
+    out = kept.get(key)
+    if out is None:
+        out = kept[key] = _Outputs(n, valid, tile, cap)
+        while len(kept) > OUTPUTS_KEPT:
+            kept.popitem(last=False)
+    else:
+        kept.move_to_end(key)
+    return out
+
+
+def _run(lib: ctypes.CDLL, logits: torch.Tensor, rows: np.ndarray, valid: int, tile: int,
+         cap: int, threads: int | None = None) -> tuple[TileStats, Picks | None]:
+    if tile % CHUNK_LANES or tile < CHUNK_LANES:
+        raise ValueError(f"tile {tile} must be a positive multiple of {CHUNK_LANES}")
+    if rows.dtype != np.int64 or not rows.flags.c_contiguous:
+        rows = np.ascontiguousarray(rows, dtype=np.int64)
+    n = rows.size
+    out = _outputs(n, valid, tile, cap)
+    if threads is None:
+        threads = torch.get_num_threads() if n > 1 and n * valid >= PARALLEL_LANES else 1
+    lib.tile_stats(logits.data_ptr(), logits.element_size(), logits.stride(0), rows.ctypes.data,
+                   *out.args, threads)
+    if not cap:
+        return out.stats, None
+    if out.every:  # every lane is a candidate: in lane order, no bound
+        order = np.argsort(out.lanes, axis=1)
+        return out.stats, (np.take_along_axis(out.lanes, order, 1),
+                           np.take_along_axis(out.raw, order, 1), None)
+    return out.stats, (out.lanes.copy(), out.raw.copy(), out.bound[:, None].copy())
+
+
+def compiled_reduce(
+    logits: torch.Tensor, rows: np.ndarray, valid: int, tile: int, chosen: np.ndarray,
+    counts: np.ndarray, selected: np.ndarray, k: int, narrow: bool, out: torch.Tensor,
+) -> tuple[np.ndarray, TileStats, np.ndarray] | None:
+    """The whole one-rank reduction of rows `rows` into their payload rows of `out`
+    (reduce_rows in compiled.c): None when the compiled path does not apply (nothing
+    written); else (redo uint8 [n], launch 1's stats, lse [n]) where redo is 1 for natural
+    rows whose best K the caller must still decide (their pairs are -1) and 2 for rows with
+    an id outside the vocabulary (the caller must redo the call). `chosen` int64, `counts`
+    int32 and `selected` int32 [rows, 128] are indexed by row like `out`; `narrow`: launch 3
+    takes launch 1's picks (lean_stats.uses_chunks is False)."""
+    if not supports(logits) or out.dtype != torch.int32 or not out.is_contiguous():
+        return None
+    lib = _lib()
+    if lib is None:
+        return None
+    n = rows.size
+    stats_out = _outputs(n, valid, tile, 0)
+    lse = np.empty(n, np.float32)
+    redo = np.empty(n, np.uint8)
+    threads = torch.get_num_threads() if n > 1 and n * valid >= PARALLEL_LANES else 1
+    stats = stats_out.stats
+    lib.reduce_rows(logits.data_ptr(), logits.element_size(), logits.stride(0), rows.ctypes.data,
+                    n, valid, tile, chosen.ctypes.data, counts.ctypes.data, selected.ctypes.data,
+                    k, min(k, TOP, valid), int(narrow), stats_out.flat_ptr, stats.max.data_ptr(),
+                    stats.mass.data_ptr(), lse.ctypes.data, out.data_ptr(), redo.ctypes.data,
+                    threads)
+    return redo, stats, lse
+
+
+def compiled_lse(stats: TileStats) -> tuple[np.ndarray, bool] | None:
+    """Launch 2: (FP32 lse [n], all finite), lean_lse's bits; None without the library."""
+    lib = _lib()
+    if lib is None:
+        return None
+    return _lse(lib, stats)
+
+
+def _lse(lib: ctypes.CDLL, stats: TileStats) -> tuple[np.ndarray, bool]:
+    tmax, tmass = stats.max, stats.mass
+    if not (tmax.is_contiguous() and tmass.is_contiguous()):
+        tmax, tmass = tmax.contiguous(), tmass.contiguous()
+    n, tiles = tmax.shape
+    out = np.empty((3, n), np.float32)
+    lib.row_lse(tmax.data_ptr(), tmass.data_ptr(), n, tiles, out[0].ctypes.data,
+                out[1].ctypes.data, out[2].ctypes.data)
+    lse = out[2]
+    return lse, bool(np.isfinite(lse).all())
+
+
+def compiled_best(
+    logits: torch.Tensor, rows: np.ndarray, valid: int, tile: int, stats: TileStats,
+    picks: Picks | None, lse: np.ndarray, m: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """Launch 3 on rows `rows` (lean.py's rank_candidates over chunk candidates, or over
+    `picks` for narrow rows): (ids int64 [n, m] row-relative, values FP32 [n, m], exact bool
+    [n]); only rows with exact set hold their best m. None without the library."""
+    lib = _lib()
+    if lib is None or not supports(logits):
+        return None
+    if rows.dtype != np.int64 or not rows.flags.c_contiguous:
+        rows = np.ascontiguousarray(rows, dtype=np.int64)
+    lse = np.ascontiguousarray(lse, dtype=np.float32)
+    n = rows.size
+    ids = np.empty((n, m), np.int64)
+    values = np.empty((n, m), np.float32)
+    exact = np.empty(n, np.uint8)
+    cmax = tail = None
+    picked, lanes, raw, bound = 0, None, None, None
+    if picks is None:
+        cmax, tail = stats.chunk_max, stats.tail_max
+        if cmax.stride(-1) != 1 or (cmax.shape[1] > 1 and cmax.stride(1) != cmax.shape[2]):
+            cmax = cmax.contiguous()
+        if tail.shape[1] and tail.stride(-1) != 1:
+            tail = tail.contiguous()
+    else:
+        lanes = np.ascontiguousarray(picks[0], dtype=np.int64)
+        raw = np.ascontiguousarray(picks[1], dtype=np.float32)
+        bound = None if picks[2] is None else np.ascontiguousarray(picks[2][:, 0])
+        picked = lanes.shape[1]
+    lib.best_lanes(
+        logits.data_ptr(), logits.element_size(), logits.stride(0), rows.ctypes.data, n, valid,
+        tile, None if cmax is None else cmax.data_ptr(),
+        0 if cmax is None else cmax.stride(0), None if tail is None else tail.data_ptr(),
+        0 if tail is None else tail.stride(0), None if lanes is None else lanes.ctypes.data,
+        None if raw is None else raw.ctypes.data, None if bound is None else bound.ctypes.data,
+        picked, lse.ctypes.data, m, ids.ctypes.data, values.ctypes.data, exact.ctypes.data)
+    return ids, values, exact.view(bool)
+
+
+def _probe(lib: ctypes.CDLL) -> str:
+    """'' when the compiled launches 1 and 2 equal tile_stats and normalization word for
+    word on inputs that reach every branch (tails under and over a vector's width,
+    chunkless tiles, NaN, +-inf, -inf rows, -0.0, row subsets, several threads); else what
+    differed."""
+    gen = torch.Generator().manual_seed(1234)
+    cases = [(3, 423, 4096), (2, 4096, 4096), (2, 4099, 4096), (2, 4103, 4096),
+             (2, 8193, 4096), (3, 1031, 64), (2, 37, 16), (2, 5, 16), (1, 32000, 4096),
+             (5, 20011, 4096)]
+    for dtype in (torch.bfloat16, torch.float32):
+        for n, valid, tile in cases:
+            x = torch.randn(n + 1, valid + 3, generator=gen) * 4
+            if n > 1:
+                x[1, ::7] = float("-inf")
+                x[1, 3] = -0.0
+                x[2 % (n + 1), :] = float("-inf")
+            if n > 2:
+                x[3, valid // 2] = float("nan")
+                x[0, valid - 1] = float("inf")
+            x = x.to(dtype)
+            rows = np.arange(n)[::-1].copy()
+            for threads in (1, 2):
+                got, _ = _run(lib, x, rows, valid, tile, 0, threads)
+                want = tile_stats(x, torch.from_numpy(rows), valid, tile)
+                where = f"{dtype}, rows {n}, lanes {valid}, tile {tile}"
+                for name, a, b in zip(TileStats._fields, got, want, strict=True):
+                    if not _same(a, b):
+                        return f"{name} at {where}"
+                if not _same(torch.from_numpy(_lse(lib, got)[0]), normalization(want)):
+                    return f"lse at {where}"
+    return ""
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal words, -0.0 read as +0.0 and any NaN as any NaN."""
+    if a.shape != b.shape:
+        return False
+    a, b = a.contiguous() + 0.0, b.contiguous() + 0.0
+    nan = a.isnan()
+    return bool(torch.equal(nan, b.isnan())
+                and torch.equal(a.view(torch.int32)[~nan], b.view(torch.int32)[~nan]))

@@ -1,0 +1,177 @@
+"""The compiled CPU launches (kernels/torch_impl/compiled.c) against the torch launches they
+reproduce word for word, and the probe that keeps them off where they would differ.
+
+Oracles: kernels/torch_impl/tiles.py's tile-by-tile launches (torch ops only) and the numpy
+fast path with the library switched off; the float64 oracle checks the payloads too.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+import kernels.torch_impl.lean as lean
+from kernels.api import pack_token_ids, reduce_logprobs
+from kernels.rows import RowRequest
+from kernels.torch_impl import compiled
+from kernels.torch_impl.backend import reduce_torch
+from kernels.torch_impl.tiles import TileStats, normalization, tile_stats
+from tests.oracles import WORDS, check_payload
+
+needs_compiled = pytest.mark.skipif(not compiled.available(),
+                                    reason="no C compiler, MKL or AVX2 on this machine")
+
+
+def same_words(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Equal FP32 words, -0.0 read as +0.0 and any NaN as any NaN."""
+    got, want = got.contiguous() + 0.0, want.contiguous() + 0.0
+    nan = got.isnan()
+    return bool(got.shape == want.shape and torch.equal(nan, want.isnan())
+                and torch.equal(got.view(torch.int32)[~nan], want.view(torch.int32)[~nan]))
+
+
+def logits_of(kind: str, rows: int, width: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, width, generator=g) * 3
+    if kind == "ties":
+        x = torch.randint(-2, 3, (rows, width), generator=g).float()
+    elif kind == "special":
+        x[0, ::5] = float("-inf")
+        if rows > 1:
+            x[1] = float("-inf")
+        if rows > 2:
+            x[2, width // 3] = float("nan")
+        if rows > 3:
+            x[3, width - 1] = float("inf")
+    return x.to(dtype)
+
+
+def test_compiled_path_is_on_where_it_can_be() -> None:
+    """On an x86 machine with a C compiler and a torch build with MKL, the probe passes: the
+    fast path is not silently off (the benchmarks measure it)."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if (platform.machine().lower() not in ("x86_64", "amd64") or shutil.which(
+            os.environ.get("CC") or "cc") is None or capability not in ("AVX2", "AVX512")
+            or compiled._mkl("vmsExp") is None
+            or os.environ.get("HELIOS_NATIVE_REDUCTION") == "0"):
+        pytest.skip("the compiled path cannot apply here")
+    assert compiled.available()
+
+
+@needs_compiled
+@pytest.mark.parametrize(("rows", "valid", "tile"), [
+    (1, 32_000, 4096), (3, 151_936, 4096), (4, 4103, 4096), (4, 8197, 4096), (5, 423, 4096),
+    (4, 1031, 64), (3, 37, 16), (2, 5, 16), (4, 1000, 512),
+])
+@pytest.mark.parametrize("kind", ["normal", "ties", "special"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_launches_1_and_2_equal_the_torch_launches(rows, valid, tile, kind, dtype) -> None:
+    x = logits_of(kind, rows + 2, valid + 9, rows * valid, dtype)[:, 3:]  # strided rows
+    picked = np.array([rows + 1] + list(range(rows - 1)), dtype=np.int64)
+    for threads in (1, 2):
+        got, _ = compiled._run(compiled._lib(), x, picked, valid, tile, 0, threads)
+        want = tile_stats(x, torch.from_numpy(picked), valid, tile)
+        for name, a, b in zip(TileStats._fields, got, want, strict=True):
+            assert same_words(a, b), name
+        lse, _ = compiled.compiled_lse(got)
+        assert same_words(torch.from_numpy(lse), normalization(want))
+
+
+def _three_ways(monkeypatch, call):
+    """(compiled, numpy fast path, tile-by-tile) results of call()."""
+    got = call()
+    with monkeypatch.context() as m:
+        m.setitem(compiled._STATE, "lib", None)
+        numpy_path = call()
+    with monkeypatch.context() as m:
+        m.setattr(lean, "LEAN", False)
+        tiles = call()
+    return got, numpy_path, tiles
+
+
+PAYLOAD_CASES = [
+    (vocab, kind, dtype)
+    for vocab in (7, 64, 65, 300, 1031, 4097, 40_000, 151_936)
+    for kind in ("normal", "ties", "special")
+    for dtype in (torch.float32, torch.bfloat16)
+    if vocab != 151_936 or kind == "normal"  # (the tile launches are slow at this width)
+]
+
+
+@needs_compiled
+@pytest.mark.parametrize(("vocab", "kind", "dtype"), PAYLOAD_CASES)
+def test_payloads_equal_the_numpy_path_and_the_tile_launches(monkeypatch, vocab, kind,
+                                                              dtype) -> None:
+    rows = 5
+    x = logits_of(kind, rows, vocab + 3, vocab, dtype)
+    chosen = torch.arange(rows) * 11 % vocab
+    requested = torch.tensor([1, 0, 1, 1, 1], dtype=torch.int32)
+    token_ids = [[], [0], [vocab - 1, 0], [], []]
+    for kw in (dict(), dict(k=0), dict(k=1, requested=requested), dict(token_ids=token_ids)):
+        results = _three_ways(
+            monkeypatch, lambda kw=kw: reduce_logprobs(x, chosen, vocab_size=vocab, **kw))
+        assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2]), kw
+        if kind == "normal":
+            check_payload(results[0], x, vocab, chosen, kw.get("k", 20),
+                          kw.get("token_ids"), kw.get("requested"))
+
+
+@needs_compiled
+def test_rows_it_cannot_vouch_for_take_the_tile_launch(monkeypatch) -> None:
+    """Exact ties across the 32nd value (bf16 integers): the candidates cannot vouch for the
+    row, the tile-by-tile launch 3 decides it, and the payload is still the same."""
+    vocab, rows = 40_000, 3
+    x = logits_of("ties", rows, vocab, 1, torch.bfloat16)
+    ids, counts = pack_token_ids(None, rows, vocab)
+    chosen = torch.tensor([0, 1, 2])
+    flags = torch.ones(rows, dtype=torch.int32)
+    out = torch.full((rows, WORDS), -1, dtype=torch.int32)
+    redo, _, _ = compiled.compiled_reduce(
+        x, np.arange(rows), vocab, 4096, chosen.numpy().astype(np.int64), counts.numpy(),
+        ids.numpy(), 20, False, out)
+    assert (redo == 1).all()
+    request = RowRequest(chosen, ids, counts, flags, 20)
+    results = _three_ways(monkeypatch, lambda: reduce_torch(
+        x, request, vocab, torch.full((rows, WORDS), -1, dtype=torch.int32)))
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+    check_payload(results[0], x, vocab, chosen, 20, None, None)
+
+
+@needs_compiled
+def test_ids_outside_the_vocabulary_are_left_to_the_python_path(monkeypatch) -> None:
+    """A prepared request may name a padding lane (validation happens at the API): the
+    compiled path never reads it itself and hands the call back."""
+    vocab, width, rows = 1000, 1024, 2
+    x = logits_of("normal", rows, width, 3, torch.float32)
+    ids, counts = pack_token_ids([[], [3]], rows, vocab)
+    ids[1, 0] = vocab + 5
+    chosen = torch.tensor([vocab + 1, 4])
+    request = RowRequest(chosen, ids, counts, torch.ones(rows, dtype=torch.int32), 20)
+    out = torch.full((rows, WORDS), -1, dtype=torch.int32)
+    redo, _, _ = compiled.compiled_reduce(
+        x, np.arange(rows), vocab, 4096, chosen.numpy().astype(np.int64), counts.numpy(),
+        ids.numpy(), 20, False, out)
+    assert list(redo) == [2, 2]
+    results = _three_ways(monkeypatch, lambda: reduce_torch(
+        x, request, vocab, torch.full((rows, WORDS), -1, dtype=torch.int32)))
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+
+
+@needs_compiled
+def test_the_probe_refuses_another_summation_order(monkeypatch, caplog) -> None:
+    """Told the wrong vector width (so its sums take another order), the library fails the
+    probe against torch and stays off, with a warning naming what differed."""
+    wrong = 16 if torch.backends.cpu.get_cpu_capability() == "AVX2" else 8
+    monkeypatch.setattr(compiled, "_STATE", {})
+    monkeypatch.setattr(compiled, "_vector_width", lambda: wrong)
+    with caplog.at_level(logging.WARNING, logger=compiled.__name__):
+        assert not compiled.available()
+    assert "mass at" in caplog.text
+    x = logits_of("normal", 2, 5000, 0, torch.bfloat16)
+    assert compiled.compiled_tile_stats(x, np.arange(2), 5000, 4096) is None
