@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -20,10 +21,11 @@ def pack_token_ids(
     token_ids: Sequence[Sequence[int]] | None, rows: int, vocab_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row caller IDs -> (ids int32 [rows, 128] padded with -1, counts int32 [rows])."""
+    if token_ids is None:
+        return torch.full((rows, MAX_TOKEN_IDS), -1, dtype=torch.int32), torch.zeros(
+            rows, dtype=torch.int32)
     ids = torch.full((rows, MAX_TOKEN_IDS), -1, dtype=torch.int32)
     counts = torch.zeros(rows, dtype=torch.int32)
-    if token_ids is None:
-        return ids, counts
     if len(token_ids) != rows:
         raise ValueError(f"token_ids: expected {rows} rows, got {len(token_ids)}")
     for row, row_ids in enumerate(token_ids):
@@ -58,7 +60,7 @@ def check_common(
     if vocab_size < 1:
         raise ValueError(f"vocab_size: expected >= 1, got {vocab_size}")
     if requested is None:
-        requested = torch.ones(rows, dtype=torch.int32, device=logits.device)
+        requested = _defaults(rows, logits.device)[2]
     elif requested.shape != (rows,):
         raise ValueError(f"requested: expected shape ({rows},), got {tuple(requested.shape)}")
     if out is None:
@@ -193,5 +195,17 @@ def row_request(
     vocab_size: int,
     device: torch.device,
 ) -> RowRequest:
+    if token_ids is None:
+        ids, counts, _ = _defaults(chosen.shape[0], device)
+        return RowRequest(chosen, ids, counts, requested, k)
     ids, counts = pack_token_ids(token_ids, chosen.shape[0], vocab_size)
     return RowRequest(chosen, ids.to(device), counts.to(device), requested, k)
+
+
+@functools.lru_cache(maxsize=16)
+def _defaults(rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(no selected ids, zero counts, every row requested) for calls that pass none; shared
+    between calls and never written (the backends only read a RowRequest)."""
+    ids, counts = pack_token_ids(None, rows, 1)
+    return (ids.to(device), counts.to(device),
+            torch.ones(rows, dtype=torch.int32, device=device))
