@@ -84,7 +84,12 @@ class FrameExecutor:
         if not requesting:
             return
         source = self.outputs.completion_logprobs[frame]
-        for slot in requesting:
-            payload[slot].copy_(source[slot, :, :words], non_blocking=True)
-            self.counters.payload_bytes += payload[slot].numel() * 4
+        per_slot = payload[0].numel() * 4
+        if self.stream is None:  # host memory: one gather of the requesting rows
+            at = list(requesting)
+            payload.numpy()[at] = source.numpy()[at, :, :words]
+        else:
+            for slot in requesting:
+                payload[slot].copy_(source[slot, :, :words], non_blocking=True)
+        self.counters.payload_bytes += per_slot * len(requesting)
         self.counters.payload_copies += 1

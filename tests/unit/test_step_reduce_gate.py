@@ -1,0 +1,94 @@
+"""The reduction gate and payload write on host tensors (numpy views) against the same
+methods' tensor-op form, which CUDA runs: the same flags, chosen tokens, selected IDs and
+payload words on randomized records (stale slots and epochs, every kind, forced positions,
+positions past the emitted count, wrong logit rows, unrequested slots, padding rows)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.layout import MAX_TOKEN_IDS, PAYLOAD_WORDS
+from ranks.contract.abi6 import (
+    EMITTED,
+    EPOCH,
+    FIRST_LOGIT_ROW,
+    FORCED_MASK,
+    KIND,
+    SLOT,
+    Kind,
+)
+from ranks.contract.completion import CompletionOutputs
+from ranks.step.reduce import StepReduction
+
+
+def reduction_over(outputs: CompletionOutputs, rows: int, host: bool) -> StepReduction:
+    """A StepReduction's gate/write state for `rows` logit rows (no model or driver: the two
+    methods under test read only these)."""
+    step = StepReduction.__new__(StepReduction)
+    step.outputs = outputs
+    step.host = host
+    step.rows = torch.arange(rows, dtype=torch.int64)
+    step.kinds = torch.tensor([int(Kind.SAMPLE), int(Kind.SPECULATIVE)])
+    step.chosen = torch.zeros(rows, dtype=torch.int64)
+    step.requested = torch.zeros(rows, dtype=torch.int32)
+    step.ids = torch.full((rows, MAX_TOKEN_IDS), -1, dtype=torch.int32)
+    step.counts = torch.zeros(rows, dtype=torch.int32)
+    step.out = torch.randint(-2**31, 2**31 - 1, (rows, PAYLOAD_WORDS), dtype=torch.int32)
+    return step
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_host_gate_and_write_equal_the_tensor_ops(seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    capacity, tokens, rows = 9, 4, 10
+    outputs = CompletionOutputs.allocate(capacity, tokens)
+    records = outputs.completion_records
+    records.copy_(torch.randint(0, 3, records.shape, generator=g))
+    frame = seed % 2
+    rec = records[frame]
+    # Distinct slots, as a step's inputs give them; the last rows are padding (slot -1) and
+    # only go through the gate.
+    written = rows - 3
+    row_slots = torch.full((rows,), -1)
+    row_slots[:written] = torch.randperm(capacity, generator=g)[:written]
+    row_positions = torch.randint(0, tokens, (rows,), generator=g)
+    row_slots[written:] = -1
+    row_positions[written:] = -1
+    row_epochs = torch.randint(0, 2, (rows,), generator=g)
+    for row in range(rows):  # make most rows plausible, so that many pass the gate
+        slot = int(row_slots[row])
+        if slot < 0 or torch.rand(1, generator=g) < 0.2:
+            continue
+        rec[slot, SLOT] = slot
+        rec[slot, EPOCH] = row_epochs[row]
+        rec[slot, KIND] = int([Kind.SAMPLE, Kind.SPECULATIVE, Kind.ADMISSION][row % 3])
+        low = max(0, int(row_positions[row]))
+        rec[slot, EMITTED] = int(torch.randint(low, tokens + 1, (1,), generator=g))
+        forced = torch.rand(tokens, generator=g) < 0.25
+        rec[slot, FORCED_MASK] = int(sum(1 << i for i in range(tokens) if forced[i]))
+        rec[slot, FIRST_LOGIT_ROW] = row - max(0, int(row_positions[row]))
+    outputs.logprob_requested.copy_((torch.rand(capacity, generator=g) < 0.8).int())
+    outputs.logprob_token_ids.copy_(torch.randint(0, 100, (capacity, MAX_TOKEN_IDS),
+                                                  generator=g))
+    outputs.logprob_token_id_counts.copy_(torch.randint(0, 5, (capacity,), generator=g))
+    outputs.completion_logprobs.copy_(torch.randint(-9, 9, outputs.completion_logprobs.shape,
+                                                    generator=g))
+    before = outputs.completion_logprobs.clone()
+    results = []
+    for host in (True, False):
+        outputs.completion_logprobs.copy_(before)
+        step = reduction_over(outputs, rows, host)
+        torch.manual_seed(seed)
+        step.out = torch.randint(-2**31, 2**31 - 1, (rows, PAYLOAD_WORDS), dtype=torch.int32)
+        step.gate(rec, row_slots, row_epochs, row_positions)
+        step.write(frame, row_slots[:written], row_positions[:written])
+        results.append((step.requested.clone(), step.chosen.clone(), step.ids.clone(),
+                        step.counts.clone(), outputs.completion_logprobs.clone()))
+    host, tensor_ops = results
+    assert bool(host[0].any()), "the case should gate some rows"
+    for got, want in zip(host[:4], tensor_ops[:4], strict=True):
+        assert torch.equal(got, want)
+    assert torch.equal(host[4], tensor_ops[4])
+    assert not torch.equal(host[4], before)
+    assert torch.equal(host[4][1 - frame], before[1 - frame])
