@@ -101,58 +101,74 @@ static inline float widen_bf16(uint16_t h)
     return v.f;
 }
 
-/* Keeps the `cap` largest values seen (ties broken arbitrarily) in a min-heap, and the
-   largest value left out as the bound of every other one; a NaN makes the bound NaN, so
-   that launch 3 never vouches for such a row. */
-typedef struct {
-    float *raw, bound;
-    int64_t *lanes, size, cap;
-} Picks;
-
-static void leave_out(Picks *p, float v)
+/* Moves the k largest of v[0..n) to the front (ids alongside; ties broken arbitrarily) and
+   returns the largest value left behind (-inf when none): launch 3's candidates and the
+   bound of every other lane. Quickselect with three-way partitions, so that long runs of
+   equal values (bf16 ties) stay linear. NaN is not ordered here: callers that can meet one
+   make the bound NaN themselves, so that launch 3 never vouches for such a row. */
+static float top_k(float *v, int64_t *id, int64_t n, int64_t k)
 {
-    if (p->bound == p->bound && !(v <= p->bound)) p->bound = v;
-}
-
-static void sift_down(Picks *p, int64_t i)
-{
-    float v = p->raw[i];
-    int64_t lane = p->lanes[i];
-    for (;;) {
-        int64_t c = 2 * i + 1;
-        if (c >= p->size) break;
-        if (c + 1 < p->size && p->raw[c + 1] < p->raw[c]) c++;
-        if (!(p->raw[c] < v)) break;
-        p->raw[i] = p->raw[c];
-        p->lanes[i] = p->lanes[c];
-        i = c;
-    }
-    p->raw[i] = v;
-    p->lanes[i] = lane;
-}
-
-static void pick(Picks *p, float v, int64_t lane)
-{
-    if (v != v) p->bound = v;
-    if (p->size < p->cap) {
-        int64_t i = p->size++;
-        while (i > 0 && v < p->raw[(i - 1) / 2]) {
-            p->raw[i] = p->raw[(i - 1) / 2];
-            p->lanes[i] = p->lanes[(i - 1) / 2];
-            i = (i - 1) / 2;
+    if (k >= n) return -INFINITY;
+    int64_t lo = 0, hi = n;
+    while (hi - lo > 1) {
+        const float a = v[lo], b = v[lo + (hi - lo) / 2], c = v[hi - 1];
+        const float pivot = a > b ? (b > c ? b : (a > c ? c : a))
+                                  : (a > c ? a : (b > c ? c : b));
+        int64_t gt = lo, i = lo, lt = hi;
+        while (i < lt) { /* [lo, gt) > pivot, [gt, i) equal, [lt, hi) < pivot */
+            const float x = v[i];
+            const int64_t xi = id[i];
+            if (x > pivot) {
+                v[i] = v[gt], id[i] = id[gt];
+                v[gt] = x, id[gt] = xi;
+                gt++, i++;
+            } else if (x < pivot) {
+                lt--;
+                v[i] = v[lt], id[i] = id[lt];
+                v[lt] = x, id[lt] = xi;
+            } else {
+                i++;
+            }
         }
-        p->raw[i] = v;
-        p->lanes[i] = lane;
-        return;
+        if (k < gt) hi = gt;
+        else if (k <= lt) break;
+        else lo = lt;
     }
-    if (!(v > p->raw[0])) {
-        leave_out(p, v);
-        return;
+    float bound = -INFINITY;
+    for (int64_t i = k; i < n; i++) bound = v[i] > bound ? v[i] : bound;
+    return bound;
+}
+
+/* Narrow rows (launch 1's picks): compacts to the front of raw/lanes the lanes that can be
+   among the row's cap largest (every lane when the row has fewer than cap chunks; else the
+   lanes >= the cap-th largest chunk maximum, at least cap of them) and returns their count;
+   raw[valid] receives the largest value left out (-inf when none). */
+static int64_t select_candidates(float *raw, int64_t *lanes, int64_t valid, const float *cmax,
+                                 int64_t chunks, int64_t cap)
+{
+    float floor = -INFINITY, left = -INFINITY;
+    if (chunks >= cap && cap > 0) {
+        float cv[4096];
+        int64_t cid[4096];
+        if (chunks <= 4096) {
+            for (int64_t c = 0; c < chunks; c++) cv[c] = cmax[c], cid[c] = c;
+            top_k(cv, cid, chunks, cap);
+            floor = cv[0];
+            for (int64_t i = 1; i < cap; i++) floor = cv[i] < floor ? cv[i] : floor;
+        }
     }
-    leave_out(p, p->raw[0]);
-    p->raw[0] = v;
-    p->lanes[0] = lane;
-    sift_down(p, 0);
+    int64_t count = 0;
+    for (int64_t i = 0; i < valid; i++) {
+        const float x = raw[i];
+        if (x >= floor || floor == -INFINITY || x != x) {
+            raw[count] = x;
+            lanes[count++] = i;
+        } else {
+            left = x > left ? x : left;
+        }
+    }
+    raw[valid] = left;
+    return count;
 }
 
 typedef struct {
@@ -169,17 +185,13 @@ static void run_rows(const Job *job)
     const int64_t tile = job->tile, valid = job->valid, full = valid / tile;
     const int64_t rest = valid - full * tile, per = tile / 16, tail = rest / 16;
     float *buf = (float *)malloc(sizeof(float) * (size_t)tile);
+    float *row_raw = job->cap ? (float *)malloc(sizeof(float) * (size_t)(valid + 1)) : NULL;
+    int64_t *row_lanes = job->cap ? (int64_t *)malloc(sizeof(int64_t) * (size_t)valid) : NULL;
     const float qnan = NAN;
     for (int64_t r = job->r0; r < job->r1; r++) {
         const char *row = job->base + job->rows[r] * job->row_stride * job->elem;
         float *cmax = job->cmax + r * job->chunks;
-        Picks picks = {0};
-        if (job->cap) {
-            picks.raw = job->pick_raw + r * job->cap;
-            picks.lanes = job->pick_lanes + r * job->cap;
-            picks.cap = job->cap;
-            picks.bound = -INFINITY;
-        }
+        int row_nan = 0;
         for (int64_t t = 0; t <= full; t++) {
             const int64_t lanes = t < full ? tile : rest;
             if (lanes == 0) break;
@@ -193,8 +205,10 @@ static void run_rows(const Job *job)
                 memcpy(buf, (const float *)row + start, sizeof(float) * (size_t)lanes);
             }
             for (int64_t i = 0; i < lanes; i++) nan_any |= buf[i] != buf[i];
-            if (job->cap)
-                for (int64_t i = 0; i < lanes; i++) pick(&picks, buf[i], start + i);
+            if (job->cap) {
+                memcpy(row_raw + start, buf, sizeof(float) * (size_t)lanes);
+                row_nan |= nan_any;
+            }
             /* chunk maxima over strided chunks, the tile maximum over them and the lanes of
                no chunk; a NaN lane makes its chunk and tile NaN */
             const int64_t width = t < full ? per : tail;
@@ -221,9 +235,24 @@ static void run_rows(const Job *job)
             /* 3. the tile's mass in torch.sum's order */
             job->tmass[r * job->tiles + t] = torch_sum(buf, lanes);
         }
-        if (job->cap) job->pick_bound[r] = picks.bound;
+        if (job->cap) {
+            /* 4. narrow rows: launch 3's candidates, the row's cap largest raw values, and the
+               largest of the others. With at least cap chunks, the cap-th largest chunk
+               maximum t0 is <= the cap-th largest value (cap distinct lanes reach it), so
+               only lanes >= t0 enter the selection (a few per chunk on most rows). */
+            const int64_t count = select_candidates(row_raw, row_lanes, valid, cmax,
+                                                    job->chunks, job->cap);
+            const float bound = top_k(row_raw, row_lanes, count, job->cap);
+            const float left = row_raw[valid];  /* (select_candidates' bound of the rest) */
+            job->pick_bound[r] = row_nan ? qnan : left > bound ? left : bound;
+            memcpy(job->pick_raw + r * job->cap, row_raw, sizeof(float) * (size_t)job->cap);
+            memcpy(job->pick_lanes + r * job->cap, row_lanes,
+                   sizeof(int64_t) * (size_t)job->cap);
+        }
     }
     free(buf);
+    free(row_raw);
+    free(row_lanes);
 }
 
 static void *run_job(void *arg)
@@ -322,56 +351,57 @@ static inline float read_lane(const char *row, int64_t elem, int64_t lane)
    lanes, bound NULL when they are every lane). Their reported values v = raw - lse keep the
    best 64 (the 65th bounds the rest); those, ordered by (v desc, lane asc), are the row's
    exact best m when every bound is strictly below the m-th value: then it returns 1 and
-   ids/values hold them (values with -0.0 as +0.0). `lanes`/`raw` are scratch of at least
-   64 * 16 + 16 entries in chunk mode. */
+   ids/values hold them (values with -0.0 as +0.0). `v`/`lanes` are scratch of at least
+   scratch_size(valid, tile) entries. */
+static int64_t scratch_size(int64_t valid, int64_t tile)
+{
+    const int64_t full = valid / tile, chunks = full * (tile / 16) + (valid - full * tile) / 16;
+    return chunks > 64 * 16 + 16 ? chunks : 64 * 16 + 16;
+}
+
 static int best_row(const char *row, int64_t elem, int64_t valid, int64_t tile,
                     const float *cm, const float *tm, const int64_t *pick_lanes,
                     const float *pick_raw, const float *pick_bound, int64_t picked, float l,
-                    int64_t m, int64_t *lanes, float *raw, int64_t *ids, float *values)
+                    int64_t m, float *v, int64_t *lanes, int64_t *ids, float *values)
 {
     const int64_t full = valid / tile, rest = valid - full * tile, per = tile / 16;
     const int64_t tails = rest / 16, chunks = full * per + tails, loose = rest - tails * 16;
-    float top_raw[64], best_raw[64];
-    int64_t top_lane[64], best_lane[64];
-    int64_t count = 0;
+    int64_t count = 0, top[64];
     float bound = -INFINITY;
     if (!isfinite(l)) return 0;
     if (cm) {
-        Picks top = {top_raw, -INFINITY, top_lane, 0, 64};
-        for (int64_t c = 0; c < full * per; c++) pick(&top, cm[c], c);
-        for (int64_t c = 0; c < tails; c++) pick(&top, tm[c], full * per + c);
-        if (chunks > 64) bound = top.bound;
-        for (int64_t i = 0; i < top.size; i++) {
-            const int64_t c = top_lane[i];
+        for (int64_t c = 0; c < full * per; c++) v[c] = cm[c], lanes[c] = c;
+        for (int64_t c = full * per; c < chunks; c++) v[c] = tm[c - full * per], lanes[c] = c;
+        bound = top_k(v, lanes, chunks, 64);
+        const int64_t kept = chunks < 64 ? chunks : 64;
+        memcpy(top, lanes, sizeof(int64_t) * (size_t)kept);
+        for (int64_t i = 0; i < kept; i++) {
+            const int64_t c = top[i];
             const int64_t first = c < full * per ? (c / per) * tile + c % per
                                                  : full * tile + (c - full * per);
             const int64_t stride = c < full * per ? per : tails;
             for (int64_t j = 0; j < 16; j++) lanes[count++] = first + stride * j;
         }
         for (int64_t i = valid - loose; i < valid; i++) lanes[count++] = i;
-        for (int64_t i = 0; i < count; i++) raw[i] = read_lane(row, elem, lanes[i]);
+        for (int64_t i = 0; i < count; i++) v[i] = read_lane(row, elem, lanes[i]) - l;
     } else {
-        lanes = (int64_t *)pick_lanes;
-        raw = (float *)pick_raw;
+        for (int64_t i = 0; i < picked; i++) v[i] = pick_raw[i] - l, lanes[i] = pick_lanes[i];
         count = picked;
         if (pick_bound) bound = *pick_bound;
     }
-    Picks best = {best_raw, -INFINITY, best_lane, 0, 64};
-    for (int64_t i = 0; i < count; i++) pick(&best, raw[i] - l, lanes[i]);
+    /* reported values: the best 64, the 65th bounding the rest */
+    const float inner = top_k(v, lanes, count, 64);
     float limit = bound - l;
-    if (count > 64 && !(best.bound <= limit)) limit = best.bound;
+    if (count > 64 && !(inner <= limit)) limit = inner;
+    const int64_t size = count < 64 ? count : 64;
     Entry order[64];
-    for (int64_t i = 0; i < best.size; i++) {
-        order[i].value = best_raw[i] + 0.0f;
-        order[i].lane = best_lane[i];
-    }
-    for (int64_t i = 1; i < best.size; i++) {
-        Entry e = order[i];
+    for (int64_t i = 0; i < size; i++) {
+        Entry e = {v[i] + 0.0f, lanes[i]};
         int64_t j = i;
         for (; j > 0 && before(&e, &order[j - 1]); j--) order[j] = order[j - 1];
         order[j] = e;
     }
-    const int64_t take = m < best.size ? m : best.size;
+    const int64_t take = m < size ? m : size;
     const int every = !cm && !pick_bound;
     if (take == 0 || !(every || limit < order[take - 1].value)) return 0;
     for (int64_t i = 0; i < take; i++) {
@@ -389,16 +419,19 @@ void best_lanes(const void *base, int64_t elem, int64_t row_stride, const int64_
                 const float *pick_raw, const float *pick_bound, int64_t picked,
                 const float *lse, int64_t m, int64_t *ids, float *values, uint8_t *exact)
 {
-    int64_t lanes[64 * 16 + 16];
-    float raw[64 * 16 + 16];
+    const int64_t size = scratch_size(valid, tile);
+    float *v = (float *)malloc(sizeof(float) * (size_t)size);
+    int64_t *lanes = (int64_t *)malloc(sizeof(int64_t) * (size_t)size);
     for (int64_t r = 0; r < n; r++) {
         const char *row = (const char *)base + rows[r] * row_stride * elem;
         exact[r] = (uint8_t)best_row(
             row, elem, valid, tile, cmax ? cmax + r * cmax_stride : NULL,
             cmax ? tail + r * tail_stride : NULL, cmax ? NULL : pick_lanes + r * picked,
             cmax ? NULL : pick_raw + r * picked, pick_bound ? pick_bound + r : NULL, picked,
-            lse[r], m, lanes, raw, ids + r * m, values + r * m);
+            lse[r], m, v, lanes, ids + r * m, values + r * m);
     }
+    free(v);
+    free(lanes);
 }
 
 static inline int32_t reported_bits(float raw, float l)
@@ -428,8 +461,9 @@ int64_t reduce_rows(const void *base, int64_t elem, int64_t row_stride, const in
     float *pick_raw = cap ? (float *)malloc(sizeof(float) * (size_t)(n * cap)) : NULL;
     float *pick_bound = cap ? (float *)malloc(sizeof(float) * (size_t)n) : NULL;
     float *scratch = (float *)malloc(sizeof(float) * (size_t)(2 * n + 1));
-    int64_t lanes[64 * 16 + 16];
-    float raw[64 * 16 + 16];
+    const int64_t size = scratch_size(valid, tile);
+    float *v = (float *)malloc(sizeof(float) * (size_t)size);
+    int64_t *lanes = (int64_t *)malloc(sizeof(int64_t) * (size_t)size);
     int64_t left = 0;
     tile_stats(base, elem, row_stride, rows, n, valid, tile, cmax, tmax, tmass, cap,
                pick_lanes, pick_raw, pick_bound, threads);
@@ -466,7 +500,7 @@ int64_t reduce_rows(const void *base, int64_t elem, int64_t row_stride, const in
             row, elem, valid, tile, cap ? NULL : cmax + r * chunks,
             cap ? NULL : cmax + r * chunks + full * per, cap ? pick_lanes + r * cap : NULL,
             cap ? pick_raw + r * cap : NULL, cap && cap < valid ? pick_bound + r : NULL, cap,
-            lse[r], m, lanes, raw, ids, values);
+            lse[r], m, v, lanes, ids, values);
         if (!found) {
             redo[r] = 1;
             left++;
@@ -482,5 +516,7 @@ int64_t reduce_rows(const void *base, int64_t elem, int64_t row_stride, const in
     free(pick_raw);
     free(pick_bound);
     free(scratch);
+    free(v);
+    free(lanes);
     return left;
 }

@@ -167,11 +167,16 @@ def test_ids_outside_the_vocabulary_are_left_to_the_python_path(monkeypatch) -> 
 def test_the_probe_refuses_another_summation_order(monkeypatch, caplog) -> None:
     """Told the wrong vector width (so its sums take another order), the library fails the
     probe against torch and stays off, with a warning naming what differed."""
-    wrong = 16 if torch.backends.cpu.get_cpu_capability() == "AVX2" else 8
+    right, original = compiled._vector_width(), compiled._lib()
+    wrong = 16 if right == 8 else 8
     monkeypatch.setattr(compiled, "_STATE", {})
     monkeypatch.setattr(compiled, "_vector_width", lambda: wrong)
-    with caplog.at_level(logging.WARNING, logger=compiled.__name__):
-        assert not compiled.available()
-    assert "mass at" in caplog.text
-    x = logits_of("normal", 2, 5000, 0, torch.bfloat16)
-    assert compiled.compiled_tile_stats(x, np.arange(2), 5000, 4096) is None
+    try:
+        with caplog.at_level(logging.WARNING, logger=compiled.__name__):
+            assert not compiled.available()
+        assert "mass at" in caplog.text
+        x = logits_of("normal", 2, 5000, 0, torch.bfloat16)
+        assert compiled.compiled_tile_stats(x, np.arange(2), 5000, 4096) is None
+    finally:  # (the process shares one loaded library: give it back its real width)
+        original.configure(compiled._mkl("vmsExp"), compiled._mkl("vmsLn"), compiled.VML_MODE,
+                           right)
