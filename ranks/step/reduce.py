@@ -167,7 +167,7 @@ class StepReduction:
         committed_all = records.numpy()
         wanted, epochs, positions = row_slots.numpy(), row_epochs.numpy(), row_positions.numpy()
         slots = np.maximum(wanted, 0)
-        at = np.clip(positions, 0, committed_all.shape[1] - HEADER - 1)
+        at = np.minimum(np.maximum(positions, 0), committed_all.shape[1] - HEADER - 1)  # (clip)
         committed = committed_all[slots]
         gate = (wanted >= 0) & (positions >= 0)
         gate &= committed[:, SLOT] == wanted

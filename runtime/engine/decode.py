@@ -25,6 +25,8 @@ from ranks.contract.abi6 import (
 from runtime.engine.client import EngineError, TokenLogprob
 
 _KINDS = frozenset(int(kind) for kind in Kind)
+FEW_POSITIONS = 2
+"""Frames with at most this many emitting positions are decoded position by position."""
 _EMITTING = frozenset(int(kind) for kind in EMITTING_KINDS)
 
 
@@ -133,7 +135,10 @@ def decode_frame(
             results[slot] = SlotDecode(slot, (), error)
         else:
             lanes.append((slot, expected[slot], emitting))
-    if lanes:
+    if sum(len(emitting) for _, _, emitting in lanes) <= FEW_POSITIONS:
+        for slot, lane, emitting in lanes:  # (whole-array checks cost more than they save)
+            results[slot] = _decode_slot(slot, words[slot], lane, emitting, vocab_size)
+    elif lanes:
         _decode_lanes(words, lanes, vocab_size, results)
     return {slot: results[slot] for slot in sorted(results)}
 

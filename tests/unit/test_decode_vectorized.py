@@ -22,6 +22,13 @@ from runtime.engine.decode import (
 
 CAPACITY = 8
 T = 4
+
+
+@pytest.fixture(autouse=True)
+def whole_frame(monkeypatch):
+    """Small frames decode position by position (FEW_POSITIONS): keep the whole-frame decoder
+    under test here, whatever the frame's size."""
+    monkeypatch.setattr("runtime.engine.decode.FEW_POSITIONS", 0)
 VOCAB = 60
 W = 24
 
