@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from itertools import repeat
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -66,8 +67,10 @@ class LaneExpectation:
         return len(self.token_ids) if self.token_ids is not None else int(self.logprobs or 0)
 
 
-@dataclass(frozen=True)
-class DecodedEntry:
+class DecodedEntry(NamedTuple):
+    """(A named tuple: a frame builds one per emitted position, and a frozen dataclass costs
+    about twice as much to construct.)"""
+
     position: int
     """Emitted position within this frame's record (the scheduler's generated order)."""
     token_id: int
@@ -198,7 +201,8 @@ def _decode_lanes(
             count = counts[row]
             pairs = zip(id_rows[row][:count], value_rows[row][:count], strict=True)
             alternatives = tuple(map(tuple.__new__, repeat(TokenLogprob), pairs))
-            entries.append(DecodedEntry(position, token_id, chosen_values[row], alternatives))
+            entries.append(tuple.__new__(DecodedEntry, (position, token_id, chosen_values[row],
+                                                        alternatives)))
             row += 1
         results[slot] = SlotDecode(slot, tuple(entries))
 
