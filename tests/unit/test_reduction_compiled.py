@@ -53,11 +53,12 @@ def logits_of(kind: str, rows: int, width: int, seed: int, dtype: torch.dtype) -
 
 
 def test_compiled_path_is_on_where_it_can_be() -> None:
-    """On an x86 machine with a C compiler and a torch build with MKL, the probe passes: the
-    fast path is not silently off (the benchmarks measure it)."""
+    """On an AVX2 x86 machine with a C compiler and a torch build with MKL (where the summation
+    order was checked against torch), the probe passes: the fast path is not silently off (the
+    benchmarks measure it). Elsewhere the probe decides; a mismatch only costs speed."""
     capability = torch.backends.cpu.get_cpu_capability()
     if (platform.machine().lower() not in ("x86_64", "amd64") or shutil.which(
-            os.environ.get("CC") or "cc") is None or capability not in ("AVX2", "AVX512")
+            os.environ.get("CC") or "cc") is None or capability != "AVX2"
             or compiled._mkl("vmsExp") is None
             or os.environ.get("HELIOS_NATIVE_REDUCTION") == "0"):
         pytest.skip("the compiled path cannot apply here")
