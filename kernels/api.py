@@ -15,6 +15,7 @@ import torch
 from kernels.backends import BACKENDS, SHARDED_BACKENDS, require_triton_device
 from kernels.layout import EXPORT_K, MAX_TOKEN_IDS, PAYLOAD_WORDS
 from kernels.rows import RowRequest
+from kernels.torch_impl.backend import reduce_torch
 
 
 def pack_token_ids(
@@ -77,14 +78,11 @@ def check_chosen(chosen: torch.Tensor, requested: torch.Tensor, vocab_size: int)
     """Chosen ids of requesting rows must be vocabulary ids (padding lanes are not tokens)."""
     if chosen.dtype.is_floating_point or chosen.dtype == torch.bool:
         raise ValueError(f"chosen: expected an integer tensor, got {chosen.dtype}")
-    if chosen.device.type == "cpu" and requested.device.type == "cpu":  # (numpy: no op costs)
-        ids, live = chosen.numpy(), requested.numpy() != 0
-        bad = live & ((ids < 0) | (ids >= vocab_size))
-        if bad.any():
-            row = int(bad.nonzero()[0][0])
-            raise ValueError(
-                f"chosen[{row}] = {int(ids[row])} outside vocabulary [0, {vocab_size})"
-            )
+    if chosen.device.type == "cpu" and requested.device.type == "cpu":  # (no tensor ops)
+        for row, (token, flag) in enumerate(zip(chosen.tolist(), requested.tolist(),
+                                                strict=True)):
+            if flag and not 0 <= token < vocab_size:
+                raise ValueError(f"chosen[{row}] = {token} outside vocabulary [0, {vocab_size})")
         return
     live = requested != 0
     bad = live & ((chosen < 0) | (chosen >= vocab_size))
@@ -139,8 +137,6 @@ def reduce_logprobs(
         )
     request = row_request(chosen, token_ids, requested, k, vocab, logits.device)
     if backend == "torch":
-        from kernels.torch_impl.backend import reduce_torch
-
         return reduce_torch(logits, request, vocab, out)
     require_triton_device(logits.device)
     from kernels.triton.backend import reduce_triton
