@@ -87,6 +87,7 @@ def _mkl(name: str) -> int | None:
 
 def _build() -> ctypes.CDLL | None:
     width, exp, log = _vector_width(), _mkl("vmsExp"), _mkl("vmsLn")
+    local_threads = _mkl("MKL_Set_Num_Threads_Local")  # (None: MKL threads as configured)
     if width is None or exp is None or log is None:
         return None
     lib = load_library("reduction", _SOURCE, _FLAGS, _SWITCH, machines=X86)
@@ -94,7 +95,7 @@ def _build() -> ctypes.CDLL | None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     for name, args in (
-        ("configure", [ptr, ptr, ctypes.c_longlong, ctypes.c_int]),
+        ("configure", [ptr, ptr, ptr, ctypes.c_longlong, ctypes.c_int]),
         ("tile_stats", [ptr, i64, i64, ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr,
                         i64]),
         ("row_lse", [ptr, ptr, i64, i64, ptr, ptr, ptr]),
@@ -106,7 +107,7 @@ def _build() -> ctypes.CDLL | None:
         getattr(lib, name).restype = None
         getattr(lib, name).argtypes = args
     lib.reduce_rows.restype = i64
-    lib.configure(exp, log, VML_MODE, width)
+    lib.configure(exp, log, local_threads, VML_MODE, width)
     failed = _probe(lib)
     _KEPT.outputs.clear()
     if failed:
