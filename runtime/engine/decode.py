@@ -162,7 +162,8 @@ def _decode_lanes(
     """Every emitting position of `lanes` checked and converted with whole-array operations."""
     slots, positions, tokens, counts, selected = [], [], [], [], []
     for slot, lane, emitting in lanes:
-        count = lane.pairs if lane.token_ids is not None else min(lane.pairs, vocab_size)
+        count = len(lane.token_ids) if lane.token_ids is not None else min(lane.logprobs,
+                                                                           vocab_size)
         for position, token_id in emitting:
             slots.append(slot)
             positions.append(position)
@@ -189,7 +190,10 @@ def _decode_lanes(
         | ((wrong_id | np.isnan(values) | (values == np.inf)) & inside).any(axis=1)
     )
     failed = {slots[row] for row in np.flatnonzero(bad).tolist()}
-    id_rows, value_rows, chosen_values = ids.tolist(), values.tolist(), chosen.tolist()
+    # Every (id, value) pair of the block in one pass; each entry then takes a slice.
+    pairs = list(map(tuple.__new__, repeat(TokenLogprob),
+                     zip(ids.ravel().tolist(), values.ravel().tolist(), strict=True)))
+    chosen_values = chosen.tolist()
     row = 0
     for slot, lane, emitting in lanes:
         if slot in failed:
@@ -198,11 +202,10 @@ def _decode_lanes(
             continue
         entries = []
         for position, token_id in emitting:
-            count = counts[row]
-            pairs = zip(id_rows[row][:count], value_rows[row][:count], strict=True)
-            alternatives = tuple(map(tuple.__new__, repeat(TokenLogprob), pairs))
-            entries.append(tuple.__new__(DecodedEntry, (position, token_id, chosen_values[row],
-                                                        alternatives)))
+            start = row * width
+            entries.append(tuple.__new__(DecodedEntry, (
+                position, token_id, chosen_values[row],
+                tuple(pairs[start : start + counts[row]]))))
             row += 1
         results[slot] = SlotDecode(slot, tuple(entries))
 
