@@ -18,6 +18,8 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 _LOG = logging.getLogger(__name__)
@@ -57,3 +59,14 @@ def load_library(name: str, source: str, flags: tuple[str, ...], switch: str,
     except (OSError, subprocess.SubprocessError) as exc:
         _LOG.warning("native %s unavailable (%s); using the torch path", name, exc)
         return None
+
+
+def built_once(state: dict, lock: threading.Lock,
+               build: Callable[[], ctypes.CDLL | None]) -> ctypes.CDLL | None:
+    """state["lib"], built by `build` on first use (None included: a failed build is not
+    retried). Tests replace state["lib"] to force a path."""
+    if "lib" not in state:
+        with lock:
+            if "lib" not in state:
+                state["lib"] = build()
+    return state["lib"]

@@ -17,7 +17,7 @@ import threading
 
 import torch
 
-from kernels.native import load_library
+from kernels.native import built_once, load_library
 
 # Why this layout: with SSE2 (baseline x86-64), _mm_mul_epu32 multiplies the low 32-bit half
 # of each 64-bit slot, giving the full 64-bit product. Each state word lives in the low half
@@ -133,11 +133,7 @@ def _build() -> ctypes.CDLL | None:
 
 
 def _lib() -> ctypes.CDLL | None:
-    if "lib" not in _STATE:
-        with _LOCK:
-            if "lib" not in _STATE:
-                _STATE["lib"] = _build()
-    return _STATE["lib"]  # type: ignore[return-value]
+    return built_once(_STATE, _LOCK, _build)
 
 
 def available() -> bool:

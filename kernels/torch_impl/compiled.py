@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from kernels.layout import TILE_CANDIDATES as TOP
-from kernels.native import X86, load_library
+from kernels.native import X86, built_once, load_library
 from kernels.torch_impl.tiles import CHUNK_LANES, TileStats, normalization, tile_stats
 
 _LOG = logging.getLogger(__name__)
@@ -118,11 +118,7 @@ def _build() -> ctypes.CDLL | None:
 
 
 def _lib() -> ctypes.CDLL | None:
-    if "lib" not in _STATE:
-        with _LOCK:
-            if "lib" not in _STATE:
-                _STATE["lib"] = _build()
-    return _STATE["lib"]  # type: ignore[return-value]
+    return built_once(_STATE, _LOCK, _build)
 
 
 def available() -> bool:
