@@ -45,6 +45,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kernels.layout import PAYLOAD_WORDS
 from kernels.layout import TILE_CANDIDATES as TOP
 from kernels.native import X86, built_once, load_library
 from kernels.torch_impl.tiles import CHUNK_LANES, TileStats, normalization, tile_stats
@@ -225,7 +226,8 @@ def compiled_reduce(
     an id outside the vocabulary (the caller must redo the call). `chosen` int64, `counts`
     int32 and `selected` int32 [rows, 128] are indexed by row like `out`; `narrow`: launch 3
     takes launch 1's picks (lean_stats.uses_chunks is False)."""
-    if not supports(logits) or out.dtype != torch.int32 or not out.is_contiguous():
+    if (not supports(logits) or out.dtype != torch.int32 or not out.is_contiguous()
+            or out.dim() != 2 or out.shape[1] != PAYLOAD_WORDS):
         return None
     lib = _lib()
     if lib is None:

@@ -8,6 +8,10 @@ machinery, and the payload is written through numpy views. Every FP32 value, eve
 and every lse is the tile-by-tile path's (same ops on the same slabs), so the payload is
 bit for bit that path's; rows whose candidates cannot vouch for their best 32 (ties across
 a boundary, rows of -inf, a non-finite lse) take the tile-by-tile launch 3.
+
+Where the compiled launches apply (kernels/torch_impl/compiled.py: a C compiler, MKL inside
+torch, a probe that shows the same bits), the whole call runs there in one C call and this
+module only settles the rows it cannot vouch for; otherwise the numpy path below runs.
 """
 
 from __future__ import annotations
