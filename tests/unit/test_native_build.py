@@ -1,0 +1,82 @@
+"""kernels/native.py: C sources built once into the cache and loaded, or None (with a
+warning) whenever they cannot be, so that callers keep their torch paths."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import shutil
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from kernels.native import built_once, load_library
+from kernels.torch_impl import compiled
+
+SOURCE = "int answer(void) { return 42; }\n"
+FLAGS = ("-O1", "-fPIC", "-shared")
+
+needs_cc = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("CC", raising=False)
+    return tmp_path / "helios-kernels"
+
+
+@needs_cc
+def test_a_source_is_built_once_and_loaded_from_the_cache(cache) -> None:
+    lib = load_library("probe", SOURCE, FLAGS, "HELIOS_TEST_SWITCH")
+    assert lib is not None and lib.answer() == 42
+    built = list(cache.iterdir())
+    assert len(built) == 1 and built[0].name.startswith("probe_")
+    stamp = built[0].stat().st_mtime_ns
+    again = load_library("probe", SOURCE, FLAGS, "HELIOS_TEST_SWITCH")
+    assert again is not None and again.answer() == 42
+    assert [p.stat().st_mtime_ns for p in cache.iterdir()] == [stamp]
+
+
+def test_the_switch_turns_a_library_off(cache, monkeypatch) -> None:
+    monkeypatch.setenv("HELIOS_TEST_SWITCH", "0")
+    assert load_library("probe", SOURCE, FLAGS, "HELIOS_TEST_SWITCH") is None
+    assert not cache.exists()
+
+
+def test_a_failing_compiler_gives_none_and_a_warning(cache, monkeypatch, caplog) -> None:
+    monkeypatch.setenv("CC", "false")
+    with caplog.at_level(logging.WARNING, logger="kernels.native"):
+        assert load_library("probe", SOURCE + "/* other */", FLAGS, "HELIOS_TEST_SWITCH") is None
+    assert "native probe unavailable" in caplog.text
+
+
+def test_a_missing_compiler_gives_none(cache, monkeypatch) -> None:
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    assert load_library("probe", SOURCE, FLAGS, "HELIOS_TEST_SWITCH") is None
+
+
+def test_a_failed_build_is_not_retried() -> None:
+    calls = []
+    state: dict = {}
+
+    def build() -> ctypes.CDLL | None:
+        calls.append(1)
+        return None
+
+    lock = threading.Lock()
+    assert built_once(state, lock, build) is None
+    assert built_once(state, lock, build) is None
+    assert calls == [1]
+
+
+def test_the_reduction_switch_keeps_the_torch_path(monkeypatch) -> None:
+    """HELIOS_NATIVE_REDUCTION=0: the compiled launches stay off and every entry point says
+    so (callers then run the numpy/torch path)."""
+    monkeypatch.setenv("HELIOS_NATIVE_REDUCTION", "0")
+    monkeypatch.setattr(compiled, "_STATE", {})
+    assert not compiled.available()
+    x = torch.randn(2, 300)
+    assert compiled.compiled_tile_stats(x, np.arange(2), 300, 4096) is None
