@@ -142,36 +142,54 @@ static float top_k(float *v, int64_t *id, int64_t n, int64_t k)
     return bound;
 }
 
-/* Narrow rows (launch 1's picks): compacts to the front of raw/lanes the lanes that can be
-   among the row's cap largest (every lane when the row has fewer than cap chunks; else the
-   lanes >= the cap-th largest chunk maximum, at least cap of them) and returns their count;
-   raw[valid] receives the largest value left out (-inf when none). */
-static int64_t select_candidates(float *raw, int64_t *lanes, int64_t valid, const float *cmax,
-                                 int64_t chunks, int64_t cap)
+static inline float read_lane(const char *row, int64_t elem, int64_t lane)
+{
+    return elem == 2 ? widen_bf16(((const uint16_t *)row)[lane]) : ((const float *)row)[lane];
+}
+
+#define PICK_BUFFER 1024
+/* Narrow rows (launch 1's picks): the row's `cap` largest raw values into raw/lanes[0, cap)
+   (cap <= 64; PICK_BUFFER entries of scratch, whatever the row's width), returning the
+   largest value left out (-inf when none). With at least cap chunks, the cap-th largest
+   chunk maximum is <= the cap-th largest value (cap distinct lanes reach it), so lanes below
+   it are left out at once; the rest collect in the buffer, which a quickselect cuts back to
+   cap whenever it fills (raising the floor to the smallest value kept). The row's lanes are
+   read from the logits again, never copied whole. */
+static float pick_row(const char *row, int64_t elem, int64_t valid, const float *cmax,
+                      int64_t chunks, int64_t cap, float *raw, int64_t *lanes)
 {
     float floor = -INFINITY, left = -INFINITY;
-    if (chunks >= cap && cap > 0) {
+    if (chunks >= cap && chunks <= 4096) {
         float cv[4096];
         int64_t cid[4096];
-        if (chunks <= 4096) {
-            for (int64_t c = 0; c < chunks; c++) cv[c] = cmax[c], cid[c] = c;
-            top_k(cv, cid, chunks, cap);
-            floor = cv[0];
-            for (int64_t i = 1; i < cap; i++) floor = cv[i] < floor ? cv[i] : floor;
-        }
+        for (int64_t c = 0; c < chunks; c++) cv[c] = cmax[c], cid[c] = c;
+        top_k(cv, cid, chunks, cap);
+        floor = cv[0];
+        for (int64_t i = 1; i < cap; i++) floor = cv[i] < floor ? cv[i] : floor;
     }
     int64_t count = 0;
     for (int64_t i = 0; i < valid; i++) {
-        const float x = raw[i];
-        if (x >= floor || floor == -INFINITY || x != x) {
-            raw[count] = x;
-            lanes[count++] = i;
-        } else {
+        const float x = read_lane(row, elem, i);
+        if (!(x >= floor) && floor != -INFINITY) {
             left = x > left ? x : left;
+            continue;
         }
+        if (count == PICK_BUFFER) {
+            const float dropped = top_k(raw, lanes, count, cap);
+            left = dropped > left ? dropped : left;
+            count = cap;
+            floor = raw[0];
+            for (int64_t j = 1; j < cap; j++) floor = raw[j] < floor ? raw[j] : floor;
+            if (!(x >= floor)) {
+                left = x > left ? x : left;
+                continue;
+            }
+        }
+        raw[count] = x;
+        lanes[count++] = i;
     }
-    raw[valid] = left;
-    return count;
+    const float bound = top_k(raw, lanes, count, cap);
+    return bound > left ? bound : left;
 }
 
 typedef struct {
@@ -200,8 +218,8 @@ static void rows_of(const Job *job)
     const int64_t tile = job->tile, valid = job->valid, full = valid / tile;
     const int64_t rest = valid - full * tile, per = tile / 16, tail = rest / 16;
     float *buf = (float *)malloc(sizeof(float) * (size_t)tile);
-    float *row_raw = job->cap ? (float *)malloc(sizeof(float) * (size_t)(valid + 1)) : NULL;
-    int64_t *row_lanes = job->cap ? (int64_t *)malloc(sizeof(int64_t) * (size_t)valid) : NULL;
+    float pick_raw[PICK_BUFFER];
+    int64_t pick_lanes[PICK_BUFFER];
     const float qnan = NAN;
     for (int64_t r = job->r0; r < job->r1; r++) {
         const char *row = job->base + job->rows[r] * job->row_stride * job->elem;
@@ -220,10 +238,7 @@ static void rows_of(const Job *job)
                 memcpy(buf, (const float *)row + start, sizeof(float) * (size_t)lanes);
             }
             for (int64_t i = 0; i < lanes; i++) nan_any |= buf[i] != buf[i];
-            if (job->cap) {
-                memcpy(row_raw + start, buf, sizeof(float) * (size_t)lanes);
-                row_nan |= nan_any;
-            }
+            row_nan |= nan_any;
             /* chunk maxima over strided chunks, the tile maximum over them and the lanes of
                no chunk; a NaN lane makes its chunk and tile NaN */
             const int64_t width = t < full ? per : tail;
@@ -252,22 +267,16 @@ static void rows_of(const Job *job)
         }
         if (job->cap) {
             /* 4. narrow rows: launch 3's candidates, the row's cap largest raw values, and the
-               largest of the others. With at least cap chunks, the cap-th largest chunk
-               maximum t0 is <= the cap-th largest value (cap distinct lanes reach it), so
-               only lanes >= t0 enter the selection (a few per chunk on most rows). */
-            const int64_t count = select_candidates(row_raw, row_lanes, valid, cmax,
-                                                    job->chunks, job->cap);
-            const float bound = top_k(row_raw, row_lanes, count, job->cap);
-            const float left = row_raw[valid];  /* (select_candidates' bound of the rest) */
-            job->pick_bound[r] = row_nan ? qnan : left > bound ? left : bound;
-            memcpy(job->pick_raw + r * job->cap, row_raw, sizeof(float) * (size_t)job->cap);
-            memcpy(job->pick_lanes + r * job->cap, row_lanes,
+               largest of the others */
+            const float bound = pick_row(row, job->elem, valid, cmax, job->chunks, job->cap,
+                                         pick_raw, pick_lanes);
+            job->pick_bound[r] = row_nan ? qnan : bound;
+            memcpy(job->pick_raw + r * job->cap, pick_raw, sizeof(float) * (size_t)job->cap);
+            memcpy(job->pick_lanes + r * job->cap, pick_lanes,
                    sizeof(int64_t) * (size_t)job->cap);
         }
     }
     free(buf);
-    free(row_raw);
-    free(row_lanes);
 }
 
 static void *run_job(void *arg)
@@ -353,11 +362,6 @@ typedef struct {
 static int before(const Entry *a, const Entry *b)
 {
     return a->value > b->value || (a->value == b->value && a->lane < b->lane);
-}
-
-static inline float read_lane(const char *row, int64_t elem, int64_t lane)
-{
-    return elem == 2 ? widen_bf16(((const uint16_t *)row)[lane]) : ((const float *)row)[lane];
 }
 
 /* Launch 3 for one row with a finite lse (lean.py's rank_candidates): candidates are the lanes

@@ -41,6 +41,10 @@ def logits_of(kind: str, rows: int, width: int, seed: int, dtype: torch.dtype) -
     x = torch.randn(rows, width, generator=g) * 3
     if kind == "ties":
         x = torch.randint(-2, 3, (rows, width), generator=g).float()
+    elif kind == "flat":  # zeros but 70 distinct values: every lane passes the chunk floor;
+        x = torch.zeros(rows, width)  # the 40 largest early, 30 smaller ones late
+        x[:, torch.arange(40) * 10] = (torch.arange(40) + 61) / 4
+        x[:, width - 300 + torch.arange(30) * 10] = (torch.arange(30) + 1) / 4
     elif kind == "special":
         x[0, ::5] = float("-inf")
         if rows > 1:
@@ -121,6 +125,20 @@ def test_payloads_equal_the_numpy_path_and_the_tile_launches(monkeypatch, vocab,
         if kind == "normal":
             check_payload(results[0], x, vocab, chosen, kw.get("k", 20),
                           kw.get("token_ids"), kw.get("requested"))
+
+
+@needs_compiled
+@pytest.mark.parametrize("vocab", [1500, 3000, 4000])
+@pytest.mark.parametrize("kind", ["flat", "ties", "normal"])
+def test_narrow_rows_with_many_candidates_keep_a_bounded_buffer(monkeypatch, vocab, kind):
+    """Rows too narrow for the chunk prefilter whose lanes mostly reach the chunk floor: the
+    candidate buffer (1,024 lanes) is cut back by quickselect as it fills; the payload is
+    still the numpy path's and the tile launches'."""
+    x = logits_of(kind, 3, vocab, vocab, torch.bfloat16)
+    chosen = torch.tensor([0, vocab // 2, vocab - 1])
+    results = _three_ways(monkeypatch, lambda: reduce_logprobs(x, chosen))
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+    check_payload(results[0], x, vocab, chosen, 20, None, None)
 
 
 @needs_compiled
