@@ -3,8 +3,8 @@
 Why compiled: in torch, launch 1 costs about five tensor calls per slab and a one-row call
 at vocabulary 32,000 is eight slabs, so the fixed cost of the launches (each tensor or numpy
 call costs microseconds here) exceeded a whole ``log_softmax``. Here one C call per launch
-walks the flagged rows. Launch 1 goes tile by tile with one tile of FP32 scratch (16 KiB at
-4,096 lanes; no slab, no [rows, vocabulary] copy):
+walks the flagged rows (several threads for large calls). Launch 1 goes tile by tile with
+one tile of FP32 scratch (16 KiB at 4,096 lanes; no slab, no [rows, vocabulary] copy):
 
 1. Convert the tile's lanes to FP32 (exact), tracking the strided chunk maxima (chunk j of
    a tile = lanes j, j + tile/16, ...; the tail tile's chunks likewise over its body) and the
@@ -22,7 +22,8 @@ walks the flagged rows. Launch 1 goes tile by tile with one tile of FP32 scratch
 Launch 2 (``compiled_lse``) is lean_lse's arithmetic with the same exp, log and sum; launch 3
 (``compiled_best``) is lean.py's rank_candidates over the same candidates, comparisons and
 one subtraction per lane, and reports which rows it can vouch for (the others take the
-tile-by-tile launch 3, as before).
+tile-by-tile launch 3, as before). The shard steps call these three; the one-rank path calls
+``compiled_reduce``, which runs them and writes the packed payload in a single C call.
 
 Every FP32 value is therefore the torch path's. Because that equality rests on torch's
 internals (the exp and log routines, the summation order), the library is used only after a
