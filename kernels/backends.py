@@ -67,11 +67,12 @@ def shard_steps(backend: str) -> ShardSteps:
     raise ValueError(f"sharded backend: expected one of {SHARDED_BACKENDS}, got {backend!r}")
 
 
-def whole_reduction(backend: str) -> Callable[..., torch.Tensor] | None:
+def whole_reduction(backend: str, repeated: bool = False) -> Callable[..., torch.Tensor] | None:
     """What a one-rank group runs instead of the shard steps: ``reduce_torch`` for the torch
-    backend; None for Triton, whose prepared six launches also serve one rank."""
+    backend (``reduce_torch_repeated`` for a caller that passes the same buffers on every
+    call); None for Triton, whose prepared six launches also serve one rank."""
     if backend != "torch":
         return None
-    from kernels.torch_impl.backend import reduce_torch
+    from kernels.torch_impl.backend import reduce_torch, reduce_torch_repeated
 
-    return reduce_torch
+    return reduce_torch_repeated if repeated else reduce_torch

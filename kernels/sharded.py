@@ -78,7 +78,10 @@ class PreparedShardedReduction:
         vocab_size: int,
         backend: str,
         device: torch.device | str,
+        repeated: bool = False,
     ) -> None:
+        """``repeated``: every call passes the same logits, request and output tensors (the
+        runtime's step reduction), so a one-rank group may prepare its arguments once."""
         if not 0 <= local_valid <= width:
             raise ValueError(f"local_valid {local_valid} outside [0, {width}]")
         self.group = group
@@ -91,7 +94,7 @@ class PreparedShardedReduction:
             require_triton_device(device)
         self.steps = shard_steps(backend)
         self.world = group_size(group)
-        self.whole = whole_reduction(backend) if self.world == 1 else None
+        self.whole = whole_reduction(backend, repeated) if self.world == 1 else None
         self.shard_starts = agreed_shard_starts(group, vocab_start, local_valid, vocab_size,
                                                 rows)
         self.exchange1 = WordExchange(group, rows, EXCHANGE1_WORDS, device)

@@ -8,6 +8,8 @@ import torch
 from kernels.payload import flagged_rows, pick_rows, write_rows
 from kernels.rows import RowRequest
 from kernels.torch_impl import lean as torch_lean
+from kernels.torch_impl.compiled import compiled_reduce_repeated
+from kernels.torch_impl.lean_stats import uses_chunks
 from kernels.torch_impl.tiles import (
     TILE_LANES,
     count_rows,
@@ -49,3 +51,21 @@ def reduce_torch(
     payload = final_merge(logits, rows, chosen, ids, counts, lse, natural, candidates, k)
     write_rows(out, rows, payload)
     return out
+
+
+def reduce_torch_repeated(
+    logits: torch.Tensor,
+    request: RowRequest,
+    vocab_size: int,
+    out: torch.Tensor,
+    *,
+    tile: int = TILE_LANES,
+) -> torch.Tensor:
+    """reduce_torch for a caller that passes the same buffers on every call (the runtime's
+    one-rank driver, each step): on CPU the compiled launches with their arguments prepared
+    once (kept alive with them); otherwise, or for rows left to Python, reduce_torch."""
+    if torch_lean.LEAN and logits.device.type == "cpu":
+        narrow = request.k > 0 and not uses_chunks(vocab_size, tile)
+        if compiled_reduce_repeated(logits, request, vocab_size, out, tile, narrow):
+            return out
+    return reduce_torch(logits, request, vocab_size, out, tile=tile)

@@ -539,3 +539,29 @@ int64_t reduce_rows(const void *base, int64_t elem, int64_t row_stride, const in
     free(lanes);
     return left;
 }
+
+/* reduce_rows for the rows whose flag (int32 [total]) is set, as the runtime's prepared
+   reduction calls it with the same buffers every step: rows_out [total] receives their
+   indices and *flagged their count. Launch 3 takes launch 1's picks when `narrow` is set
+   and some flagged row has no selected ids; rows are split across `threads` threads when
+   they hold at least `parallel_lanes` lanes. Returns reduce_rows' count of rows left. */
+int64_t reduce_flagged(const void *base, int64_t elem, int64_t row_stride, const int32_t *flags,
+                       int64_t total, int64_t valid, int64_t tile, const int64_t *chosen,
+                       const int32_t *counts, const int32_t *sel, int64_t k, int64_t m,
+                       int64_t narrow, float *cmax, float *tmax, float *tmass, float *lse,
+                       int32_t *out, uint8_t *redo, int64_t threads, int64_t parallel_lanes,
+                       int64_t *rows_out, int64_t *flagged)
+{
+    int64_t n = 0, natural = 0;
+    for (int64_t r = 0; r < total; r++)
+        if (flags[r]) {
+            rows_out[n++] = r;
+            natural |= counts[r] == 0;
+        }
+    *flagged = n;
+    if (n == 0) return 0;
+    if (n < 2 || n * valid < parallel_lanes) threads = 1;
+    return reduce_rows(base, elem, row_stride, rows_out, n, valid, tile, chosen, counts, sel, k,
+                       m, narrow && k > 0 && natural, cmax, tmax, tmass, lse, out, redo,
+                       threads);
+}

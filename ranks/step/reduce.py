@@ -78,6 +78,7 @@ class StepReduction:
             vocab_size=model.vocab_size,
             backend=backend,
             device=device,
+            repeated=True,
         )
         self.kernels = self._prepare_kernels() if backend == "triton" else None
         self.host = torch.device(device).type == "cpu"

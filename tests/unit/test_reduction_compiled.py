@@ -20,7 +20,7 @@ import kernels.torch_impl.lean as lean
 from kernels.api import pack_token_ids, reduce_logprobs
 from kernels.rows import RowRequest
 from kernels.torch_impl import compiled
-from kernels.torch_impl.backend import reduce_torch
+from kernels.torch_impl.backend import reduce_torch, reduce_torch_repeated
 from kernels.torch_impl.tiles import TileStats, normalization, tile_stats
 from tests.oracles import WORDS, check_payload
 
@@ -199,3 +199,44 @@ def test_the_probe_refuses_another_summation_order(monkeypatch, caplog) -> None:
     finally:  # (the process shares one loaded library: give it back its real width)
         original.configure(compiled._mkl("vmsExp"), compiled._mkl("vmsLn"),
                            compiled._mkl("MKL_Set_Num_Threads_Local"), compiled.VML_MODE, right)
+
+
+@needs_compiled
+@pytest.mark.parametrize("vocab", [1031, 40_000])
+def test_the_repeated_driver_equals_reduce_torch_step_after_step(vocab) -> None:
+    """The runtime's one-rank driver passes the same buffers every step and refills them in
+    place: the prepared compiled call (reduce_torch_repeated) writes what reduce_torch writes,
+    step after step, including steps with nothing requested, selected ids, tied rows left to
+    the tile launch and an id outside the vocabulary (both handed back to Python)."""
+    cap, width = 6, vocab + 5
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.zeros(cap, width, dtype=torch.bfloat16)
+    ids, counts = pack_token_ids(None, cap, vocab)
+    chosen = torch.zeros(cap, dtype=torch.int64)
+    flags = torch.zeros(cap, dtype=torch.int32)
+    request = RowRequest(chosen, ids, counts, flags, 20)
+    out = torch.full((cap, WORDS), -1, dtype=torch.int32)
+    for step in range(8):
+        kind = ["normal", "ties"][step % 2]
+        logits.copy_(logits_of(kind, cap, width, step, torch.bfloat16))
+        chosen.copy_(torch.randint(0, vocab, (cap,), generator=g))
+        flags.copy_((torch.rand(cap, generator=g) < 0.7).int() if step != 3 else 0)
+        ids.fill_(-1)
+        counts.zero_()
+        if step % 3 == 1:
+            ids[2, :3] = torch.tensor([vocab - 1, 0, 7])
+            counts[2] = 3
+        if step == 5:
+            chosen[0], flags[0] = vocab + 2, 1  # a padding lane: left to the Python path
+        expected = out.clone()
+        reduce_torch(logits, request, vocab, expected)
+        before = out.clone()
+        done = compiled.compiled_reduce_repeated(logits, request, vocab, out, 4096,
+                                                 vocab < 4096)
+        if step in (0, 3):
+            assert done, "a normal step completes in the compiled call"
+        if step == 5:
+            assert not done
+        out.copy_(before)
+        reduce_torch_repeated(logits, request, vocab, out)
+        assert torch.equal(out, expected), step
