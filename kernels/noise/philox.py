@@ -29,7 +29,7 @@ import threading
 
 import torch
 
-from kernels.noise.philox_native import native_bits, native_gumbel_bounds
+from kernels.noise.philox_native import native_bits, native_bits_lanes, native_gumbel_bounds
 
 MASK32 = 0xFFFFFFFF
 PHILOX_M0 = 0xD2511F53
@@ -211,8 +211,12 @@ def philox_bits(token_ids: torch.Tensor, position: IntLike, k0: IntLike, k1: Int
     dev = token_ids.device
     if out is None:
         out = torch.empty(n, dtype=torch.int64, device=dev)
-    scalars = not any(isinstance(v, torch.Tensor) for v in (position, k0, k1))
-    if scalars and native_bits(token_ids, int(position), int(k0), int(k1), out):
+    keys = (position, k0, k1)
+    if not any(isinstance(v, torch.Tensor) for v in keys):
+        if native_bits(token_ids, int(position), int(k0), int(k1), out):
+            return out
+    elif all(isinstance(v, torch.Tensor) for v in keys) and native_bits_lanes(
+            token_ids, position, k0, k1, out):
         return out
     c0 = token_ids if clean else token_ids.to(torch.int64) & MASK32
     args = [v & MASK32 if isinstance(v, torch.Tensor) else int(v) & MASK32

@@ -101,6 +101,14 @@ void philox_bits(const int64_t *ids, int64_t n, uint32_t pos, uint32_t k0, uint3
 }
 #endif
 
+/* One key and position per lane (the sparse Gumbel-max path: lanes of several rows). */
+void philox_bits_lanes(const int64_t *ids, const int64_t *pos, const int64_t *k0,
+                       const int64_t *k1, int64_t n, int64_t *out)
+{
+    for (int64_t i = 0; i < n; i++)
+        scalar_bits(ids + i, 0, 1, (uint32_t)pos[i], (uint32_t)k0[i], (uint32_t)k1[i], out + i);
+}
+
 void gumbel_bounds(const int64_t *m, int64_t n, float c0, float c1, float *out)
 {
     for (int64_t i = 0; i < n; i++) {
@@ -125,6 +133,9 @@ def _build() -> ctypes.CDLL | None:
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint32, ctypes.c_uint32,
                    ctypes.c_uint32, ctypes.c_void_p]
+    fn = lib.philox_bits_lanes
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p]
     fn = lib.gumbel_bounds
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_float,
@@ -154,6 +165,22 @@ def native_bits(token_ids: torch.Tensor, position: int, k0: int, k1: int,
         return False
     lib.philox_bits(token_ids.data_ptr(), token_ids.numel(), position & 0xFFFFFFFF,
                     k0 & 0xFFFFFFFF, k1 & 0xFFFFFFFF, out.data_ptr())
+    return True
+
+
+def native_bits_lanes(token_ids: torch.Tensor, position: torch.Tensor, k0: torch.Tensor,
+                      k1: torch.Tensor, out: torch.Tensor) -> bool:
+    """native_bits with one position and key pair per lane (int64 tensors shaped like
+    token_ids, taken modulo 2**32); False when not applicable (nothing written)."""
+    tensors = (token_ids, position, k0, k1, out)
+    n = token_ids.numel()
+    if not all(t.device.type == "cpu" and t.dtype == torch.int64 and t.is_contiguous()
+               and t.numel() == n for t in tensors):
+        return False
+    lib = _lib()
+    if lib is None:
+        return False
+    lib.philox_bits_lanes(*(t.data_ptr() for t in tensors[:4]), n, out.data_ptr())
     return True
 
 

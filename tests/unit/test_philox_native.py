@@ -49,6 +49,25 @@ def test_native_bits_equal_the_torch_path(n, monkeypatch):
 
 
 @needs_native
+@pytest.mark.parametrize("n", [1, 7, 4099])
+def test_native_bits_with_a_key_per_lane_equal_the_torch_path(n, monkeypatch):
+    """The sparse Gumbel-max draws lanes of several rows at once: a seed and position per
+    lane (negative and >= 2**32 values are taken modulo 2**32 like the torch path)."""
+    gen = torch.Generator().manual_seed(n)
+    ids = torch.randint(0, 2**31, (n,), generator=gen)
+    seeds = torch.randint(-(2**62), 2**62, (n,), generator=gen)
+    positions = torch.randint(-5, 2**33, (n,), generator=gen)
+    k0, k1 = seed_words(seeds)
+    got = philox_bits(ids, positions, k0, k1)
+    with monkeypatch.context() as m:
+        m.setitem(native._STATE, "lib", None)
+        want = philox_bits(ids, positions, k0, k1)
+    assert torch.equal(got, want)
+    for i in range(0, n, max(1, n // 20)):
+        assert int(got[i]) == scalar_bits(int(seeds[i]), int(positions[i]) & M32, int(ids[i]))
+
+
+@needs_native
 def test_native_bounds_equal_the_torch_path(monkeypatch):
     m = torch.randint(0, 2**52, (10_001,), generator=torch.Generator().manual_seed(1))
     got = gumbel_bounds(m)
@@ -62,6 +81,9 @@ def test_native_declines_what_it_cannot_take():
     assert not native.native_bits(ids.to(torch.int32), 0, 1, 2, out)
     assert not native.native_bits(ids[::2], 0, 1, 2, out[:5])
     assert not native.native_bits(ids, 0, 1, 2, out[:9])
+    keys = torch.zeros(10, dtype=torch.int64)
+    assert not native.native_bits_lanes(ids, keys.to(torch.int32), keys, keys, out)
+    assert not native.native_bits_lanes(ids, keys[:9], keys, keys, out)
 
 
 @pytest.mark.parametrize("path", ["native", "torch"])
