@@ -49,6 +49,11 @@ class ModelAssets:
         self.token_bytes = TokenBytes(self.tokenizer, vocab_size)
         self.chat_template = ChatTemplate.from_model_dir(self.model_dir)
         self.max_token_chars = self._max_token_chars()
+        # Long texts are encoded by the batch call, which releases the GIL. The `_fast` form
+        # (tokenizers >= 0.21) skips the offsets: 3x faster, and dropping the encoding of
+        # millions of tokens then costs ~3 ms under the GIL instead of ~200 ms.
+        self._encode_unblocked = getattr(self.tokenizer, "encode_batch_fast",
+                                         self.tokenizer.encode_batch)
 
     def _max_token_chars(self) -> int | None:
         """The most input characters one token can stand for, or None when the normalizer may
@@ -93,8 +98,7 @@ class ModelAssets:
         if max_model_len is not None:
             self.check_length(text, max_model_len, param)
         if len(text) >= UNBLOCKED_ENCODE_CHARS:
-            return self.tokenizer.encode_batch(
-                [text], add_special_tokens=add_special_tokens)[0].ids
+            return self._encode_unblocked([text], add_special_tokens=add_special_tokens)[0].ids
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def accepts_model(self, name: str | None) -> bool:
