@@ -41,6 +41,7 @@ from ranks.contract.abi6 import (
     Kind,
 )
 from ranks.contract.completion import CompletionOutputs
+from ranks.step.gate_native import NativeStepGate, native_gate
 
 
 class StepReduction:
@@ -82,8 +83,11 @@ class StepReduction:
         )
         self.kernels = self._prepare_kernels() if backend == "triton" else None
         self.host = torch.device(device).type == "cpu"
-        """Host tensors: gate and write through numpy views (the same values; tensor ops cost
-        microseconds each on CPU, and these are a few dozen of them per step)."""
+        """Host tensors: gate and write in C (gate.c), else through numpy views (the same
+        values; tensor ops cost microseconds each on CPU, and these are a dozen per step)."""
+        lib = native_gate() if self.host else None
+        self.native = None if lib is None else NativeStepGate(
+            lib, outputs, self.requested, self.chosen, self.ids, self.counts, self.out)
         self.driver(self.logits, self.request, self.out)  # warm-up: every flag is zero
 
     def _prepare_kernels(self):
@@ -111,19 +115,23 @@ class StepReduction:
             row_positions = torch.where(row_slots >= 0, 0, -1)
         if logits.data_ptr() != self.logits.data_ptr():
             self.logits[:rows].copy_(logits)
-        self.gate(self.outputs.completion_records[frame], row_slots, row_epochs, row_positions)
+        self.gate(frame, row_slots, row_epochs, row_positions)
         self.driver(self.logits, self.request, self.out)
         self.write(frame, row_slots[:rows], row_positions[:rows])
 
     def gate(
         self,
-        records: torch.Tensor,
+        frame: int,
         row_slots: torch.Tensor,
         row_epochs: torch.Tensor,
         row_positions: torch.Tensor,
     ) -> None:
-        """The per-row request (flag, chosen token, selected IDs) from the committed records
-        [capacity, 16+T] and the uploaded flag vector."""
+        """The per-row request (flag, chosen token, selected IDs) from the frame's committed
+        records [capacity, 16+T] and the uploaded flag vector."""
+        if self.native is not None:
+            self.native.gate(frame, row_slots, row_epochs, row_positions)
+            return
+        records = self.outputs.completion_records[frame]
         if self.host:
             self._gate_host(records, row_slots, row_epochs, row_positions)
             return
@@ -149,6 +157,9 @@ class StepReduction:
         payload's 2+2K or 258). Ungated rows write back the words already at their (slot,
         position) unchanged, so the write is one fixed-shape index copy over the frame's
         [capacity x T] positions; the inactive frame is never touched."""
+        if self.native is not None:
+            self.native.write(frame, slots, positions)
+            return
         payload = self.outputs.completion_logprobs[frame]
         tokens, words = payload.shape[1], payload.shape[2]
         if self.host:

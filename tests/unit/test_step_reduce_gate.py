@@ -1,7 +1,8 @@
-"""The reduction gate and payload write on host tensors (numpy views) against the same
-methods' tensor-op form, which CUDA runs: the same flags, chosen tokens, selected IDs and
-payload words on randomized records (stale slots and epochs, every kind, forced positions,
-positions past the emitted count, wrong logit rows, unrequested slots, padding rows)."""
+"""The reduction gate and payload write on host tensors (in C, and through numpy views)
+against the same methods' tensor-op form, which CUDA runs: the same flags, chosen tokens,
+selected IDs and payload words on randomized records (stale slots and epochs, every kind,
+forced positions, positions past the emitted count, wrong logit rows, unrequested slots,
+padding rows)."""
 
 from __future__ import annotations
 
@@ -19,15 +20,18 @@ from ranks.contract.abi6 import (
     Kind,
 )
 from ranks.contract.completion import CompletionOutputs
+from ranks.step.gate_native import NativeStepGate, native_gate
 from ranks.step.reduce import StepReduction
 
+MODES = ("native", "numpy", "tensor")
 
-def reduction_over(outputs: CompletionOutputs, rows: int, host: bool) -> StepReduction:
+
+def reduction_over(outputs: CompletionOutputs, rows: int, mode: str) -> StepReduction:
     """A StepReduction's gate/write state for `rows` logit rows (no model or driver: the two
     methods under test read only these)."""
     step = StepReduction.__new__(StepReduction)
     step.outputs = outputs
-    step.host = host
+    step.host = mode != "tensor"
     step.rows = torch.arange(rows, dtype=torch.int64)
     step.kinds = torch.tensor([int(Kind.SAMPLE), int(Kind.SPECULATIVE)])
     step.chosen = torch.zeros(rows, dtype=torch.int64)
@@ -35,6 +39,13 @@ def reduction_over(outputs: CompletionOutputs, rows: int, host: bool) -> StepRed
     step.ids = torch.full((rows, MAX_TOKEN_IDS), -1, dtype=torch.int32)
     step.counts = torch.zeros(rows, dtype=torch.int32)
     step.out = torch.randint(-2**31, 2**31 - 1, (rows, PAYLOAD_WORDS), dtype=torch.int32)
+    step.native = None
+    if mode == "native":
+        lib = native_gate()
+        if lib is None:
+            pytest.skip("no C compiler: the native gate is not built")
+        step.native = NativeStepGate(lib, outputs, step.requested, step.chosen, step.ids,
+                                     step.counts, step.out)
     return step
 
 
@@ -76,19 +87,30 @@ def test_host_gate_and_write_equal_the_tensor_ops(seed: int) -> None:
                                                     generator=g))
     before = outputs.completion_logprobs.clone()
     results = []
-    for host in (True, False):
+    for mode in MODES:
         outputs.completion_logprobs.copy_(before)
-        step = reduction_over(outputs, rows, host)
+        step = reduction_over(outputs, rows, mode)
         torch.manual_seed(seed)
-        step.out = torch.randint(-2**31, 2**31 - 1, (rows, PAYLOAD_WORDS), dtype=torch.int32)
-        step.gate(rec, row_slots, row_epochs, row_positions)
+        step.out.copy_(torch.randint(-2**31, 2**31 - 1, (rows, PAYLOAD_WORDS),
+                                     dtype=torch.int32))
+        step.gate(frame, row_slots, row_epochs, row_positions)
         step.write(frame, row_slots[:written], row_positions[:written])
         results.append((step.requested.clone(), step.chosen.clone(), step.ids.clone(),
                         step.counts.clone(), outputs.completion_logprobs.clone()))
-    host, tensor_ops = results
-    assert bool(host[0].any()), "the case should gate some rows"
-    for got, want in zip(host[:4], tensor_ops[:4], strict=True):
-        assert torch.equal(got, want)
-    assert torch.equal(host[4], tensor_ops[4])
-    assert not torch.equal(host[4], before)
-    assert torch.equal(host[4][1 - frame], before[1 - frame])
+    *hosts, tensor_ops = results
+    assert bool(tensor_ops[0].any()), "the case should gate some rows"
+    for host in hosts:
+        for got, want in zip(host, tensor_ops, strict=True):
+            assert torch.equal(got, want)
+    assert not torch.equal(tensor_ops[4], before)
+    assert torch.equal(tensor_ops[4][1 - frame], before[1 - frame])
+
+
+@pytest.mark.parametrize("mode", MODES[:2])
+def test_a_slot_outside_capacity_is_an_index_error(mode: str) -> None:
+    outputs = CompletionOutputs.allocate(4, 2)
+    step = reduction_over(outputs, 3, mode)
+    slots, epochs, positions = torch.tensor([0, 4, -1]), torch.zeros(3, dtype=torch.int64), \
+        torch.zeros(3, dtype=torch.int64)
+    with pytest.raises(IndexError):
+        step.gate(0, slots, epochs, positions)

@@ -1,0 +1,62 @@
+/* The reduction gate and payload write of ranks/step/reduce.py on host tensors, in C.
+ *
+ * The record indices (SLOT, EPOCH, ...) are prepended as #defines by gate_native.py from
+ * ranks/contract/abi6.py, the one place they are spelled. Both functions return 0, or -1
+ * when an index would leave its buffer (the Python caller raises; numpy would have raised
+ * IndexError or wrapped a negative index).
+ */
+#include <stdint.h>
+#include <string.h>
+
+/* 1 when bit `at` of the forced mask is set (numpy's >> for shifts past the width). */
+static int64_t forced_bit(int64_t mask, int64_t at) {
+    return at >= 64 ? (mask < 0) : ((mask >> at) & 1);
+}
+
+/* Per row r < rows: requested[r] is 1 when the row passes every condition of the gate
+ * (reduce.py's module docstring), chosen[r] the record's token at the clipped position; the
+ * slot's selected IDs and count are copied when `ids_src` is not NULL. Padding rows (slot
+ * -1) read slot 0, as the tensor form does. */
+int gate_rows(const int64_t *records, int64_t capacity, int64_t width,
+              const int64_t *row_slots, const int64_t *row_epochs,
+              const int64_t *row_positions, int64_t rows, const int32_t *requested_by_slot,
+              int32_t *requested, int64_t *chosen,
+              const int32_t *ids_src, const int32_t *counts_src, int32_t *ids,
+              int32_t *counts, int64_t max_ids) {
+    int64_t last = width - HEADER - 1;
+    for (int64_t r = 0; r < rows; ++r) {
+        int64_t wanted = row_slots[r], position = row_positions[r];
+        int64_t slot = wanted > 0 ? wanted : 0;
+        if (slot >= capacity) return -1;
+        int64_t at = position > 0 ? position : 0;
+        if (at > last) at = last;
+        const int64_t *rec = records + slot * width;
+        int gate = wanted >= 0 && position >= 0 && rec[SLOT] == wanted
+            && rec[EPOCH] == row_epochs[r]
+            && (rec[KIND] == KIND_SAMPLE || rec[KIND] == KIND_SPECULATIVE)
+            && position < rec[EMITTED] && forced_bit(rec[FORCED_MASK], at) == 0
+            && rec[FIRST_LOGIT_ROW] + position == r && requested_by_slot[slot] != 0;
+        requested[r] = gate;
+        chosen[r] = rec[HEADER + at];
+        if (ids_src != NULL) {
+            memcpy(ids + r * max_ids, ids_src + slot * max_ids, sizeof(int32_t) * max_ids);
+            counts[r] = counts_src[slot];
+        }
+    }
+    return 0;
+}
+
+/* Emitted position positions[r] of slot slots[r] gets out[r, :words] for every gated row
+ * r < rows; the payload is [capacity, tokens, words], `out` [>= rows, out_width]. */
+int write_payload(int32_t *payload, int64_t capacity, int64_t tokens, int64_t words,
+                  const int32_t *out, int64_t out_width, const int32_t *requested,
+                  const int64_t *slots, const int64_t *positions, int64_t rows) {
+    for (int64_t r = 0; r < rows; ++r) {
+        if (!requested[r]) continue;
+        int64_t slot = slots[r], position = positions[r];
+        if (slot < 0 || slot >= capacity || position < 0 || position >= tokens) return -1;
+        memcpy(payload + (slot * tokens + position) * words, out + r * out_width,
+               sizeof(int32_t) * words);
+    }
+    return 0;
+}

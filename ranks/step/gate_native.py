@@ -1,0 +1,123 @@
+"""The reduction gate and payload write on host tensors in C (gate.c), for StepReduction.
+
+On CPU the gate's dozen numpy operations cost ~0.1-0.15 ms per step, more than the compiled
+reduction of a row; the C loop costs a few microseconds. The record indices come from
+ranks/contract/abi6.py as #defines. Without a compiler, off x86-64/aarch64, or with
+``HELIOS_NATIVE_REDUCTION=0`` (the switch of every native reduction path) ``native_gate()``
+is None and StepReduction keeps its numpy form, which tests compare this one with.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from pathlib import Path
+
+import torch
+
+from kernels.native import built_once, load_library
+from ranks.contract import abi6
+from ranks.contract.completion import CompletionOutputs
+
+_DEFINES = {
+    "SLOT": abi6.SLOT, "EPOCH": abi6.EPOCH, "KIND": abi6.KIND, "EMITTED": abi6.EMITTED,
+    "FORCED_MASK": abi6.FORCED_MASK, "FIRST_LOGIT_ROW": abi6.FIRST_LOGIT_ROW,
+    "HEADER": abi6.HEADER, "KIND_SAMPLE": int(abi6.Kind.SAMPLE),
+    "KIND_SPECULATIVE": int(abi6.Kind.SPECULATIVE),
+}
+_SOURCE = "".join(f"#define {name} {value}\n" for name, value in _DEFINES.items()) + (
+    Path(__file__).with_name("gate.c").read_text()
+)
+_FLAGS = ("-O2", "-fPIC", "-shared")
+_SWITCH = "HELIOS_NATIVE_REDUCTION"
+_state: dict = {}
+_lock = threading.Lock()
+
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+
+
+def _build() -> ctypes.CDLL | None:
+    lib = load_library("step_gate", _SOURCE, _FLAGS, _SWITCH)
+    if lib is not None:
+        lib.gate_rows.argtypes = [_P, _I, _I, _P, _P, _P, _I, _P, _P, _P, _P, _P, _P, _P, _I]
+        lib.gate_rows.restype = ctypes.c_int
+        lib.write_payload.argtypes = [_P, _I, _I, _I, _P, _I, _P, _P, _P, _I]
+        lib.write_payload.restype = ctypes.c_int
+    return lib
+
+
+def native_gate() -> ctypes.CDLL | None:
+    return built_once(_state, _lock, _build)
+
+
+def _pointer(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> int:
+    if tensor.dtype != dtype or not tensor.is_contiguous() or not tensor.is_cpu:
+        raise ValueError(f"{name}: expected a contiguous CPU {dtype} tensor, got "
+                         f"{tensor.dtype} strides {list(tensor.stride())} on {tensor.device}")
+    return tensor.data_ptr()
+
+
+class NativeStepGate:
+    """StepReduction's gate and write over its fixed buffers: every buffer is checked and its
+    address taken once here; a call checks and passes only the step's row tensors."""
+
+    def __init__(self, lib: ctypes.CDLL, outputs: CompletionOutputs, requested: torch.Tensor,
+                 chosen: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor,
+                 out: torch.Tensor) -> None:
+        self.lib = lib
+        records, payload = outputs.completion_records, outputs.completion_logprobs
+        self.records = [_pointer("completion_records", records[f], torch.int64)
+                        for f in range(records.shape[0])]
+        self.capacity, self.width = records.shape[1], records.shape[2]
+        self.payload = [_pointer("completion_logprobs", payload[f], torch.int32)
+                        for f in range(payload.shape[0])]
+        self.tokens, self.words = payload.shape[2], payload.shape[3]
+        self.requested_by_slot = _pointer("logprob_requested", outputs.logprob_requested,
+                                          torch.int32)
+        self.rows = requested.shape[0]
+        if chosen.shape[0] != self.rows or out.shape[0] != self.rows \
+                or out.shape[1] < self.words:
+            raise ValueError(f"gate buffers: requested {list(requested.shape)}, chosen "
+                             f"{list(chosen.shape)}, out {list(out.shape)} for "
+                             f"{self.words} payload words")
+        self.requested = _pointer("requested", requested, torch.int32)
+        self.chosen = _pointer("chosen", chosen, torch.int64)
+        self.out, self.out_width = _pointer("out", out, torch.int32), out.shape[1]
+        self.selected = (None, None, None, None)
+        self.max_ids = 0
+        if outputs.supports_token_ids:
+            self.max_ids = ids.shape[1]
+            self.selected = (
+                _pointer("logprob_token_ids", outputs.logprob_token_ids, torch.int32),
+                _pointer("logprob_token_id_counts", outputs.logprob_token_id_counts,
+                         torch.int32),
+                _pointer("ids", ids, torch.int32), _pointer("counts", counts, torch.int32))
+
+    def _rows(self, *tensors: torch.Tensor) -> int:
+        rows = tensors[0].shape[0]
+        if rows > self.rows or any(t.shape[0] != rows for t in tensors):
+            raise ValueError(f"gate: row tensors of {[t.shape[0] for t in tensors]} rows for "
+                             f"{self.rows} buffer rows")
+        return rows
+
+    def gate(self, frame: int, row_slots: torch.Tensor, row_epochs: torch.Tensor,
+             row_positions: torch.Tensor) -> None:
+        rows = self._rows(row_slots, row_epochs, row_positions)
+        status = self.lib.gate_rows(
+            self.records[frame], self.capacity, self.width,
+            _pointer("row_slots", row_slots, torch.int64),
+            _pointer("row_epochs", row_epochs, torch.int64),
+            _pointer("row_positions", row_positions, torch.int64), rows,
+            self.requested_by_slot, self.requested, self.chosen, *self.selected, self.max_ids)
+        if status != 0:
+            raise IndexError(f"gate: a row's slot is outside capacity {self.capacity}")
+
+    def write(self, frame: int, slots: torch.Tensor, positions: torch.Tensor) -> None:
+        rows = self._rows(slots, positions)
+        status = self.lib.write_payload(
+            self.payload[frame], self.capacity, self.tokens, self.words, self.out,
+            self.out_width, self.requested, _pointer("slots", slots, torch.int64),
+            _pointer("positions", positions, torch.int64), rows)
+        if status != 0:
+            raise IndexError(f"write: a gated row's (slot, position) is outside "
+                             f"[{self.capacity}, {self.tokens}]")
