@@ -19,6 +19,7 @@ import torch
 from collectives.control import ControlConfig, default_store, open_control
 from collectives.groups import barrier, destroy, init_from_env, world_group
 from launch.arguments import runtime_config
+from launch.heap import settle_heap
 from launch.signals import StopSignals
 from ranks.step import RankStep
 from ranks.worker import run_peer
@@ -200,6 +201,7 @@ def join(args: argparse.Namespace) -> Cluster:
     channel = open_control(rank, world, config=control) if world > 1 else None
     if world > 1:
         default_store().set(process_key(rank), f"{socket.gethostname()}:{os.getpid()}")
+    settle_heap()
     return Cluster(rank, world, group, config, step, channel)
 
 

@@ -41,6 +41,7 @@ import uvicorn  # noqa: E402
 
 from launch.arguments import add_runtime_arguments  # noqa: E402
 from launch.cluster import join  # noqa: E402
+from launch.heap import settle_heap  # noqa: E402
 from launch.signals import Interrupted, StopSignals, env_rank, exit_process, say  # noqa: E402
 
 DRAIN_S = 3.0
@@ -188,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
                                info.prompt_logprobs))
                 say(sizing)
 
+        settle_heap()  # the app's objects too
         healthy = serve_http(app, engine, args.host, args.port, stop, on_ready)
         return 0 if healthy else 1
     except Interrupted:
