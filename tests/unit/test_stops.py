@@ -45,10 +45,18 @@ def gen(ids: list[int], *, forced: tuple[int, ...] = ()) -> list[GeneratedToken]
 
 def run(tb: TokenBytes, tokens: list[GeneratedToken], stops=(), **kwargs):
     stream = OutputStream(tb, stops, **kwargs)
+    # Silent tokens (no text: a skipped special token) after a held tail or a partial
+    # character stay queued until what precedes them is decided (a later stop cut before
+    # them drops their entry), so the bound is: 4 bytes of a partial character, the longest
+    # stop, and the silent tokens so far.
+    skip = kwargs.get("skip_special_tokens", True)
+    silent_count = 0
     chunks = []
     for token in tokens:
         chunks.append(stream.push(token))
-        assert stream.retained <= 4 + max((len(s) for s in stops), default=0)
+        silent_count += silent_alone(tb, token.token_id, skip)
+        bound = 4 + max((len(s) for s in stops), default=0) + silent_count
+        assert stream.retained <= bound
         if stream.done:
             break
     chunks.append(stream.finish(Finished("stop")))
@@ -56,6 +64,13 @@ def run(tb: TokenBytes, tokens: list[GeneratedToken], stops=(), **kwargs):
     entries = [(tok.index, off) for c in chunks for tok, off in c.entries]
     stop = next((c.stop for c in chunks if c.stop), None)
     return text, entries, stop, chunks
+
+
+def silent_alone(tb: TokenBytes, token_id: int, skip_special_tokens: bool) -> bool:
+    """Whether the token alone decodes to no text (a skipped special token, no bytes)."""
+    det = Detokenizer(tb, skip_special_tokens=skip_special_tokens)
+    starts = [s for step in (det.feed(token_id), det.finish()) for s in step.starts]
+    return bool(starts) and all(s.silent for s in starts)
 
 
 def offsets_of(tb: TokenBytes, ids: list[int]) -> list[int]:
