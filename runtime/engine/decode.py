@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import repeat
 from typing import NamedTuple
@@ -274,14 +274,18 @@ def _decode_position(
     lane: LaneExpectation,
     vocab_size: int,
 ) -> DecodedEntry:
+    """One position's entry, checked with Python lists (a frame of one or two positions:
+    a dozen numpy calls on 40 words cost more than the words themselves)."""
     where = f"position {position}"
-    chosen_id = int(words[CHOSEN_ID])
+    head = words[: FIRST_PAIR + 2 * lane.pairs]
+    row = head.tolist()
+    floats = _fp32(head).tolist()
+    chosen_id = row[CHOSEN_ID]
     if chosen_id != token_id:
         raise DecodeError(slot, f"{where}: payload chosen id {chosen_id}, emitted token {token_id}")
-    chosen = _fp32(words[CHOSEN_BITS : CHOSEN_BITS + 1])
-    _check_values(slot, f"{where}: chosen token {token_id}", chosen)
-    pairs = words[FIRST_PAIR : FIRST_PAIR + 2 * lane.pairs].reshape(-1, 2)
-    ids = pairs[:, 0].tolist()
+    chosen = floats[CHOSEN_BITS]
+    _check_floats(slot, f"{where}: chosen token {token_id}", (chosen,))
+    ids, values = row[FIRST_PAIR::2], floats[FIRST_PAIR + 1 :: 2]
     if lane.token_ids is not None:
         if ids != list(lane.token_ids):
             missing = [(j, t) for j, t in enumerate(lane.token_ids) if ids[j] != t]
@@ -289,30 +293,30 @@ def _decode_position(
                 slot, f"{where}: selected ids missing or out of order at (index, id) {missing[:4]}"
             )
     else:
-        pairs = pairs[: min(lane.pairs, vocab_size)]
-        ids = ids[: len(pairs)]
-        missing = [j for j, t in enumerate(ids) if not 0 <= t < vocab_size]
-        if missing:
+        count = min(lane.pairs, vocab_size)
+        ids, values = ids[:count], values[:count]
+        if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+            first = next(j for j, t in enumerate(ids) if not 0 <= t < vocab_size)
             raise DecodeError(
                 slot,
-                f"{where}: natural alternative {missing[0]} missing (id {ids[missing[0]]}), "
-                f"expected {len(pairs)} alternatives",
+                f"{where}: natural alternative {first} missing (id {ids[first]}), "
+                f"expected {count} alternatives",
             )
-    values = _fp32(pairs[:, 1])
-    _check_values(slot, f"{where}: alternatives", values)
-    return DecodedEntry(
-        position=position,
-        token_id=token_id,
-        logprob=chosen.tolist()[0],
-        alternatives=tuple(map(TokenLogprob, ids, values.tolist())),
-    )
+    _check_floats(slot, f"{where}: alternatives", values)
+    return tuple.__new__(DecodedEntry, (
+        position, token_id, chosen,
+        tuple(map(tuple.__new__, repeat(TokenLogprob), zip(ids, values, strict=True)))))
 
 
 def _fp32(bits: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(bits, dtype=np.int32).view(np.float32)
 
 
-def _check_values(slot: int, what: str, values: np.ndarray) -> None:
-    bad = np.isnan(values) | (values == np.inf)
-    if bad.any():
-        raise DecodeError(slot, f"{what}: non-finite logprob {values[bad][0]}")
+_INF = float("inf")
+
+
+def _check_floats(slot: int, what: str, values: Sequence[float]) -> None:
+    """NaN and +inf are refused (-inf is a logprob: an impossible token)."""
+    for value in values:
+        if value != value or value == _INF:
+            raise DecodeError(slot, f"{what}: non-finite logprob {value}")

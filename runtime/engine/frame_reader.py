@@ -94,8 +94,9 @@ def read_frame(
         host.records, host.payload, requesting, vocab_size, submission=host.submission
     ) if requesting else {}
     outcomes: dict[int, SlotOutcome] = {}
+    records = host.records.numpy()
     for request in requests:
-        record = host.records[request.slot].tolist()
+        record = records[request.slot].tolist()
         outcome = outcomes[request.ordinal] = SlotOutcome()
         if record[abi6.EPOCH] != request.epoch or record[abi6.SLOT] != request.slot:
             outcome.error = f"slot {request.slot}: record does not belong to this request"
