@@ -201,6 +201,42 @@ typedef struct {
     int64_t *pick_lanes;
 } Job;
 
+/* Launch 1's maxima of one tile: chunk[j] = max over k < 16 of x[k * width + j] (NaN lanes
+   skipped, the caller marks their chunks), *m = max of the chunks and of the lanes past
+   16 * width, *nan_any whether any lane is NaN. One pass over the tile. */
+#define TILE_MAXIMA(NAME, TYPE, LOAD)                                                      \
+static void NAME(const TYPE *x, int64_t lanes, int64_t width, float *chunk, float *m,     \
+                 int *nan_any)                                                             \
+{                                                                                          \
+    int nan = 0;                                                                           \
+    for (int64_t j = 0; j < width; j++) {                                                  \
+        const float v = LOAD(x[j]);                                                        \
+        chunk[j] = v;                                                                      \
+        nan |= v != v;                                                                     \
+    }                                                                                      \
+    for (int64_t k = 1; k < 16; k++) {                                                     \
+        const TYPE *lane = x + k * width;                                                  \
+        for (int64_t j = 0; j < width; j++) {                                              \
+            const float v = LOAD(lane[j]);                                                 \
+            chunk[j] = v > chunk[j] ? v : chunk[j];                                        \
+            nan |= v != v;                                                                 \
+        }                                                                                  \
+    }                                                                                      \
+    float best = -INFINITY;                                                                \
+    for (int64_t j = 0; j < width; j++) best = chunk[j] > best ? chunk[j] : best;          \
+    for (int64_t i = 16 * width; i < lanes; i++) {                                         \
+        const float v = LOAD(x[i]);                                                        \
+        best = v > best ? v : best;                                                        \
+        nan |= v != v;                                                                     \
+    }                                                                                      \
+    *m = best;                                                                             \
+    *nan_any = nan;                                                                        \
+}
+
+#define LOAD_F32(v) (v)
+TILE_MAXIMA(tile_maxima_f32, float, LOAD_F32)
+TILE_MAXIMA(tile_maxima_bf16, uint16_t, widen_bf16)
+
 static void rows_of(const Job *job);
 
 /* One tile's vmsExp must not fan out to MKL's own threads: with torch's intra-op threads
@@ -229,38 +265,39 @@ static void rows_of(const Job *job)
             const int64_t lanes = t < full ? tile : rest;
             if (lanes == 0) break;
             const int64_t start = t * tile;
-            /* 1. exact FP32 copy of the tile, and whether it holds a NaN */
-            int nan_any = 0;
-            if (job->elem == 2) {
-                const uint16_t *src = (const uint16_t *)row + start;
-                for (int64_t i = 0; i < lanes; i++) buf[i] = widen_bf16(src[i]);
-            } else {
-                memcpy(buf, (const float *)row + start, sizeof(float) * (size_t)lanes);
-            }
-            for (int64_t i = 0; i < lanes; i++) nan_any |= buf[i] != buf[i];
-            row_nan |= nan_any;
-            /* chunk maxima over strided chunks, the tile maximum over them and the lanes of
-               no chunk; a NaN lane makes its chunk and tile NaN */
+            /* 1. chunk maxima over strided chunks straight from the row, and whether the
+               tile holds a NaN; the tile maximum over the chunks and the lanes of no chunk;
+               a NaN lane makes its chunk and tile NaN */
             const int64_t width = t < full ? per : tail;
             float *chunk = t < full ? cmax + t * per : cmax + full * per;
-            for (int64_t j = 0; j < width; j++) chunk[j] = buf[j];
-            for (int64_t k = 1; k < 16; k++) {
-                const float *lane = buf + k * width;
-                for (int64_t j = 0; j < width; j++)
-                    chunk[j] = lane[j] > chunk[j] ? lane[j] : chunk[j];
-            }
+            int nan_any = 0;
             float m = -INFINITY;
-            for (int64_t j = 0; j < width; j++) m = chunk[j] > m ? chunk[j] : m;
-            for (int64_t i = 16 * width; i < lanes; i++) m = buf[i] > m ? buf[i] : m;
+            if (job->elem == 2) {
+                const uint16_t *src = (const uint16_t *)row + start;
+                tile_maxima_bf16(src, lanes, width, chunk, &m, &nan_any);
+            } else {
+                const float *src = (const float *)row + start;
+                tile_maxima_f32(src, lanes, width, chunk, &m, &nan_any);
+            }
+            row_nan |= nan_any;
             if (nan_any) {
                 m = qnan;
-                for (int64_t k = 0; k < 16 * width; k++)
-                    if (buf[k] != buf[k]) chunk[k % width] = qnan;
+                for (int64_t k = 0; k < 16 * width; k++) {
+                    const float v = read_lane(row, job->elem, start + k);
+                    if (v != v) chunk[k % width] = qnan;
+                }
             }
             job->tmax[r * job->tiles + t] = m;
-            /* 2. shift (0 for an all -inf tile), exp as torch's exp_ does it */
+            /* 2. the shifted tile (shift 0 for an all -inf tile) in FP32 scratch, exp as
+               torch's exp_ does it */
             const float shift = m == -INFINITY ? 0.f : m;
-            for (int64_t i = 0; i < lanes; i++) buf[i] -= shift;
+            if (job->elem == 2) {
+                const uint16_t *src = (const uint16_t *)row + start;
+                for (int64_t i = 0; i < lanes; i++) buf[i] = widen_bf16(src[i]) - shift;
+            } else {
+                const float *src = (const float *)row + start;
+                for (int64_t i = 0; i < lanes; i++) buf[i] = src[i] - shift;
+            }
             VEXP((int)lanes, buf, buf, MODE);
             /* 3. the tile's mass in torch.sum's order */
             job->tmass[r * job->tiles + t] = torch_sum(buf, lanes);

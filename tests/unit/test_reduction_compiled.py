@@ -88,6 +88,29 @@ def test_launches_1_and_2_equal_the_torch_launches(rows, valid, tile, kind, dtyp
         assert same_words(torch.from_numpy(lse), normalization(want))
 
 
+@needs_compiled
+@pytest.mark.parametrize(("valid", "tile"), [(4103, 4096), (423, 4096), (37, 16), (5, 16),
+                                             (1000, 512)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_nan_in_any_lane_of_a_tile_makes_its_maxima_nan(valid, tile, dtype) -> None:
+    """Launch 1 reads each tile in one pass: a NaN among the 16 strided chunks, in the lanes
+    past them (the last tile's remainder) or in a tile's first lane reaches the tile maximum
+    and its chunk as in the torch launch."""
+    rest = valid % tile or tile
+    last_start = valid - rest
+    lanes = sorted({0, last_start, last_start + 16 * (rest // 16), valid - 1} - {valid})
+    x = torch.randn(len(lanes) + 1, valid, generator=torch.Generator().manual_seed(valid))
+    for row, lane in enumerate(lanes):
+        x[row, lane] = float("nan")
+    x = x.to(dtype)
+    rows = np.arange(x.shape[0], dtype=np.int64)
+    for threads in (1, 2):
+        got, _ = compiled._run(compiled._lib(), x, rows, valid, tile, 0, threads)
+        want = tile_stats(x, torch.from_numpy(rows), valid, tile)
+        for name, a, b in zip(TileStats._fields, got, want, strict=True):
+            assert same_words(a, b), name
+
+
 def _three_ways(monkeypatch, call):
     """(compiled, numpy fast path, tile-by-tile) results of call()."""
     got = call()
