@@ -148,48 +148,114 @@ static inline float read_lane(const char *row, int64_t elem, int64_t lane)
 }
 
 #define PICK_BUFFER 1024
+typedef struct {
+    float *raw;
+    int64_t *lanes;
+    int64_t count, cap;
+    float floor, left;
+} Picks;
+
+/* Lane i (value x) joins the candidates unless it is below the floor (then only the largest
+   value left out is kept); a full buffer is cut back to the cap largest first (raising the
+   floor to the smallest value kept). */
+static void offer(Picks *p, float x, int64_t i)
+{
+    if (!(x >= p->floor) && p->floor != -INFINITY) {
+        p->left = x > p->left ? x : p->left;
+        return;
+    }
+    if (p->count == PICK_BUFFER) {
+        const float dropped = top_k(p->raw, p->lanes, p->count, p->cap);
+        p->left = dropped > p->left ? dropped : p->left;
+        p->count = p->cap;
+        p->floor = p->raw[0];
+        for (int64_t j = 1; j < p->cap; j++) p->floor = p->raw[j] < p->floor ? p->raw[j] : p->floor;
+        if (!(x >= p->floor)) {
+            p->left = x > p->left ? x : p->left;
+            return;
+        }
+    }
+    p->raw[p->count] = x;
+    p->lanes[p->count++] = i;
+}
+
+/* The lanes of the strided chunk c0 + j of a tile starting at `start` (16 lanes, `width`
+   apart): a chunk whose maximum is below the floor adds only that maximum to the values
+   left out, without reading its lanes (a NaN maximum is read lane by lane). */
+static void offer_chunk(Picks *p, const char *row, int64_t elem, float chunk_max,
+                        int64_t first, int64_t width)
+{
+    if (chunk_max < p->floor) {
+        p->left = chunk_max > p->left ? chunk_max : p->left;
+        return;
+    }
+    for (int64_t k = 0; k < 16; k++) {
+        const int64_t i = first + k * width;
+        offer(p, read_lane(row, elem, i), i);
+    }
+}
+
+/* The k-th largest of v[0..n) (k <= 64 <= n), NaN counted as -inf: a min-heap of the k
+   largest so far, so that one pass suffices (few values displace the root once the heap
+   holds large ones). */
+static float kth_largest(const float *v, int64_t n, int64_t k)
+{
+    float heap[64];
+    int64_t size = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const float x = v[i] != v[i] ? -INFINITY : v[i];
+        if (size == k && !(x > heap[0])) continue;
+        int64_t at;
+        if (size < k) { /* sift up */
+            at = size++;
+            while (at > 0 && heap[(at - 1) / 2] > x) {
+                heap[at] = heap[(at - 1) / 2];
+                at = (at - 1) / 2;
+            }
+        } else { /* replace the root, sift down */
+            at = 0;
+            for (;;) {
+                int64_t child = 2 * at + 1;
+                if (child >= k) break;
+                if (child + 1 < k && heap[child + 1] < heap[child]) child++;
+                if (!(heap[child] < x)) break;
+                heap[at] = heap[child];
+                at = child;
+            }
+        }
+        heap[at] = x;
+    }
+    return heap[0];
+}
+
 /* Narrow rows (launch 1's picks): the row's `cap` largest raw values into raw/lanes[0, cap)
    (cap <= 64; PICK_BUFFER entries of scratch, whatever the row's width), returning the
    largest value left out (-inf when none). With at least cap chunks, the cap-th largest
    chunk maximum is <= the cap-th largest value (cap distinct lanes reach it), so lanes below
-   it are left out at once; the rest collect in the buffer, which a quickselect cuts back to
-   cap whenever it fills (raising the floor to the smallest value kept). The row's lanes are
-   read from the logits again, never copied whole. */
-static float pick_row(const char *row, int64_t elem, int64_t valid, const float *cmax,
-                      int64_t chunks, int64_t cap, float *raw, int64_t *lanes)
+   it are left out at once: a chunk whose maximum is below the floor is never read; the lanes
+   of the others collect in the buffer, which a quickselect cuts back to cap whenever it
+   fills. The row's lanes are read from the logits again, never copied whole. */
+static float pick_row(const char *row, int64_t elem, int64_t valid, int64_t tile,
+                      const float *cmax, int64_t chunks, int64_t cap, float *raw,
+                      int64_t *lanes)
 {
-    float floor = -INFINITY, left = -INFINITY;
-    if (chunks >= cap && chunks <= 4096) {
-        float cv[4096];
-        int64_t cid[4096];
-        for (int64_t c = 0; c < chunks; c++) cv[c] = cmax[c], cid[c] = c;
-        top_k(cv, cid, chunks, cap);
-        floor = cv[0];
-        for (int64_t i = 1; i < cap; i++) floor = cv[i] < floor ? cv[i] : floor;
+    Picks p = {raw, lanes, 0, cap, -INFINITY, -INFINITY};
+    if (chunks >= cap) p.floor = kth_largest(cmax, chunks, cap);
+    if (p.floor == -INFINITY) {
+        for (int64_t i = 0; i < valid; i++) offer(&p, read_lane(row, elem, i), i);
+    } else {
+        const int64_t full = valid / tile, per = tile / 16, rest = valid - full * tile;
+        const int64_t tail = rest / 16, start = full * tile;
+        for (int64_t t = 0; t < full; t++)
+            for (int64_t j = 0; j < per; j++)
+                offer_chunk(&p, row, elem, cmax[t * per + j], t * tile + j, per);
+        for (int64_t j = 0; j < tail; j++)
+            offer_chunk(&p, row, elem, cmax[full * per + j], start + j, tail);
+        for (int64_t i = start + 16 * tail; i < valid; i++)
+            offer(&p, read_lane(row, elem, i), i);
     }
-    int64_t count = 0;
-    for (int64_t i = 0; i < valid; i++) {
-        const float x = read_lane(row, elem, i);
-        if (!(x >= floor) && floor != -INFINITY) {
-            left = x > left ? x : left;
-            continue;
-        }
-        if (count == PICK_BUFFER) {
-            const float dropped = top_k(raw, lanes, count, cap);
-            left = dropped > left ? dropped : left;
-            count = cap;
-            floor = raw[0];
-            for (int64_t j = 1; j < cap; j++) floor = raw[j] < floor ? raw[j] : floor;
-            if (!(x >= floor)) {
-                left = x > left ? x : left;
-                continue;
-            }
-        }
-        raw[count] = x;
-        lanes[count++] = i;
-    }
-    const float bound = top_k(raw, lanes, count, cap);
-    return bound > left ? bound : left;
+    const float bound = top_k(raw, lanes, p.count, cap);
+    return bound > p.left ? bound : p.left;
 }
 
 typedef struct {
@@ -305,8 +371,8 @@ static void rows_of(const Job *job)
         if (job->cap) {
             /* 4. narrow rows: launch 3's candidates, the row's cap largest raw values, and the
                largest of the others */
-            const float bound = pick_row(row, job->elem, valid, cmax, job->chunks, job->cap,
-                                         pick_raw, pick_lanes);
+            const float bound = pick_row(row, job->elem, valid, job->tile, cmax, job->chunks,
+                                         job->cap, pick_raw, pick_lanes);
             job->pick_bound[r] = row_nan ? qnan : bound;
             memcpy(job->pick_raw + r * job->cap, pick_raw, sizeof(float) * (size_t)job->cap);
             memcpy(job->pick_lanes + r * job->cap, pick_lanes,
@@ -497,83 +563,142 @@ static inline int32_t reported_bits(float raw, float l)
     return v.i;
 }
 
+/* The payload of rows [r0, r1) of a reduce_rows call (the chosen pair, the selected ids'
+   pairs or the natural best m), with this thread's launch 3 scratch; `left` counts the rows
+   it leaves for Python. */
+typedef struct {
+    const char *base;
+    int64_t elem, row_stride;
+    const int64_t *rows;
+    int64_t r0, r1, valid, tile, k, m, cap;
+    const int64_t *chosen;
+    const int32_t *counts, *sel;
+    const float *cmax, *lse, *pick_raw, *pick_bound;
+    const int64_t *pick_lanes;
+    int32_t *out;
+    uint8_t *redo;
+    int64_t left;
+} PayloadJob;
+
+static void payload_rows(PayloadJob *job)
+{
+    const int64_t valid = job->valid, tile = job->tile, full = valid / tile;
+    const int64_t per = tile / 16, chunks = full * per + (valid - full * tile) / 16;
+    const int64_t cap = job->cap, m = job->m, elem = job->elem;
+    const int64_t size = scratch_size(valid, tile);
+    float *v = (float *)malloc(sizeof(float) * (size_t)size);
+    int64_t *lanes = (int64_t *)malloc(sizeof(int64_t) * (size_t)size);
+    for (int64_t r = job->r0; r < job->r1; r++) {
+        const int64_t at = job->rows[r];
+        const char *row = job->base + at * job->row_stride * elem;
+        int32_t *word = job->out + at * (2 + 2 * 128);
+        const int64_t id = job->chosen[at], count = job->counts[at];
+        const float l = job->lse[r];
+        job->redo[r] = 0;
+        for (int64_t w = 2; w < 2 + 2 * 128; w++) word[w] = -1;
+        int bad = id < 0 || id >= valid || count < 0 || count > 128;
+        for (int64_t s = 0; !bad && s < count; s++)
+            bad = job->sel[at * 128 + s] < 0 || job->sel[at * 128 + s] >= valid;
+        if (bad) {
+            job->redo[r] = 2;
+            job->left++;
+            continue;
+        }
+        word[0] = (int32_t)id;
+        word[1] = reported_bits(read_lane(row, elem, id), l);
+        if (count > 0) {
+            for (int64_t s = 0; s < count; s++) {
+                const int32_t sid = job->sel[at * 128 + s];
+                word[2 + 2 * s] = sid;
+                word[3 + 2 * s] = reported_bits(read_lane(row, elem, sid), l);
+            }
+            continue;
+        }
+        if (job->k == 0) continue;
+        int64_t ids[32];
+        float values[32];
+        const float *cm = job->cmax + r * chunks;
+        const int found = best_row(
+            row, elem, valid, tile, cap ? NULL : cm, cap ? NULL : cm + full * per,
+            cap ? job->pick_lanes + r * cap : NULL, cap ? job->pick_raw + r * cap : NULL,
+            cap && cap < valid ? job->pick_bound + r : NULL, cap, l, m, v, lanes, ids, values);
+        if (!found) {
+            job->redo[r] = 1;
+            job->left++;
+            continue;
+        }
+        for (int64_t i = 0; i < m; i++) {
+            union { float f; int32_t i; } bits = {values[i]};
+            word[2 + 2 * i] = (int32_t)ids[i];
+            word[3 + 2 * i] = bits.i;
+        }
+    }
+    free(v);
+    free(lanes);
+}
+
+static void *run_payload(void *arg)
+{
+    payload_rows((PayloadJob *)arg);
+    return NULL;
+}
+
 /* The whole one-rank reduction (lean.py's reduce_lean) into the packed payload rows
    out[rows[r]]: launches 1 and 2, the chosen pair, the selected ids' pairs (caller order,
    -1 beyond the count) or the natural best m. Returns the number of rows left for Python:
    redo[r] = 1 for a natural row whose candidates cannot vouch for its best m (the tile-by-
    tile launch 3 decides it; its pairs are left -1 here), 2 for a chosen or selected id
    outside [0, valid) (then the caller redoes the whole call its own way). cmax/tmax/tmass
-   [n, ...] and lse [n] receive launches 1 and 2 for that. */
+   [n, ...] and lse [n] receive launches 1 and 2 for that. Launch 1 and the payload split
+   their rows across `threads` threads. */
 int64_t reduce_rows(const void *base, int64_t elem, int64_t row_stride, const int64_t *rows,
                     int64_t n, int64_t valid, int64_t tile, const int64_t *chosen,
                     const int32_t *counts, const int32_t *sel, int64_t k, int64_t m,
                     int64_t narrow, float *cmax, float *tmax, float *tmass, float *lse,
                     int32_t *out, uint8_t *redo, int64_t threads)
 {
-    const int64_t full = valid / tile, rest = valid - full * tile, per = tile / 16;
-    const int64_t chunks = full * per + rest / 16, tiles = full + (rest > 0);
+    const int64_t full = valid / tile, rest = valid - full * tile;
+    const int64_t tiles = full + (rest > 0);
     const int64_t cap = narrow ? (valid < 64 ? valid : 64) : 0;
     int64_t *pick_lanes = cap ? (int64_t *)malloc(sizeof(int64_t) * (size_t)(n * cap)) : NULL;
     float *pick_raw = cap ? (float *)malloc(sizeof(float) * (size_t)(n * cap)) : NULL;
     float *pick_bound = cap ? (float *)malloc(sizeof(float) * (size_t)n) : NULL;
     float *scratch = (float *)malloc(sizeof(float) * (size_t)(2 * n + 1));
-    const int64_t size = scratch_size(valid, tile);
-    float *v = (float *)malloc(sizeof(float) * (size_t)size);
-    int64_t *lanes = (int64_t *)malloc(sizeof(int64_t) * (size_t)size);
-    int64_t left = 0;
     tile_stats(base, elem, row_stride, rows, n, valid, tile, cmax, tmax, tmass, cap,
                pick_lanes, pick_raw, pick_bound, threads);
     row_lse(tmax, tmass, n, tiles, scratch, scratch + n, lse);
-    for (int64_t r = 0; r < n; r++) {
-        const int64_t at = rows[r];
-        const char *row = (const char *)base + at * row_stride * elem;
-        int32_t *word = out + at * (2 + 2 * 128);
-        const int64_t id = chosen[at], count = counts[at];
-        redo[r] = 0;
-        for (int64_t w = 2; w < 2 + 2 * 128; w++) word[w] = -1;
-        int bad = id < 0 || id >= valid || count < 0 || count > 128;
-        for (int64_t s = 0; !bad && s < count; s++)
-            bad = sel[at * 128 + s] < 0 || sel[at * 128 + s] >= valid;
-        if (bad) {
-            redo[r] = 2;
-            left++;
-            continue;
+    PayloadJob job = {(const char *)base, elem, row_stride, rows, 0, n, valid, tile, k, m, cap,
+                      chosen, counts, sel, cmax, lse, pick_raw, pick_bound, pick_lanes, out,
+                      redo, 0};
+    if (k == 0) threads = 1; /* (then a row's payload is a few words: not worth a thread) */
+    if (threads > n) threads = n;
+    if (threads > 64) threads = 64;
+    int64_t left = 0;
+    if (threads <= 1) {
+        payload_rows(&job);
+        left = job.left;
+    } else {
+        PayloadJob jobs[64];
+        pthread_t ids[64];
+        int created[64] = {0};
+        for (int64_t i = 0; i < threads; i++) {
+            jobs[i] = job;
+            jobs[i].r0 = n * i / threads;
+            jobs[i].r1 = n * (i + 1) / threads;
         }
-        word[0] = (int32_t)id;
-        word[1] = reported_bits(read_lane(row, elem, id), lse[r]);
-        if (count > 0) {
-            for (int64_t s = 0; s < count; s++) {
-                const int32_t sid = sel[at * 128 + s];
-                word[2 + 2 * s] = sid;
-                word[3 + 2 * s] = reported_bits(read_lane(row, elem, sid), lse[r]);
-            }
-            continue;
+        for (int64_t i = 1; i < threads; i++)
+            created[i] = pthread_create(&ids[i], NULL, run_payload, &jobs[i]) == 0;
+        payload_rows(&jobs[0]);
+        for (int64_t i = 1; i < threads; i++) {
+            if (created[i]) pthread_join(ids[i], NULL);
+            else payload_rows(&jobs[i]);
         }
-        if (k == 0) continue;
-        int64_t ids[32];
-        float values[32];
-        const int found = best_row(
-            row, elem, valid, tile, cap ? NULL : cmax + r * chunks,
-            cap ? NULL : cmax + r * chunks + full * per, cap ? pick_lanes + r * cap : NULL,
-            cap ? pick_raw + r * cap : NULL, cap && cap < valid ? pick_bound + r : NULL, cap,
-            lse[r], m, v, lanes, ids, values);
-        if (!found) {
-            redo[r] = 1;
-            left++;
-            continue;
-        }
-        for (int64_t i = 0; i < m; i++) {
-            union { float f; int32_t i; } v = {values[i]};
-            word[2 + 2 * i] = (int32_t)ids[i];
-            word[3 + 2 * i] = v.i;
-        }
+        for (int64_t i = 0; i < threads; i++) left += jobs[i].left;
     }
     free(pick_lanes);
     free(pick_raw);
     free(pick_bound);
     free(scratch);
-    free(v);
-    free(lanes);
     return left;
 }
 
