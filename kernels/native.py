@@ -34,7 +34,8 @@ def cache_dir() -> Path:
 
 
 def load_library(name: str, source: str, flags: tuple[str, ...], switch: str,
-                 machines: tuple[str, ...] = MACHINES) -> ctypes.CDLL | None:
+                 machines: tuple[str, ...] = MACHINES, quiet: bool = False
+                 ) -> ctypes.CDLL | None:
     if os.environ.get(switch, "1") == "0":
         return None
     machine = platform.machine().lower()
@@ -57,8 +58,19 @@ def load_library(name: str, source: str, flags: tuple[str, ...], switch: str,
                 os.replace(built, target)  # atomic: concurrent builders write the same file
         return ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as exc:
-        _LOG.warning("native %s unavailable (%s); using the torch path", name, exc)
+        if not quiet:  # (quiet: the caller has another build to try)
+            _LOG.warning("native %s unavailable (%s); using the torch path", name, exc)
         return None
+
+
+def torch_openmp() -> bool:
+    """Whether torch's own libgomp.so.1 is mapped in this process: a library built with gcc's
+    -fopenmp then shares it (the loader reuses a loaded soname), threads included."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return False
+    return any("/torch/lib/libgomp" in line for line in maps.splitlines())
 
 
 def built_once(state: dict, lock: threading.Lock,

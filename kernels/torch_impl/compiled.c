@@ -27,6 +27,30 @@ void configure(void *vexp, void *vln, void *local_threads, long long mode, int w
     WIDTH = width;
 }
 
+/* fn(jobs + i * size) for i < count, one job per thread. Built with -fopenmp, the threads
+   are the process's OpenMP team: torch's own libgomp (the library this file links against
+   is the libgomp.so.1 torch already loaded), whose threads have just run torch's intra-op
+   work and are still spinning; new pthreads would compete with them for the same cores
+   (measured: 32 x 151,936 right after a torch op took the one-thread time). Without
+   OpenMP, pthreads (the calling thread takes job 0). */
+static void fan_out(void *(*fn)(void *), char *jobs, size_t size, int64_t count)
+{
+#ifdef _OPENMP
+#pragma omp parallel for num_threads((int)count) schedule(static, 1)
+    for (int64_t i = 0; i < count; i++) fn(jobs + i * size);
+#else
+    pthread_t ids[64];
+    int created[64] = {0};
+    for (int64_t i = 1; i < count; i++)
+        created[i] = pthread_create(&ids[i], NULL, fn, jobs + i * size) == 0;
+    fn(jobs);
+    for (int64_t i = 1; i < count; i++) {
+        if (created[i]) pthread_join(ids[i], NULL);
+        else fn(jobs + i * size);
+    }
+#endif
+}
+
 static int64_t ceil_log2(int64_t x)
 {
     if (x <= 2) return 1;
@@ -403,21 +427,13 @@ void tile_stats(const void *base, int64_t elem, int64_t row_stride, const int64_
         return;
     }
     Job jobs[64];
-    pthread_t ids[64];
-    int created[64] = {0};
     if (threads > 64) threads = 64;
     for (int64_t i = 0; i < threads; i++) {
         jobs[i] = job;
         jobs[i].r0 = n * i / threads;
         jobs[i].r1 = n * (i + 1) / threads;
     }
-    for (int64_t i = 1; i < threads; i++)
-        created[i] = pthread_create(&ids[i], NULL, run_job, &jobs[i]) == 0;
-    run_rows(&jobs[0]);
-    for (int64_t i = 1; i < threads; i++) {
-        if (created[i]) pthread_join(ids[i], NULL);
-        else run_rows(&jobs[i]);
-    }
+    fan_out(run_job, (char *)jobs, sizeof(Job), threads);
 }
 
 /* Launch 2: each row's lse = log(S) + M (lean_lse): one tile gives (M, S) = (max, mass);
@@ -679,20 +695,12 @@ int64_t reduce_rows(const void *base, int64_t elem, int64_t row_stride, const in
         left = job.left;
     } else {
         PayloadJob jobs[64];
-        pthread_t ids[64];
-        int created[64] = {0};
         for (int64_t i = 0; i < threads; i++) {
             jobs[i] = job;
             jobs[i].r0 = n * i / threads;
             jobs[i].r1 = n * (i + 1) / threads;
         }
-        for (int64_t i = 1; i < threads; i++)
-            created[i] = pthread_create(&ids[i], NULL, run_payload, &jobs[i]) == 0;
-        payload_rows(&jobs[0]);
-        for (int64_t i = 1; i < threads; i++) {
-            if (created[i]) pthread_join(ids[i], NULL);
-            else payload_rows(&jobs[i]);
-        }
+        fan_out(run_payload, (char *)jobs, sizeof(PayloadJob), threads);
         for (int64_t i = 0; i < threads; i++) left += jobs[i].left;
     }
     free(pick_lanes);

@@ -48,7 +48,7 @@ import torch
 
 from kernels.layout import MAX_TOKEN_IDS, PAYLOAD_WORDS
 from kernels.layout import TILE_CANDIDATES as TOP
-from kernels.native import X86, built_once, load_library
+from kernels.native import X86, built_once, load_library, torch_openmp
 from kernels.torch_impl.tiles import CHUNK_LANES, TileStats, normalization, tile_stats
 
 _LOG = logging.getLogger(__name__)
@@ -92,7 +92,12 @@ def _build() -> ctypes.CDLL | None:
     local_threads = _mkl("MKL_Set_Num_Threads_Local")  # (None: MKL threads as configured)
     if width is None or exp is None or log is None:
         return None
-    lib = load_library("reduction", _SOURCE, _FLAGS, _SWITCH, machines=X86)
+    lib = None
+    if torch_openmp():  # (rows fan out on torch's OpenMP threads; see fan_out in the C file)
+        lib = load_library("reduction", _SOURCE, (*_FLAGS, "-fopenmp"), _SWITCH, machines=X86,
+                           quiet=True)
+    if lib is None:
+        lib = load_library("reduction", _SOURCE, _FLAGS, _SWITCH, machines=X86)
     if lib is None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
