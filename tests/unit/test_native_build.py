@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.native import built_once, load_library
+from kernels.native import built_once, load_library, torch_openmp
 from kernels.torch_impl import compiled
 
 SOURCE = "int answer(void) { return 42; }\n"
@@ -80,3 +80,24 @@ def test_the_reduction_switch_keeps_the_torch_path(monkeypatch) -> None:
     assert not compiled.available()
     x = torch.randn(2, 300)
     assert compiled.compiled_tile_stats(x, np.arange(2), 300, 4096) is None
+
+
+@pytest.mark.parametrize("openmp", [True, False])
+def test_both_thread_fan_outs_give_the_torch_launches(monkeypatch, openmp) -> None:
+    """The reduction library built with -fopenmp (rows on torch's OpenMP team) and without
+    it (pthreads) both split rows over threads with the torch launches' bits."""
+    from kernels.torch_impl.tiles import TileStats, tile_stats
+
+    if openmp and not torch_openmp():
+        pytest.skip("torch's libgomp is not loaded here")
+    monkeypatch.setattr(compiled, "torch_openmp", lambda: openmp)
+    monkeypatch.setattr(compiled, "_STATE", {})
+    lib = compiled._lib()
+    if lib is None:
+        pytest.skip("the compiled reduction cannot apply here")
+    x = (torch.randn(6, 9000, generator=torch.Generator().manual_seed(3)) * 3).bfloat16()
+    rows = np.arange(6, dtype=np.int64)
+    got, _ = compiled._run(lib, x, rows, 9000, 4096, 0, threads=2)
+    want = tile_stats(x, torch.from_numpy(rows), 9000, 4096)
+    for name, a, b in zip(TileStats._fields, got, want, strict=True):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32)), name
