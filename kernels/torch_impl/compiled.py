@@ -177,6 +177,10 @@ class _Outputs:
         self.raw = np.empty((n, keep), np.float32)
         self.bound = np.empty(n, np.float32)
         self.flat_ptr = flat.data_ptr()
+        self.lse = np.empty(n, np.float32)
+        self.redo = np.empty(n, np.uint8)
+        self.lse_ptr, self.redo_ptr = self.lse.ctypes.data, self.redo.ctypes.data
+        """compiled_reduce's launch 2 and redo flags, overwritten like the stats."""
         self.args = (n, valid, tile, flat.data_ptr(), tmax.data_ptr(), tmass.data_ptr(), keep,
                      self.lanes.ctypes.data, self.raw.ctypes.data, self.bound.ctypes.data)
 
@@ -234,7 +238,8 @@ def compiled_reduce(
     rows whose best K the caller must still decide (their pairs are -1) and 2 for rows with
     an id outside the vocabulary (the caller must redo the call). `chosen` int64, `counts`
     int32 and `selected` int32 [rows, 128] are indexed by row like `out`; `narrow`: launch 3
-    takes launch 1's picks (lean_stats.uses_chunks is False)."""
+    takes launch 1's picks (lean_stats.uses_chunks is False). The three arrays returned are
+    kept per thread and overwritten by the next call of the same shape, as _Outputs says."""
     if (not supports(logits) or out.dtype != torch.int32 or not out.is_contiguous()
             or out.dim() != 2 or out.shape[1] != PAYLOAD_WORDS):
         return None
@@ -242,17 +247,14 @@ def compiled_reduce(
     if lib is None:
         return None
     n = rows.size
-    stats_out = _outputs(n, valid, tile, 0)
-    lse = np.empty(n, np.float32)
-    redo = np.empty(n, np.uint8)
+    kept = _outputs(n, valid, tile, 0)
     threads = torch.get_num_threads() if n > 1 and n * valid >= PARALLEL_LANES else 1
-    stats = stats_out.stats
+    stats = kept.stats
     lib.reduce_rows(logits.data_ptr(), logits.element_size(), logits.stride(0), rows.ctypes.data,
                     n, valid, tile, chosen.ctypes.data, counts.ctypes.data, selected.ctypes.data,
-                    k, min(k, TOP, valid), int(narrow), stats_out.flat_ptr, stats.max.data_ptr(),
-                    stats.mass.data_ptr(), lse.ctypes.data, out.data_ptr(), redo.ctypes.data,
-                    threads)
-    return redo, stats, lse
+                    k, min(k, TOP, valid), int(narrow), kept.flat_ptr, stats.max.data_ptr(),
+                    stats.mass.data_ptr(), kept.lse_ptr, out.data_ptr(), kept.redo_ptr, threads)
+    return kept.redo, stats, kept.lse
 
 
 class _Repeated:
