@@ -1,10 +1,11 @@
 """The reduction gate and payload write on host tensors in C (gate.c), for StepReduction.
 
-On CPU the gate's dozen numpy operations cost ~0.1-0.15 ms per step, more than the compiled
-reduction of a row; the C loop costs a few microseconds. The record indices come from
+On CPU the gate's dozen tensor (or numpy) operations cost ~0.1-0.3 ms per step, more than
+the compiled reduction of a row; the C loop costs a few microseconds. The record indices come from
 ranks/contract/abi6.py as #defines. Without a compiler, off x86-64/aarch64, or with
 ``HELIOS_NATIVE_REDUCTION=0`` (the switch of every native reduction path) ``native_gate()``
-is None and StepReduction keeps its numpy form, which tests compare this one with.
+is None and StepReduction keeps its tensor-op form (CUDA's), which tests compare this one
+with.
 """
 
 from __future__ import annotations

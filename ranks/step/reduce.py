@@ -24,7 +24,6 @@ so every rank gates the same rows.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from kernels.layout import MAX_TOKEN_IDS, PAYLOAD_WORDS
@@ -82,10 +81,9 @@ class StepReduction:
             repeated=True,
         )
         self.kernels = self._prepare_kernels() if backend == "triton" else None
-        self.host = torch.device(device).type == "cpu"
-        """Host tensors: gate and write in C (gate.c), else through numpy views (the same
-        values; tensor ops cost microseconds each on CPU, and these are a dozen per step)."""
-        lib = native_gate() if self.host else None
+        # Host tensors: gate and write in C (gate.c; tensor ops cost microseconds each on CPU,
+        # and the gate is a dozen of them). Without a compiler, and on CUDA, the tensor ops.
+        lib = native_gate() if torch.device(device).type == "cpu" else None
         self.native = None if lib is None else NativeStepGate(
             lib, outputs, self.requested, self.chosen, self.ids, self.counts, self.out)
         self.driver(self.logits, self.request, self.out)  # warm-up: every flag is zero
@@ -132,9 +130,6 @@ class StepReduction:
             self.native.gate(frame, row_slots, row_epochs, row_positions)
             return
         records = self.outputs.completion_records[frame]
-        if self.host:
-            self._gate_host(records, row_slots, row_epochs, row_positions)
-            return
         slots = row_slots.clamp(min=0)
         positions = row_positions.clamp(min=0, max=records.shape[1] - HEADER - 1)
         committed = records.index_select(0, slots)
@@ -162,36 +157,8 @@ class StepReduction:
             return
         payload = self.outputs.completion_logprobs[frame]
         tokens, words = payload.shape[1], payload.shape[2]
-        if self.host:
-            gated = self.requested.numpy()[: slots.shape[0]] != 0
-            index = slots.numpy()[gated] * tokens + positions.numpy()[gated]
-            payload.numpy().reshape(-1, words)[index] = self.out.numpy()[: gated.size][gated,
-                                                                                      :words]
-            return
         target = payload.view(-1, words)
         index = slots * tokens + positions.clamp(min=0)
         gated = self.requested[: slots.shape[0], None] != 0
         merged = torch.where(gated, self.out[: slots.shape[0], :words], target[index])
         target.index_copy_(0, index, merged)
-
-    def _gate_host(self, records, row_slots, row_epochs, row_positions) -> None:
-        """gate() on host tensors, through numpy."""
-        committed_all = records.numpy()
-        wanted, epochs, positions = row_slots.numpy(), row_epochs.numpy(), row_positions.numpy()
-        slots = np.maximum(wanted, 0)
-        at = np.minimum(np.maximum(positions, 0), committed_all.shape[1] - HEADER - 1)  # (clip)
-        committed = committed_all[slots]
-        gate = (wanted >= 0) & (positions >= 0)
-        gate &= committed[:, SLOT] == wanted
-        gate &= committed[:, EPOCH] == epochs
-        gate &= (committed[:, KIND] == int(Kind.SAMPLE)) | (
-            committed[:, KIND] == int(Kind.SPECULATIVE))
-        gate &= positions < committed[:, EMITTED]
-        gate &= ((committed[:, FORCED_MASK] >> at) & 1) == 0
-        gate &= committed[:, FIRST_LOGIT_ROW] + positions == np.arange(wanted.size)
-        gate &= self.outputs.logprob_requested.numpy()[slots] != 0
-        self.requested.numpy()[:] = gate
-        self.chosen.numpy()[:] = committed[np.arange(wanted.size), HEADER + at]
-        if self.outputs.supports_token_ids:
-            self.ids.numpy()[:] = self.outputs.logprob_token_ids.numpy()[slots]
-            self.counts.numpy()[:] = self.outputs.logprob_token_id_counts.numpy()[slots]
