@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
@@ -69,6 +69,52 @@ class TokenLogprob(NamedTuple):
     """Exact FP32 value as a Python float; may be -inf, never NaN."""
 
 
+class TokenLogprobs(Sequence[TokenLogprob]):
+    """(id, logprob) pairs held as two parallel lists. A decoded frame hands each position
+    the ids and values it read from the copied words, and the wire builders read the lists
+    directly; a TokenLogprob tuple is made only when an item is read (16 lanes x 20
+    alternatives would otherwise build 320 tuples per step that nobody reads). Equal to any
+    sequence of the same (id, logprob) pairs."""
+
+    __slots__ = ("ids", "values")
+
+    def __init__(self, ids: list[int], values: list[float]) -> None:
+        if len(ids) != len(values):
+            raise ValueError(f"ids and values: {len(ids)} ids, {len(values)} values")
+        self.ids = ids
+        self.values = values
+
+    @classmethod
+    def of(cls, pairs: Sequence[tuple[int, float]]) -> TokenLogprobs:
+        if isinstance(pairs, TokenLogprobs):
+            return pairs
+        return cls([int(p[0]) for p in pairs], [float(p[1]) for p in pairs])
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return TokenLogprobs(self.ids[index], self.values[index])
+        return TokenLogprob(self.ids[index], self.values[index])
+
+    def __iter__(self) -> Iterator[TokenLogprob]:
+        return map(TokenLogprob, self.ids, self.values)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, TokenLogprobs):
+            return self.ids == other.ids and self.values == other.values
+        if isinstance(other, Sequence) and not isinstance(other, str | bytes):
+            return tuple(self) == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return f"TokenLogprobs({list(zip(self.ids, self.values, strict=True))})"
+
+
 @dataclass(frozen=True)
 class GeneratedToken:
     index: int
@@ -76,9 +122,9 @@ class GeneratedToken:
     token_id: int
     logprob: float | None
     """None when the request asked for no logprobs or the token was forced."""
-    alternatives: tuple[TokenLogprob, ...] = ()
+    alternatives: Sequence[TokenLogprob] = ()
     """Natural top-N by (logprob desc, id asc), N = params.logprobs; or the selected ids in
-    caller order when params.logprob_token_ids is set."""
+    caller order when params.logprob_token_ids is set (a TokenLogprobs from the engine)."""
     last: bool | None = None
     """True: the request's Finished comes next (the finish rides on this token). False: the
     request cannot finish before another token (a later token of the same frame, or a request

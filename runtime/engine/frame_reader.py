@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 from ranks.contract import abi6
 from runtime.engine.client import Finished, GeneratedToken
-from runtime.engine.decode import LaneExpectation, decode_frame
+from runtime.engine.decoding.frame import decode_frame
+from runtime.engine.decoding.lanes import LaneExpectation
 from runtime.engine.executor import HostFrame
 from runtime.engine.scheduler import Request
 
@@ -71,13 +72,16 @@ def round_error(record: list[int], proposals: tuple[int, ...]) -> str | None:
 
 
 def expectation(request: Request) -> LaneExpectation:
-    ids = request.spec.logprob_token_ids
-    return LaneExpectation(
-        epoch=request.epoch,
-        ordinal=request.ordinal,
-        logprobs=None if ids else (request.params.logprobs or 0),
-        token_ids=ids or None,
-    )
+    lane = request.lane
+    if lane is None or lane.epoch != request.epoch:
+        ids = request.spec.logprob_token_ids
+        lane = request.lane = LaneExpectation(
+            epoch=request.epoch,
+            ordinal=request.ordinal,
+            logprobs=None if ids else (request.params.logprobs or 0),
+            token_ids=ids or None,
+        )
+    return lane
 
 
 def read_frame(

@@ -11,6 +11,7 @@ from ranks.contract.requests import RequestError
 from ranks.plan import RequestSpec, SlotWork, StepPlan
 from ranks.sampling_params import RowSampling
 from runtime.engine.client import EngineInfo, SamplingParams
+from runtime.engine.decoding.lanes import LaneExpectation
 from runtime.engine.proposer import HistoryProposer
 from runtime.text.reasoning import ReasoningTokens
 
@@ -55,6 +56,8 @@ class Request:
     done: bool = False
     proposals: tuple[int, ...] = ()
     """The proposals of the request's round in the last plan (empty: an ordinary decode)."""
+    lane: LaneExpectation | None = None
+    """What the decoder expects of its records (frame_reader builds it once per epoch)."""
 
     @property
     def wants_logprobs(self) -> bool:

@@ -45,7 +45,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from runtime.engine.client import GeneratedToken, PromptLogprob, SamplingParams, TokenLogprob
+from runtime.engine.client import (
+    GeneratedToken,
+    PromptLogprob,
+    SamplingParams,
+    TokenLogprob,
+    TokenLogprobs,
+)
 from runtime.text.token_bytes import TokenBytes, token_id_string
 
 WIRE_FLOOR = -9999.0
@@ -81,7 +87,7 @@ class Position:
 
     token_id: int
     logprob: float | None
-    alternatives: tuple[TokenLogprob, ...] = ()
+    alternatives: Sequence[TokenLogprob] = ()
     text_offset: int = 0
 
     @classmethod
@@ -139,8 +145,8 @@ def top_logprobs_dict(
     """The Completions top_logprobs entry of one position (None without a logprob)."""
     if position.logprob is None:
         return None
-    alternatives = position.alternatives
-    alt_ids, alt_values = zip(*alternatives, strict=True) if alternatives else ((), ())
+    alternatives = TokenLogprobs.of(position.alternatives)
+    alt_ids, alt_values = alternatives.ids, alternatives.values
     chosen = position.token_id
     if mode.selected:
         ids, values = list(alt_ids), list(alt_values)
@@ -178,8 +184,9 @@ def chat_token_logprob(
     """One Chat `logprobs.content[]` entry."""
     if position.logprob is None:
         raise ValueError(f"token {position.token_id} has no logprob (forced): no chat entry")
-    ids = [position.token_id, *(alt[0] for alt in position.alternatives)]
-    values = wire_logprobs([position.logprob, *(alt[1] for alt in position.alternatives)])
+    alternatives = TokenLogprobs.of(position.alternatives)
+    ids = [position.token_id, *alternatives.ids]
+    values = wire_logprobs([position.logprob, *alternatives.values])
     texts = [token_id_string(i) for i in ids] if mode.as_token_ids else tb.token_strings(ids)
     items = [
         {"token": text, "logprob": value, "bytes": list(tb.bytes_of(token_id))}

@@ -9,18 +9,12 @@ import torch
 from ranks.contract.abi6 import Kind
 from ranks.contract.completion import CompletionOutputs, write_record
 from runtime.engine.client import EngineError
-from runtime.engine.decode import DecodedEntry, DecodeError, LaneExpectation, decode_frame
+from runtime.engine.decoding.frame import decode_frame
+from runtime.engine.decoding.lanes import DecodedEntry, DecodeError, LaneExpectation
 
 CAPACITY = 4
 T = 4
 
-
-@pytest.fixture(autouse=True, params=["whole-frame", "position-by-position"])
-def decoder_path(request, monkeypatch):
-    """Every test runs through both decoders: the whole-array checks and the per-position
-    path that small frames take (runtime/engine/decode.py FEW_POSITIONS)."""
-    monkeypatch.setattr("runtime.engine.decode.FEW_POSITIONS",
-                        0 if request.param == "whole-frame" else 10**6)
 VOCAB = 50
 W = 20
 

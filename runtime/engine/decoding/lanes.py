@@ -1,0 +1,76 @@
+"""What the decoder is told about each requesting slot, and what it returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from runtime.engine.client import EngineError, TokenLogprobs
+
+
+class DecodeError(EngineError):
+    """The payload cannot back a request's entries: that request fails, others continue."""
+
+    def __init__(self, slot: int, message: str) -> None:
+        super().__init__(f"slot {slot}: {message}")
+        self.slot = slot
+        self.message = message
+
+
+@dataclass(frozen=True)
+class LaneExpectation:
+    """What the scheduler expects of a requesting slot's record in this frame."""
+
+    epoch: int
+    ordinal: int
+    logprobs: int | None = None
+    """N natural alternatives (ignored when token_ids is set)."""
+    token_ids: tuple[int, ...] | None = None
+    """Selected IDs in caller order; their count is the slot's uploaded count."""
+
+    def __post_init__(self) -> None:
+        if self.logprobs is None and self.token_ids is None:
+            raise ValueError("a requesting lane needs logprobs or token_ids")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs: expected >= 0, got {self.logprobs}")
+        if self.token_ids is not None and (
+            not isinstance(self.token_ids, tuple) or not self.token_ids
+        ):
+            raise ValueError(f"token_ids: expected a non-empty tuple, got {self.token_ids!r}")
+
+    @property
+    def pairs(self) -> int:
+        """Alternative pairs this request reads from each position."""
+        return len(self.token_ids) if self.token_ids is not None else int(self.logprobs or 0)
+
+    def count(self, vocab_size: int) -> int:
+        """Alternatives each entry reports: every selected ID, or N natural ones (at most the
+        vocabulary)."""
+        if self.token_ids is not None:
+            return len(self.token_ids)
+        return min(self.logprobs, vocab_size)
+
+
+class DecodedEntry(NamedTuple):
+    """(Named tuples here: a frame builds one per emitted position and one per slot, and a
+    frozen dataclass costs about twice as much to construct.)"""
+
+    position: int
+    """Emitted position within this frame's record (the scheduler's generated order)."""
+    token_id: int
+    logprob: float
+    """Exact FP32 value; -inf is preserved."""
+    alternatives: TokenLogprobs
+    """Natural (id, logprob) pairs trimmed to N, or every selected ID in caller order."""
+
+
+class SlotDecode(NamedTuple):
+    slot: int
+    entries: tuple[DecodedEntry, ...]
+    """Entries before the first failure, in generated order."""
+    error: DecodeError | None = None
+    """Set when the request fails; its later tokens in this frame produce no entries."""
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
