@@ -252,17 +252,60 @@ static float kth_largest(const float *v, int64_t n, int64_t k)
     return heap[0];
 }
 
+/* pick_row for a row of few chunks (the floor would skip few of them): one pass keeps the
+   cap largest in a min-heap of (value, lane), a lane equal to the root staying out, and
+   returns the largest value left out (-inf when none). NaN never enters the heap (rows_of
+   makes such a row's bound NaN). The running maximum of the lanes left out is a branch, not
+   a max: as a max it chains every lane's latency. */
+static float heap_picks(const char *row, int64_t elem, int64_t valid, int64_t cap, float *raw,
+                        int64_t *lanes)
+{
+    int64_t size = 0, i = 0;
+    float left = -INFINITY;
+    for (; i < valid && size < cap; i++) { /* the first cap lanes: sift up */
+        const float x = read_lane(row, elem, i);
+        if (x != x) continue;
+        int64_t at = size++;
+        while (at > 0 && raw[(at - 1) / 2] > x) {
+            raw[at] = raw[(at - 1) / 2], lanes[at] = lanes[(at - 1) / 2];
+            at = (at - 1) / 2;
+        }
+        raw[at] = x, lanes[at] = i;
+    }
+    for (; i < valid; i++) { /* the others replace the root when above it: sift down */
+        const float x = read_lane(row, elem, i);
+        if (!(x > raw[0])) {
+            if (x > left) left = x;
+            continue;
+        }
+        if (raw[0] > left) left = raw[0];
+        int64_t at = 0;
+        for (;;) {
+            int64_t child = 2 * at + 1;
+            if (child >= cap) break;
+            if (child + 1 < cap && raw[child + 1] < raw[child]) child++;
+            if (!(raw[child] < x)) break;
+            raw[at] = raw[child], lanes[at] = lanes[child];
+            at = child;
+        }
+        raw[at] = x, lanes[at] = i;
+    }
+    return left;
+}
+
 /* Narrow rows (launch 1's picks): the row's `cap` largest raw values into raw/lanes[0, cap)
    (cap <= 64; PICK_BUFFER entries of scratch, whatever the row's width), returning the
    largest value left out (-inf when none). With at least cap chunks, the cap-th largest
    chunk maximum is <= the cap-th largest value (cap distinct lanes reach it), so lanes below
    it are left out at once: a chunk whose maximum is below the floor is never read; the lanes
    of the others collect in the buffer, which a quickselect cuts back to cap whenever it
-   fills. The row's lanes are read from the logits again, never copied whole. */
+   fills. The row's lanes are read from the logits again, never copied whole. A row of fewer
+   than 2 x cap chunks (under ~2,048 lanes) would skip few chunks: it takes heap_picks. */
 static float pick_row(const char *row, int64_t elem, int64_t valid, int64_t tile,
                       const float *cmax, int64_t chunks, int64_t cap, float *raw,
                       int64_t *lanes)
 {
+    if (chunks < 2 * cap) return heap_picks(row, elem, valid, cap, raw, lanes);
     Picks p = {raw, lanes, 0, cap, -INFINITY, -INFINITY};
     if (chunks >= cap) p.floor = kth_largest(cmax, chunks, cap);
     if (p.floor == -INFINITY) {
@@ -532,16 +575,21 @@ static int best_row(const char *row, int64_t elem, int64_t valid, int64_t tile,
     float limit = bound - l;
     if (count > 64 && !(inner <= limit)) limit = inner;
     const int64_t size = count < 64 ? count : 64;
+    const int64_t take = m < size ? m : size;
+    if (take == 0) return 0;
+    /* the first `take` of the best 64 by (v desc, lane asc): an insertion sort that holds
+       only `take` entries (an entry after the last held one is passed over) */
     Entry order[64];
+    int64_t held = 0;
     for (int64_t i = 0; i < size; i++) {
         Entry e = {v[i] + 0.0f, lanes[i]};
-        int64_t j = i;
+        if (held == take && !before(&e, &order[take - 1])) continue;
+        int64_t j = held < take ? held++ : take - 1;
         for (; j > 0 && before(&e, &order[j - 1]); j--) order[j] = order[j - 1];
         order[j] = e;
     }
-    const int64_t take = m < size ? m : size;
     const int every = !cm && !pick_bound;
-    if (take == 0 || !(every || limit < order[take - 1].value)) return 0;
+    if (!(every || limit < order[take - 1].value)) return 0;
     for (int64_t i = 0; i < take; i++) {
         ids[i] = order[i].lane;
         values[i] = order[i].value;

@@ -151,7 +151,7 @@ def test_payloads_equal_the_numpy_path_and_the_tile_launches(monkeypatch, vocab,
 
 
 @needs_compiled
-@pytest.mark.parametrize("vocab", [1500, 3000, 4000])
+@pytest.mark.parametrize("vocab", [2100, 3000, 4000])
 @pytest.mark.parametrize("kind", ["flat", "ties", "normal"])
 def test_narrow_rows_with_many_candidates_keep_a_bounded_buffer(monkeypatch, vocab, kind):
     """Rows too narrow for the chunk prefilter whose lanes mostly reach the chunk floor: the
@@ -159,6 +159,25 @@ def test_narrow_rows_with_many_candidates_keep_a_bounded_buffer(monkeypatch, voc
     still the numpy path's and the tile launches'."""
     x = logits_of(kind, 3, vocab, vocab, torch.bfloat16)
     chosen = torch.tensor([0, vocab // 2, vocab - 1])
+    results = _three_ways(monkeypatch, lambda: reduce_logprobs(x, chosen))
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+    check_payload(results[0], x, vocab, chosen, 20, None, None)
+
+
+@needs_compiled
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_narrow_row_tied_across_the_kth_value_is_not_vouched_for(monkeypatch, dtype):
+    """A row of few chunks (one pass of a 64-entry heap): 64 lanes tie at 5.0 from lane 0,
+    and 19 lanes at 10.0 come last, evicting tied lanes the heap held (lane 0 first). The
+    20th value is then a tie with lanes that left, so the picks must not vouch for the row:
+    the payload is still the numpy path's and the tile launches' (lane 0 is the 20th)."""
+    vocab, rows = 300, 2
+    x = torch.full((rows, vocab), -3.0)
+    x[:, :64] = 5.0
+    x[:, vocab - 19 :] = 10.0
+    x[1] = x[1].flip(0)  # (the same ties met in the other order)
+    x = x.to(dtype)
+    chosen = torch.tensor([0, vocab - 1])
     results = _three_ways(monkeypatch, lambda: reduce_logprobs(x, chosen))
     assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
     check_payload(results[0], x, vocab, chosen, 20, None, None)
