@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from kernels.rows import RowRequest
+
+if TYPE_CHECKING:
+    from kernels.torch_impl.compiled import RepeatedCall
 
 BACKENDS = ("reference", "torch", "triton")
 SHARDED_BACKENDS = ("torch", "triton")
@@ -76,3 +79,16 @@ def whole_reduction(backend: str, repeated: bool = False) -> Callable[..., torch
     from kernels.torch_impl.backend import reduce_torch, reduce_torch_repeated
 
     return reduce_torch_repeated if repeated else reduce_torch
+
+
+def whole_native_call(
+    backend: str, logits: torch.Tensor, request: RowRequest, vocab_size: int, out: torch.Tensor
+) -> RepeatedCall | None:
+    """The compiled C call that a one-rank repeated reduction of ``backend`` makes over these
+    buffers, for a C caller that runs it itself; None for Triton, or where the compiled
+    launches do not apply (no library, CUDA tensors)."""
+    if backend != "torch":
+        return None
+    from kernels.torch_impl.backend import repeated_native_call
+
+    return repeated_native_call(logits, request, vocab_size, out)

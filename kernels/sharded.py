@@ -23,14 +23,23 @@ CPU). The Triton backend keeps its six prepared launches at any size (CUDA-graph
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 import torch
 
 from collectives.exchange import WordExchange
 from collectives.groups import all_gather_object, group_size
-from kernels.backends import require_triton_device, shard_steps, whole_reduction
+from kernels.backends import (
+    require_triton_device,
+    shard_steps,
+    whole_native_call,
+    whole_reduction,
+)
 from kernels.layout import EXCHANGE1_WORDS, EXCHANGE2_WORDS
 from kernels.rows import RowRequest
+
+if TYPE_CHECKING:
+    from kernels.torch_impl.compiled import RepeatedCall
 
 _CACHE_SIZE = 32
 _cache: OrderedDict[tuple, PreparedShardedReduction] = OrderedDict()
@@ -92,6 +101,8 @@ class PreparedShardedReduction:
         self.vocab_size = vocab_size
         if backend == "triton":
             require_triton_device(device)
+        self.backend = backend
+        self.repeated = repeated
         self.steps = shard_steps(backend)
         self.world = group_size(group)
         self.whole = whole_reduction(backend, repeated) if self.world == 1 else None
@@ -100,6 +111,16 @@ class PreparedShardedReduction:
         self.exchange1 = WordExchange(group, rows, EXCHANGE1_WORDS, device)
         self.exchange2 = WordExchange(group, rows, EXCHANGE2_WORDS, device)
         self.lse = torch.empty(rows, dtype=torch.float32, device=device)
+
+    def native_call(
+        self, logits: torch.Tensor, request: RowRequest, out: torch.Tensor
+    ) -> RepeatedCall | None:
+        """The compiled C call that this one-rank driver makes over these buffers (prepared
+        with ``repeated``), for a C caller that runs it between its own steps
+        (ranks/step/gate.c); None with several ranks, Triton, or no compiled library."""
+        if self.whole is None or not self.repeated:
+            return None
+        return whole_native_call(self.backend, logits, request, self.vocab_size, out)
 
     @property
     def bytes_sent(self) -> int:

@@ -8,7 +8,7 @@ import torch
 from kernels.payload import flagged_rows, pick_rows, write_rows
 from kernels.rows import RowRequest
 from kernels.torch_impl import lean as torch_lean
-from kernels.torch_impl.compiled import compiled_reduce_repeated
+from kernels.torch_impl.compiled import RepeatedCall, compiled_reduce_repeated, repeated_call
 from kernels.torch_impl.lean_stats import uses_chunks
 from kernels.torch_impl.tiles import (
     TILE_LANES,
@@ -51,6 +51,23 @@ def reduce_torch(
     payload = final_merge(logits, rows, chosen, ids, counts, lse, natural, candidates, k)
     write_rows(out, rows, payload)
     return out
+
+
+def repeated_native_call(
+    logits: torch.Tensor,
+    request: RowRequest,
+    vocab_size: int,
+    out: torch.Tensor,
+    *,
+    tile: int = TILE_LANES,
+) -> RepeatedCall | None:
+    """The compiled call that reduce_torch_repeated makes over these buffers, for a C caller
+    that runs it itself (RepeatedCall.function); None where reduce_torch_repeated would not
+    take the compiled launches."""
+    if not (torch_lean.LEAN and logits.device.type == "cpu"):
+        return None
+    narrow = request.k > 0 and not uses_chunks(vocab_size, tile)
+    return repeated_call(logits, request, vocab_size, out, tile, narrow)
 
 
 def reduce_torch_repeated(

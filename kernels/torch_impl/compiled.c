@@ -783,3 +783,30 @@ int64_t reduce_flagged(const void *base, int64_t elem, int64_t row_stride, const
                        m, narrow && k > 0 && natural, cmax, tmax, tmass, lse, out, redo,
                        threads);
 }
+
+/* reduce_flagged's arguments but the thread count, prepared once (compiled.py's RepeatedCall)
+   and passed by address: one pointer instead of 22 converted arguments per call, and
+   ranks/step/gate.c calls it between the gate and the payload write through this
+   function's address. */
+typedef struct {
+    const void *base;
+    int64_t elem, row_stride;
+    const int32_t *flags;
+    int64_t total, valid, tile;
+    const int64_t *chosen;
+    const int32_t *counts, *sel;
+    int64_t k, m, narrow;
+    float *cmax, *tmax, *tmass, *lse;
+    int32_t *out;
+    uint8_t *redo;
+    int64_t parallel_lanes;
+    int64_t *rows_out, *flagged;
+} FlaggedCall;
+
+int64_t reduce_prepared(const FlaggedCall *c, int64_t threads)
+{
+    return reduce_flagged(c->base, c->elem, c->row_stride, c->flags, c->total, c->valid,
+                          c->tile, c->chosen, c->counts, c->sel, c->k, c->m, c->narrow,
+                          c->cmax, c->tmax, c->tmass, c->lse, c->out, c->redo, threads,
+                          c->parallel_lanes, c->rows_out, c->flagged);
+}

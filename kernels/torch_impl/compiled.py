@@ -117,6 +117,8 @@ def _build() -> ctypes.CDLL | None:
         getattr(lib, name).argtypes = args
     lib.reduce_rows.restype = i64
     lib.reduce_flagged.restype = i64
+    lib.reduce_prepared.argtypes = [ptr, i64]
+    lib.reduce_prepared.restype = i64
     lib.configure(exp, log, local_threads, VML_MODE, width)
     failed = _probe(lib)
     _KEPT.outputs.clear()
@@ -257,39 +259,60 @@ def compiled_reduce(
     return kept.redo, stats, kept.lse
 
 
-class _Repeated:
+class _FlaggedCall(ctypes.Structure):
+    """reduce_prepared's argument block (FlaggedCall in compiled.c, field for field)."""
+
+    _fields_ = [(name, ctypes.c_void_p if kind == "p" else ctypes.c_int64) for name, kind in (
+        ("base", "p"), ("elem", "i"), ("row_stride", "i"), ("flags", "p"), ("total", "i"),
+        ("valid", "i"), ("tile", "i"), ("chosen", "p"), ("counts", "p"), ("sel", "p"),
+        ("k", "i"), ("m", "i"), ("narrow", "i"), ("cmax", "p"), ("tmax", "p"), ("tmass", "p"),
+        ("lse", "p"), ("out", "p"), ("redo", "p"), ("parallel_lanes", "i"), ("rows_out", "p"),
+        ("flagged", "p"))]
+
+
+class RepeatedCall:
     """compiled_reduce bound to buffers its caller passes again on every call (the runtime's
-    one-rank driver: the same logits buffer, RowRequest and payload each step). Every pointer
-    argument is computed once; a call is one C call that reads the requested flags itself."""
+    one-rank driver: the same logits buffer, RowRequest and payload each step). Every argument
+    is prepared once in a FlaggedCall block; a call is one C call that reads the requested
+    flags itself. ``function`` and ``block`` are the C entry's address and its argument
+    block's, for a C caller (ranks/step/gate.c): ``function(block, threads)`` returns the
+    number of rows left for the Python path."""
 
     def __init__(self, lib: ctypes.CDLL, logits: torch.Tensor, request, valid: int,
                  out: torch.Tensor, tile: int, narrow: bool) -> None:
         total = out.shape[0]
         self.lib, self.keep = lib, (logits, request, out)  # (alive: the pointers stay valid)
         self.logits_ptr = logits.data_ptr()
-        self.stats = _Outputs(total, valid, tile, 0)
+        full, rest = divmod(valid, tile)
+        chunks, tiles = full * (tile // CHUNK_LANES) + rest // CHUNK_LANES, full + (rest > 0)
+        self.scratch = np.empty(total * (chunks + 2 * tiles), np.float32)
+        """Launch 1's chunk maxima, tile maxima and tile masses [total, ...] (host C scratch,
+        like lse and redo: nothing outside the C call reads them)."""
+        flat, tmax, tmass = (self.scratch.ctypes.data + 4 * total * offset
+                             for offset in (0, chunks, chunks + tiles))
         self.lse = np.empty(total, np.float32)
         self.redo = np.empty(total, np.uint8)
         self.rows = np.empty(total, np.int64)
         self.flagged = np.zeros(1, np.int64)
         k = request.k
-        self.args = (
+        self.call = _FlaggedCall(
             logits.data_ptr(), logits.element_size(), logits.stride(0),
             request.requested.data_ptr(), total, valid, tile, request.chosen.data_ptr(),
             request.counts.data_ptr(), request.ids.data_ptr(), k, min(k, TOP, valid),
-            int(narrow), self.stats.flat_ptr, self.stats.stats.max.data_ptr(),
-            self.stats.stats.mass.data_ptr(), self.lse.ctypes.data, out.data_ptr(),
-            self.redo.ctypes.data)
-        self.tail = (PARALLEL_LANES, self.rows.ctypes.data, self.flagged.ctypes.data)
+            int(narrow), flat, tmax, tmass, self.lse.ctypes.data, out.data_ptr(),
+            self.redo.ctypes.data, PARALLEL_LANES, self.rows.ctypes.data,
+            self.flagged.ctypes.data)
+        self.block = ctypes.addressof(self.call)
+        self.function = ctypes.cast(lib.reduce_prepared, ctypes.c_void_p).value
 
     def __call__(self) -> bool:
         """Whether the call completed (False: rows are left for the Python path)."""
-        return self.lib.reduce_flagged(*self.args, torch.get_num_threads(), *self.tail) == 0
+        return self.lib.reduce_prepared(self.block, torch.get_num_threads()) == 0
 
 
 class _RepeatedKept(threading.local):
     def __init__(self) -> None:
-        self.calls: OrderedDict[tuple, _Repeated] = OrderedDict()
+        self.calls: OrderedDict[tuple, RepeatedCall] = OrderedDict()
 
 
 _REPEATED = _RepeatedKept()
@@ -301,17 +324,25 @@ def compiled_reduce_repeated(logits: torch.Tensor, request, valid: int, out: tor
     payload rows are written, False when the caller must run its own path (the compiled
     launches do not apply to these buffers, or some row is left to Python). `narrow`:
     launch 3 takes launch 1's picks (lean_stats.uses_chunks is False)."""
+    call = repeated_call(logits, request, valid, out, tile, narrow)
+    return call is not None and call()
+
+
+def repeated_call(logits: torch.Tensor, request, valid: int, out: torch.Tensor, tile: int,
+                  narrow: bool) -> RepeatedCall | None:
+    """This thread's prepared call for these buffers (made on first use), or None when the
+    compiled launches do not apply to them."""
     key = (id(logits), id(request), id(out), valid, tile)
     kept = _REPEATED.calls
     call = kept.get(key)
     if call is None or call.logits_ptr != logits.data_ptr():
         lib = _lib()
         if lib is None or not _repeatable(logits, request, out):
-            return False
-        call = kept[key] = _Repeated(lib, logits, request, valid, out, tile, narrow)
+            return None
+        call = kept[key] = RepeatedCall(lib, logits, request, valid, out, tile, narrow)
         while len(kept) > OUTPUTS_KEPT:
             kept.popitem(last=False)
-    return call()
+    return call
 
 
 def _repeatable(logits: torch.Tensor, request, out: torch.Tensor) -> bool:

@@ -1,9 +1,10 @@
 /* The reduction gate and payload write of ranks/step/reduce.py on host tensors, in C.
  *
  * The record indices (SLOT, EPOCH, ...) are prepended as #defines by gate_native.py from
- * ranks/contract/abi6.py, the one place they are spelled. Both functions return 0, or -1
- * when an index would leave its buffer (the Python caller raises; numpy would have raised
- * IndexError or wrapped a negative index).
+ * ranks/contract/abi6.py, the one place they are spelled. The gate and the write return 0,
+ * or -1 when an index would leave its buffer (the Python caller raises; numpy would have
+ * raised IndexError or wrapped a negative index). step_reduce runs both around the kernels'
+ * prepared one-rank reduction, in one call from Python.
  */
 #include <stdint.h>
 #include <string.h>
@@ -58,5 +59,33 @@ int write_payload(int32_t *payload, int64_t capacity, int64_t tokens, int64_t wo
         memcpy(payload + (slot * tokens + position) * words, out + r * out_width,
                sizeof(int32_t) * words);
     }
+    return 0;
+}
+
+/* The kernels' prepared one-rank reduction (reduce_prepared in kernels/torch_impl/compiled.c,
+ * passed by address with its argument block): the number of rows it left for Python. */
+typedef int64_t (*reduce_t)(const void *block, int64_t threads);
+
+/* A step's whole reduction at TP1: gate_rows, the prepared reduction of the gated rows, and
+ * write_payload of the first write_rows rows (their slots and positions are the gate's row
+ * vectors). 0 when done; -1 / -2 when the gate / the write would leave a buffer; 1 when the
+ * reduction left rows for Python (nothing written: the caller runs its own path, then the
+ * write). */
+int step_reduce(const int64_t *records, int64_t capacity, int64_t width,
+                const int64_t *row_slots, const int64_t *row_epochs,
+                const int64_t *row_positions, int64_t rows, const int32_t *requested_by_slot,
+                int32_t *requested, int64_t *chosen,
+                const int32_t *ids_src, const int32_t *counts_src, int32_t *ids,
+                int32_t *counts, int64_t max_ids, void *reduce, const void *block,
+                int64_t threads, int32_t *payload, int64_t tokens, int64_t words,
+                const int32_t *out, int64_t out_width, int64_t write_rows) {
+    if (gate_rows(records, capacity, width, row_slots, row_epochs, row_positions, rows,
+                  requested_by_slot, requested, chosen, ids_src, counts_src, ids, counts,
+                  max_ids) != 0)
+        return -1;
+    if (((reduce_t)reduce)(block, threads) != 0) return 1;
+    if (write_payload(payload, capacity, tokens, words, out, out_width, requested, row_slots,
+                      row_positions, write_rows) != 0)
+        return -2;
     return 0;
 }

@@ -44,6 +44,9 @@ def _build() -> ctypes.CDLL | None:
         lib.gate_rows.restype = ctypes.c_int
         lib.write_payload.argtypes = [_P, _I, _I, _I, _P, _I, _P, _P, _P, _I]
         lib.write_payload.restype = ctypes.c_int
+        lib.step_reduce.argtypes = [*lib.gate_rows.argtypes, _P, _P, _I, _P, _I, _I, _P, _I,
+                                    _I]
+        lib.step_reduce.restype = ctypes.c_int
     return lib
 
 
@@ -61,6 +64,9 @@ def _pointer(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> int:
 class NativeStepGate:
     """StepReduction's gate and write over its fixed buffers: every buffer is checked and its
     address taken once here; a call checks and passes only the step's row tensors."""
+
+    _GATE_ERROR = "gate: a row's slot is outside capacity {}"
+    _WRITE_ERROR = "write: a gated row's (slot, position) is outside [{}, {}]"
 
     def __init__(self, lib: ctypes.CDLL, outputs: CompletionOutputs, requested: torch.Tensor,
                  chosen: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor,
@@ -101,17 +107,37 @@ class NativeStepGate:
                              f"{self.rows} buffer rows")
         return rows
 
+    def _gate_args(self, frame: int, row_slots: torch.Tensor, row_epochs: torch.Tensor,
+                   row_positions: torch.Tensor) -> tuple:
+        rows = self._rows(row_slots, row_epochs, row_positions)
+        return (self.records[frame], self.capacity, self.width,
+                _pointer("row_slots", row_slots, torch.int64),
+                _pointer("row_epochs", row_epochs, torch.int64),
+                _pointer("row_positions", row_positions, torch.int64), rows,
+                self.requested_by_slot, self.requested, self.chosen, *self.selected,
+                self.max_ids)
+
     def gate(self, frame: int, row_slots: torch.Tensor, row_epochs: torch.Tensor,
              row_positions: torch.Tensor) -> None:
-        rows = self._rows(row_slots, row_epochs, row_positions)
-        status = self.lib.gate_rows(
-            self.records[frame], self.capacity, self.width,
-            _pointer("row_slots", row_slots, torch.int64),
-            _pointer("row_epochs", row_epochs, torch.int64),
-            _pointer("row_positions", row_positions, torch.int64), rows,
-            self.requested_by_slot, self.requested, self.chosen, *self.selected, self.max_ids)
-        if status != 0:
-            raise IndexError(f"gate: a row's slot is outside capacity {self.capacity}")
+        if self.lib.gate_rows(*self._gate_args(frame, row_slots, row_epochs, row_positions)):
+            raise IndexError(self._GATE_ERROR.format(self.capacity))
+
+    def step(self, frame: int, row_slots: torch.Tensor, row_epochs: torch.Tensor,
+             row_positions: torch.Tensor, write_rows: int, call, threads: int) -> bool:
+        """gate, the prepared one-rank reduction ``call`` (kernels' RepeatedCall: its C entry
+        and argument block) and write of the first ``write_rows`` rows, in one C call. False
+        when the reduction left rows for Python: the gate is done, nothing is written."""
+        if not 0 <= write_rows <= row_slots.shape[0]:
+            raise ValueError(f"write_rows {write_rows} outside [0, {row_slots.shape[0]}]")
+        status = self.lib.step_reduce(
+            *self._gate_args(frame, row_slots, row_epochs, row_positions), call.function,
+            call.block, threads, self.payload[frame], self.tokens, self.words, self.out,
+            self.out_width, write_rows)
+        if status == -1:
+            raise IndexError(self._GATE_ERROR.format(self.capacity))
+        if status == -2:
+            raise IndexError(self._WRITE_ERROR.format(self.capacity, self.tokens))
+        return status == 0
 
     def write(self, frame: int, slots: torch.Tensor, positions: torch.Tensor) -> None:
         rows = self._rows(slots, positions)
@@ -120,5 +146,4 @@ class NativeStepGate:
             self.out_width, self.requested, _pointer("slots", slots, torch.int64),
             _pointer("positions", positions, torch.int64), rows)
         if status != 0:
-            raise IndexError(f"write: a gated row's (slot, position) is outside "
-                             f"[{self.capacity}, {self.tokens}]")
+            raise IndexError(self._WRITE_ERROR.format(self.capacity, self.tokens))

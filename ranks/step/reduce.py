@@ -87,6 +87,10 @@ class StepReduction:
         self.native = None if lib is None else NativeStepGate(
             lib, outputs, self.requested, self.chosen, self.ids, self.counts, self.out)
         self.driver(self.logits, self.request, self.out)  # warm-up: every flag is zero
+        self.call = None if self.native is None else self.driver.native_call(
+            self.logits, self.request, self.out)
+        """At TP1 on CPU: the driver's compiled C call, which the native gate runs between
+        the gate and the write (one C call per step)."""
 
     def _prepare_kernels(self):
         """The Triton launches' prepared object for every row of the bundle, with the shard
@@ -113,7 +117,12 @@ class StepReduction:
             row_positions = torch.where(row_slots >= 0, 0, -1)
         if logits.data_ptr() != self.logits.data_ptr():
             self.logits[:rows].copy_(logits)
-        self.gate(frame, row_slots, row_epochs, row_positions)
+        if self.call is not None and self.native.step(
+            frame, row_slots, row_epochs, row_positions, rows, self.call, torch.get_num_threads()
+        ):
+            return  # gate, reduction and write in one C call
+        if self.call is None:  # (else the C call gated the rows, and left some to Python)
+            self.gate(frame, row_slots, row_epochs, row_positions)
         self.driver(self.logits, self.request, self.out)
         self.write(frame, row_slots[:rows], row_positions[:rows])
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kernels.layout import FIRST_PAIR
@@ -22,9 +23,9 @@ class HostFrame:
     submission: int
     """The plan whose records and payload this frame holds (the decoder checks the records)."""
     frame: int
-    records: torch.Tensor
-    """int64 [capacity, 16+T], a host copy."""
-    payload: torch.Tensor
+    records: np.ndarray
+    """int64 [capacity, 16+T], a host copy (a view of the executor's host frame)."""
+    payload: np.ndarray
     """int32 [capacity, T, 2+2W]; only rows of requesting slots are meaningful."""
     requesting: tuple[int, ...]
     """Physical slots whose payload was copied (the request mask)."""
@@ -53,16 +54,19 @@ class FrameExecutor:
         self.host_payload = torch.empty(shape, dtype=payload.dtype, pin_memory=pin)
         self.stream = torch.cuda.Stream() if pin else None
         self.counters = ExecutorCounters()
-        self._views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, np.ndarray,
+                                                 np.ndarray]] = {}
         self._host_source = None if pin else (records.numpy(), payload.numpy())
         """Host frames: the copies go through numpy views (a torch index costs 1-3 us)."""
 
-    def _frame_views(self, frame: int, words: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The host records and payload prefix of ``frame`` (views made once per width)."""
+    def _frame_views(self, frame: int, words: int):
+        """The host records and payload prefix of ``frame`` as tensors and as numpy arrays
+        (views made once per width)."""
         views = self._views.get((frame, words))
         if views is None:
-            views = self._views[frame, words] = (
-                self.host_records[frame], self.host_payload[frame, :, :, :words])
+            records, payload = self.host_records[frame], self.host_payload[frame, :, :, :words]
+            views = self._views[frame, words] = (records, payload, records.numpy(),
+                                                 payload.numpy())
         return views
 
     def copy(self, submission: int, requesting: list[int], width: int) -> HostFrame:
@@ -73,7 +77,7 @@ class FrameExecutor:
         if words > self.host_payload.shape[-1]:
             raise ValueError(f"width {width}: the host frames hold {self.host_payload.shape[-1]} "
                              f"words per position")
-        records, payload = self._frame_views(frame, words)
+        records, payload, host_records, host_payload = self._frame_views(frame, words)
         self.counters.frames += 1
         if self.stream is not None:
             produced = torch.cuda.Event()
@@ -86,7 +90,8 @@ class FrameExecutor:
             done.synchronize()
         else:
             self._copy(frame, requesting, records, payload, words)
-        return HostFrame(submission, frame, records, payload, tuple(requesting), width)
+        return HostFrame(submission, frame, host_records, host_payload, tuple(requesting),
+                         width)
 
     def _copy(self, frame, requesting, records, payload, words) -> None:
         self.counters.record_bytes += records.numel() * records.element_size()
@@ -94,9 +99,7 @@ class FrameExecutor:
             source_records, source_payload = self._host_source
             records.numpy()[:] = source_records[frame]
             if requesting:
-                rows, source = payload.numpy(), source_payload[frame]
-                for slot in requesting:
-                    rows[slot] = source[slot, :, :words]
+                payload.numpy()[requesting] = source_payload[frame, requesting, :, :words]
         else:
             records.copy_(self.outputs.completion_records[frame], non_blocking=True)
             source = self.outputs.completion_logprobs[frame]

@@ -98,7 +98,7 @@ def read_frame(
         host.records, host.payload, requesting, vocab_size, submission=host.submission
     ) if requesting else {}
     outcomes: dict[int, SlotOutcome] = {}
-    records = host.records.numpy()
+    records = host.records
     for request in requests:
         record = records[request.slot].tolist()
         outcome = outcomes[request.ordinal] = SlotOutcome()

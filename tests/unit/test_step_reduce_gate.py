@@ -6,6 +6,8 @@ padding rows)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -15,6 +17,7 @@ from ranks.contract.abi6 import (
     EPOCH,
     FIRST_LOGIT_ROW,
     FORCED_MASK,
+    HEADER,
     KIND,
     SLOT,
     Kind,
@@ -112,3 +115,58 @@ def test_a_slot_outside_capacity_is_an_index_error() -> None:
         torch.zeros(3, dtype=torch.int64)
     with pytest.raises(IndexError):
         step.gate(0, slots, epochs, positions)
+
+
+@pytest.mark.parametrize(("vocab", "ties"), [(1031, False), (3000, True)])
+def test_one_c_call_per_step_equals_gate_reduce_and_write(vocab: int, ties: bool) -> None:
+    """At TP1 the gate, the compiled reduction and the write run in one C call: the payload
+    frame equals the three calls' (tensor-op gate and write). Ties across the 20th value
+    make the compiled launches leave rows to Python, which the step then reduces itself."""
+    capacity, tokens, frame = 6, 2, 1
+    model = SimpleNamespace(local_width=vocab, dtype=torch.bfloat16, vocab_start=0,
+                            local_valid=vocab, vocab_size=vocab)
+    g = torch.Generator().manual_seed(vocab)
+    outputs = CompletionOutputs.allocate(capacity, tokens)
+    slots = torch.tensor([4, 1, 3, 0, -1, -1])
+    epochs = torch.tensor([2, 2, 2, 2, -1, -1])
+    positions = torch.tensor([0, 0, 0, 0, -1, -1])
+    records = outputs.completion_records[frame]
+    for row, slot in enumerate(slots.tolist()[:4]):
+        records[slot, SLOT], records[slot, EPOCH], records[slot, KIND] = slot, 2, int(Kind.SAMPLE)
+        records[slot, EMITTED], records[slot, FIRST_LOGIT_ROW] = 1, row
+        records[slot, HEADER] = (17 * row + 3) % vocab
+    outputs.logprob_requested.copy_(torch.tensor([1, 1, 0, 0, 1, 0], dtype=torch.int32))
+    outputs.logprob_token_id_counts[0] = 2
+    outputs.logprob_token_ids[0, :2] = torch.tensor([vocab - 1, 5])
+    logits = torch.randn(capacity, vocab, generator=g)
+    if ties:
+        logits = logits.round()  # (about 18 lanes at 3.0, then 180 at 2.0)
+    payloads, fused = [], []
+    for one_call in (True, False):
+        outputs.completion_logprobs.fill_(-7)
+        step = StepReduction(model, None, outputs, "torch", torch.device("cpu"), rows=capacity)
+        if step.call is None:
+            pytest.skip("no compiled reduction or native gate on this machine")
+        if not one_call:
+            step.call, step.native = None, None  # the tensor-op gate and write, then the driver
+        fused.append(record_calls(step.native) if step.native is not None else [])
+        step(frame, logits[:4].to(torch.bfloat16), slots, epochs, positions)
+        payloads.append(outputs.completion_logprobs.clone())
+    assert fused[0] == [not ties]  # (ties: the C call left rows, the step finished them)
+    assert torch.equal(payloads[0], payloads[1])
+    gated = payloads[0][frame, [4, 1, 0], 0]
+    assert (gated[:, 0] == torch.tensor([3, 20, 54])).all()  # the chosen ids, written
+    assert (payloads[0][frame, 3] == -7).all() and (payloads[0][1 - frame] == -7).all()
+
+
+def record_calls(native: NativeStepGate) -> list[bool]:
+    """What each call of native.step returns, from now on."""
+    calls: list[bool] = []
+    step = native.step
+
+    def recorded(*args):
+        calls.append(step(*args))
+        return calls[-1]
+
+    native.step = recorded
+    return calls
