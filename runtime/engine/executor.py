@@ -99,7 +99,9 @@ class FrameExecutor:
             source_records, source_payload = self._host_source
             records.numpy()[:] = source_records[frame]
             if requesting:
-                payload.numpy()[requesting] = source_payload[frame, requesting, :, :words]
+                rows, source = payload.numpy(), source_payload[frame]
+                for slot in requesting:  # (slices: an advanced index costs as much as 16)
+                    rows[slot] = source[slot, :, :words]
         else:
             records.copy_(self.outputs.completion_records[frame], non_blocking=True)
             source = self.outputs.completion_logprobs[frame]

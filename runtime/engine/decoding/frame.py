@@ -16,7 +16,10 @@ import torch
 from kernels.layout import FIRST_PAIR
 from ranks.contract.abi6 import HEADER
 from runtime.engine.decoding.lanes import DecodedEntry, DecodeError, LaneExpectation, SlotDecode
-from runtime.engine.decoding.position import decode_position, emitting_positions, fp32
+from runtime.engine.decoding.position import decode_position, emitting_positions
+
+FEW_ROWS = 2
+"""Frames of at most this many emitted positions gather them slice by slice."""
 
 
 def decode_frame(
@@ -62,7 +65,9 @@ def decode_frame(
     row_slots: list[int] = []
     row_positions: list[int] = []
     pairs = 0
-    for slot, header in zip(order, record_rows[order].tolist(), strict=True):
+    headers = ([record_rows[slot].tolist() for slot in order] if len(order) <= FEW_ROWS
+               else record_rows[order].tolist())
+    for slot, header in zip(order, headers, strict=True):
         lane = expected[slot]
         try:
             emitting = emitting_positions(slot, header, token_capacity, copied_pairs, lane,
@@ -75,13 +80,25 @@ def decode_frame(
             row_slots += [slot] * len(emitting)
             row_positions += [position for position, _ in emitting]
             pairs = max(pairs, lane.pairs)
-    block = words[row_slots, row_positions, : FIRST_PAIR + 2 * pairs]
-    ints, floats = block.tolist(), fp32(block).tolist()
+    ints, floats = _gather(words, row_slots, row_positions, FIRST_PAIR + 2 * pairs)
     row = 0
     for slot, lane, emitting in lanes:
         results[slot] = _decode_lane(slot, lane, emitting, ints, floats, row, vocab_size)
         row += len(emitting)
     return {slot: results[slot] for slot in order}
+
+
+def _gather(
+    words: np.ndarray, slots: list[int], positions: list[int], width: int
+) -> tuple[list[list[int]], list[list[float]]]:
+    """The first ``width`` words of each (slot, position), as ints and as FP32 floats. A few
+    rows are sliced one by one (an advanced index costs more than a few slices)."""
+    if len(slots) <= FEW_ROWS:
+        rows = [words[slot, position, :width]
+                for slot, position in zip(slots, positions, strict=True)]
+        return [row.tolist() for row in rows], [row.view(np.float32).tolist() for row in rows]
+    block = words[slots, positions, :width]
+    return block.tolist(), block.view(np.float32).tolist()
 
 
 def _host_array(values: torch.Tensor | np.ndarray, dtype: type, name: str) -> np.ndarray:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
-
 from kernels.layout import CHOSEN_BITS, CHOSEN_ID, FIRST_PAIR
 from ranks.contract.abi6 import (
     EMITTED,
@@ -107,7 +105,3 @@ def decode_position(
                     slot, f"position {position}: alternatives: non-finite logprob {value}"
                 )
     return tuple.__new__(DecodedEntry, (position, token_id, chosen, TokenLogprobs(ids, values)))
-
-
-def fp32(bits: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(bits, dtype=np.int32).view(np.float32)
