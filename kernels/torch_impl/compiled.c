@@ -252,45 +252,61 @@ static float kth_largest(const float *v, int64_t n, int64_t k)
     return heap[0];
 }
 
-/* pick_row for a row of few chunks (the floor would skip few of them): one pass keeps the
-   cap largest in a min-heap of (value, lane), a lane equal to the root staying out, and
-   returns the largest value left out (-inf when none). NaN never enters the heap (rows_of
-   makes such a row's bound NaN). The running maximum of the lanes left out is a branch, not
-   a max: as a max it chains every lane's latency. */
-static float heap_picks(const char *row, int64_t elem, int64_t valid, int64_t cap, float *raw,
-                        int64_t *lanes)
+/* The k largest of x[0..n) into raw/lanes[0, k) (k <= 64; lanes are indices into x) in one
+   pass of a min-heap, an x equal to the root staying out; returns the largest value left out
+   (-inf when none). Fewer than k values leave the heap partly filled. NaN never enters: the
+   callers' rows that hold one are decided elsewhere (a NaN lse, or a NaN bound). The running
+   maximum of the values left out is a branch, not a max: as a max it would chain every
+   value's latency. For k << n this reads each value once and moves few (a quickselect moves
+   and compares every value several times). */
+static float heap_select(const float *x, int64_t n, int64_t k, float *raw, int64_t *lanes)
 {
     int64_t size = 0, i = 0;
     float left = -INFINITY;
-    for (; i < valid && size < cap; i++) { /* the first cap lanes: sift up */
-        const float x = read_lane(row, elem, i);
-        if (x != x) continue;
+    for (; i < n && size < k; i++) { /* the first k values: sift up */
+        const float v = x[i];
+        if (v != v) continue;
         int64_t at = size++;
-        while (at > 0 && raw[(at - 1) / 2] > x) {
+        while (at > 0 && raw[(at - 1) / 2] > v) {
             raw[at] = raw[(at - 1) / 2], lanes[at] = lanes[(at - 1) / 2];
             at = (at - 1) / 2;
         }
-        raw[at] = x, lanes[at] = i;
+        raw[at] = v, lanes[at] = i;
     }
-    for (; i < valid; i++) { /* the others replace the root when above it: sift down */
-        const float x = read_lane(row, elem, i);
-        if (!(x > raw[0])) {
-            if (x > left) left = x;
+    for (; i < n; i++) { /* the others replace the root when above it: sift down */
+        const float v = x[i];
+        if (!(v > raw[0])) {
+            if (v > left) left = v;
             continue;
         }
         if (raw[0] > left) left = raw[0];
         int64_t at = 0;
         for (;;) {
             int64_t child = 2 * at + 1;
-            if (child >= cap) break;
-            if (child + 1 < cap && raw[child + 1] < raw[child]) child++;
-            if (!(raw[child] < x)) break;
+            if (child >= k) break;
+            if (child + 1 < k && raw[child + 1] < raw[child]) child++;
+            if (!(raw[child] < v)) break;
             raw[at] = raw[child], lanes[at] = lanes[child];
             at = child;
         }
-        raw[at] = x, lanes[at] = i;
+        raw[at] = v, lanes[at] = i;
     }
     return left;
+}
+
+#define FEW_CHUNK_LANES (2 * 64 * 16 + 16)
+/* pick_row for a row of fewer than 2 x cap chunks (under FEW_CHUNK_LANES lanes: the floor
+   would skip few chunks): heap_select over the row's lanes (bf16 widened first). */
+static float heap_picks(const char *row, int64_t elem, int64_t valid, int64_t cap, float *raw,
+                        int64_t *lanes)
+{
+    float wide[FEW_CHUNK_LANES];
+    const float *x = (const float *)row;
+    if (elem == 2) {
+        for (int64_t i = 0; i < valid; i++) wide[i] = widen_bf16(((const uint16_t *)row)[i]);
+        x = wide;
+    }
+    return heap_select(x, valid, cap, raw, lanes);
 }
 
 /* Narrow rows (launch 1's picks): the row's `cap` largest raw values into raw/lanes[0, cap)
@@ -305,7 +321,8 @@ static float pick_row(const char *row, int64_t elem, int64_t valid, int64_t tile
                       const float *cmax, int64_t chunks, int64_t cap, float *raw,
                       int64_t *lanes)
 {
-    if (chunks < 2 * cap) return heap_picks(row, elem, valid, cap, raw, lanes);
+    if (chunks < 2 * cap && valid <= FEW_CHUNK_LANES)
+        return heap_picks(row, elem, valid, cap, raw, lanes);
     Picks p = {raw, lanes, 0, cap, -INFINITY, -INFINITY};
     if (chunks >= cap) p.floor = kth_largest(cmax, chunks, cap);
     if (p.floor == -INFINITY) {
@@ -551,11 +568,11 @@ static int best_row(const char *row, int64_t elem, int64_t valid, int64_t tile,
     float bound = -INFINITY;
     if (!isfinite(l)) return 0;
     if (cm) {
-        for (int64_t c = 0; c < full * per; c++) v[c] = cm[c], lanes[c] = c;
-        for (int64_t c = full * per; c < chunks; c++) v[c] = tm[c - full * per], lanes[c] = c;
-        bound = top_k(v, lanes, chunks, 64);
+        for (int64_t c = 0; c < full * per; c++) v[c] = cm[c];
+        for (int64_t c = full * per; c < chunks; c++) v[c] = tm[c - full * per];
+        float best[64];
+        bound = heap_select(v, chunks, 64, best, top);
         const int64_t kept = chunks < 64 ? chunks : 64;
-        memcpy(top, lanes, sizeof(int64_t) * (size_t)kept);
         for (int64_t i = 0; i < kept; i++) {
             const int64_t c = top[i];
             const int64_t first = c < full * per ? (c / per) * tile + c % per
