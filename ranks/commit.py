@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ranks.contract import abi6
+from ranks.contract.upload import LaneRequest
 from ranks.plan import RequestSpec
 
 
@@ -100,6 +101,9 @@ class SlotState:
     """Tokens whose K/V are in the cache."""
     thinking: ThinkingState | None = None
     """The thinking budget's state, from the request's first sampled position on."""
+    lane: LaneRequest | None = None
+    """What the request's logprob lane uploads every step (built on its first sampled step;
+    the uploader validates a lane object once)."""
 
     def thinking_state(self) -> ThinkingState | None:
         if self.thinking is None and self.spec.thinking_budget is not None:

@@ -77,6 +77,9 @@ class LogprobUploader:
         self.supports_token_ids = supports_token_ids
         self.host = not outputs.logprob_requested.is_cuda
         """Host vectors are written through numpy (a torch.tensor + copy_ costs ~5 us)."""
+        self._checked: dict[int, LaneRequest] = {}
+        """Slot -> the lane object last validated there (a request's lane is one frozen
+        object for its whole life: validated on its first submission, not on every step)."""
 
     def check(self, lane: LaneRequest) -> None:
         check_logprob_request(
@@ -89,7 +92,9 @@ class LogprobUploader:
         for slot, lane in submission_lanes.items():
             if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < capacity:
                 raise ValueError(f"slot: expected 0..{capacity - 1}, got {slot!r}")
-            self.check(lane)
+            if self._checked.get(slot) is not lane:
+                self.check(lane)
+        self._checked.update(submission_lanes)
         flags = [0] * capacity
         counts = [0] * capacity
         for slot, lane in submission_lanes.items():

@@ -118,8 +118,10 @@ def prepare_inputs(
                 raise RuntimeError(
                     f"slot {work.slot} requests logprobs; the core declares no logprob outputs"
                 )
-            token_ids = state.spec.logprob_token_ids or None
-            lanes[work.slot] = LaneRequest(logprobs=config.max_logprobs, token_ids=token_ids)
+            if state.lane is None:
+                state.lane = LaneRequest(logprobs=config.max_logprobs,
+                                         token_ids=state.spec.logprob_token_ids or None)
+            lanes[work.slot] = state.lane
     row_slots = [-1] * config.max_rows
     row_epochs = [-1] * config.max_rows
     row_positions = [-1] * config.max_rows

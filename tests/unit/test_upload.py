@@ -205,3 +205,19 @@ def test_lane_request_refuses_a_string_of_ids():
 def test_uploader_refuses_token_ids_below_k20():
     with pytest.raises(ValueError, match="supports_token_ids requires k=20, got k=5"):
         LogprobUploader(CompletionOutputs.allocate(1), VOCAB, 5, True)
+
+
+def test_a_lane_object_is_validated_once_and_a_new_one_again(monkeypatch):
+    target = uploader()
+    checked = []
+    check = target.check
+    monkeypatch.setattr(target, "check", lambda lane: checked.append(lane) or check(lane))
+    lane = LaneRequest(token_ids=(4, 5))
+    for _ in range(3):
+        target.upload({1: lane})
+    assert checked == [lane]
+    target.upload({1: LaneRequest(token_ids=(4, 5))})  # an equal lane, another object
+    assert len(checked) == 2
+    with pytest.raises(RequestError):  # the same slot, a bad lane: refused as before
+        target.upload({1: LaneRequest(logprobs=21)})
+    assert target.outputs.logprob_token_id_counts.tolist() == [0, 2, 0, 0]
