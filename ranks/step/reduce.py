@@ -19,7 +19,9 @@ emits position zero. Rows of duplicate, inactive or stale slots, rejected or exh
 positions (past the emitted count: after a mismatch, max_tokens, EOS or a stop id) and
 unoffered positions fail the gate and do no reduction; a slot's payload positions past its
 emitted prefix are neither read nor written. Every rank computes the same records and flags,
-so every rank gates the same rows.
+so every rank gates the same rows. At TP1 on CPU the gate, the compiled reduction and the
+write are one C call (gate.c's step_reduce), which hands rows it cannot vouch for back to the
+driver's own path.
 """
 
 from __future__ import annotations

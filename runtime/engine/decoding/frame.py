@@ -39,6 +39,33 @@ def decode_frame(
     token, a NaN or +inf value, or a missing or misplaced alternative fails that slot only;
     its entries before the first failing position are kept.
     """
+    record_rows, words = _checked_arrays(records, payload, vocab_size)
+    order = sorted(expected)
+    if order and not 0 <= order[0] <= order[-1] < record_rows.shape[0]:
+        bad = next(slot for slot in order if not 0 <= slot < record_rows.shape[0])
+        raise ValueError(f"slot: expected 0..{record_rows.shape[0] - 1}, got {bad}")
+    results: dict[int, SlotDecode] = {}
+    lanes = _emitting_lanes(record_rows, words.shape, order, expected, submission, results)
+    slots: list[int] = []
+    positions: list[int] = []
+    pairs = 0
+    for slot, lane, emitting in lanes:
+        if emitting:
+            slots += [slot] * len(emitting)
+            positions += [position for position, _ in emitting]
+            pairs = max(pairs, lane.pairs)
+    ints, floats = _gather(words, slots, positions, FIRST_PAIR + 2 * pairs)
+    row = 0
+    for slot, lane, emitting in lanes:
+        results[slot] = _decode_lane(slot, lane, emitting, ints, floats, row, vocab_size)
+        row += len(emitting)
+    return {slot: results[slot] for slot in order}
+
+
+def _checked_arrays(
+    records: torch.Tensor | np.ndarray, payload: torch.Tensor | np.ndarray, vocab_size: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The records and payload as numpy arrays of one frame's shapes (ValueError else)."""
     record_rows = _host_array(records, np.int64, "records")
     words = _host_array(payload, np.int32, "payload")
     if record_rows.ndim != 2 or record_rows.shape[1] <= HEADER:
@@ -55,37 +82,32 @@ def decode_frame(
         )
     if vocab_size < 1:
         raise ValueError(f"vocab_size: expected >= 1, got {vocab_size}")
-    order = sorted(expected)
-    if order and not 0 <= order[0] <= order[-1] < capacity:
-        bad = next(slot for slot in order if not 0 <= slot < capacity)
-        raise ValueError(f"slot: expected 0..{capacity - 1}, got {bad}")
-    copied_pairs = (words.shape[2] - FIRST_PAIR) // 2
-    results: dict[int, SlotDecode] = {}
-    lanes: list[tuple[int, LaneExpectation, list[tuple[int, int]]]] = []
-    row_slots: list[int] = []
-    row_positions: list[int] = []
-    pairs = 0
+    return record_rows, words
+
+
+def _emitting_lanes(
+    record_rows: np.ndarray,
+    shape: tuple[int, ...],
+    order: list[int],
+    expected: Mapping[int, LaneExpectation],
+    submission: int | None,
+    results: dict[int, SlotDecode],
+) -> list[tuple[int, LaneExpectation, list[tuple[int, int]]]]:
+    """(slot, lane, emitted positions) of every lane whose record passes its checks; a lane
+    that fails them gets its SlotDecode in ``results``."""
     headers = ([record_rows[slot].tolist() for slot in order] if len(order) <= FEW_ROWS
                else record_rows[order].tolist())
+    copied_pairs = (shape[2] - FIRST_PAIR) // 2
+    lanes = []
     for slot, header in zip(order, headers, strict=True):
         lane = expected[slot]
         try:
-            emitting = emitting_positions(slot, header, token_capacity, copied_pairs, lane,
-                                          submission)
+            emitting = emitting_positions(slot, header, shape[1], copied_pairs, lane, submission)
         except DecodeError as error:
             results[slot] = SlotDecode(slot, (), error)
             continue
         lanes.append((slot, lane, emitting))
-        if emitting:
-            row_slots += [slot] * len(emitting)
-            row_positions += [position for position, _ in emitting]
-            pairs = max(pairs, lane.pairs)
-    ints, floats = _gather(words, row_slots, row_positions, FIRST_PAIR + 2 * pairs)
-    row = 0
-    for slot, lane, emitting in lanes:
-        results[slot] = _decode_lane(slot, lane, emitting, ints, floats, row, vocab_size)
-        row += len(emitting)
-    return {slot: results[slot] for slot in order}
+    return lanes
 
 
 def _gather(
