@@ -4,10 +4,12 @@
 
 Spawns one run per TP size (ranks started like torchrun would). In each run the coordinator
 times batches of greedy requests (batch 1 and 16) with no logprobs, logprobs=0 and
-logprobs=20, in the same process, the three modes alternating within every repeat, and
-prints decode tokens/s (median over repeats) and the ratio to the no-logprobs run. Prefill
-is excluded: every request has a 4-token prompt, and the time to the first token is
-subtracted per batch.
+logprobs=20, in the same process, the three modes back to back within every repeat (their
+order rotating from repeat to repeat), and prints decode tokens/s (median over repeats) and
+the median over repeats of each mode's ratio to the no-logprobs run of the same repeat: on a
+shared machine throughput drifts by 20% within seconds, and modes timed back to back see
+nearly the same load. Prefill is excluded: every request has a 4-token prompt, and the time
+to the first token is subtracted per batch.
 """
 
 from __future__ import annotations
@@ -66,15 +68,16 @@ def worker(args: argparse.Namespace) -> int:
     try:
         time_batch(engine, 2, 8, 20)
         rows = {}
+        names = list(MODES)
         for batch in (1, 16):
-            # Modes alternate within every repeat, so that load from other processes (and
-            # drift) affects them alike; the median of each mode's runs is reported.
             runs: dict[str, list[float]] = {name: [] for name in MODES}
-            for _ in range(args.repeat):
-                for name, k in MODES.items():
-                    runs[name].append(time_batch(engine, batch, args.tokens, k))
+            for repeat in range(args.repeat):
+                for name in names[repeat % 3:] + names[: repeat % 3]:
+                    runs[name].append(time_batch(engine, batch, args.tokens, MODES[name]))
             for name in MODES:
                 rows[f"{batch}/{name}"] = statistics.median(runs[name])
+                rows[f"{batch}/{name}/ratio"] = statistics.median(
+                    a / b for a, b in zip(runs[name], runs["none"], strict=True))
         Path(args.output).write_text(json.dumps(rows))
     finally:
         cluster.close(engine)
@@ -97,7 +100,7 @@ def main() -> int:
     from tests.distributed.launcher import start_ranks, stop
 
     print(f"decode tokens/s (median of {args.repeat}), {args.tokens} tokens per request")
-    print(f"{'TP':>3} {'batch':>5} {'mode':>6} {'tok/s':>9} {'vs none':>8}")
+    print(f"{'TP':>3} {'batch':>5} {'mode':>6} {'tok/s':>9} {'vs none':>8} {'of medians':>10}")
     for tp in args.tp:
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "rows.json"
@@ -115,8 +118,9 @@ def main() -> int:
         for batch in (1, 16):
             base = rows[f"{batch}/none"]
             for name in MODES:
-                value = rows[f"{batch}/{name}"]
-                print(f"{tp:>3} {batch:>5} {name:>6} {value:>9.1f} {value / base:>8.3f}")
+                value, ratio = rows[f"{batch}/{name}"], rows[f"{batch}/{name}/ratio"]
+                print(f"{tp:>3} {batch:>5} {name:>6} {value:>9.1f} {ratio:>8.3f} "
+                      f"{value / base:>10.3f}")
     return 0
 
 
