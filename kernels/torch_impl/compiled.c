@@ -219,39 +219,6 @@ static void offer_chunk(Picks *p, const char *row, int64_t elem, float chunk_max
     }
 }
 
-/* The k-th largest of v[0..n) (k <= 64 <= n), NaN counted as -inf: a min-heap of the k
-   largest so far, so that one pass suffices (few values displace the root once the heap
-   holds large ones). */
-static float kth_largest(const float *v, int64_t n, int64_t k)
-{
-    float heap[64];
-    int64_t size = 0;
-    for (int64_t i = 0; i < n; i++) {
-        const float x = v[i] != v[i] ? -INFINITY : v[i];
-        if (size == k && !(x > heap[0])) continue;
-        int64_t at;
-        if (size < k) { /* sift up */
-            at = size++;
-            while (at > 0 && heap[(at - 1) / 2] > x) {
-                heap[at] = heap[(at - 1) / 2];
-                at = (at - 1) / 2;
-            }
-        } else { /* replace the root, sift down */
-            at = 0;
-            for (;;) {
-                int64_t child = 2 * at + 1;
-                if (child >= k) break;
-                if (child + 1 < k && heap[child + 1] < heap[child]) child++;
-                if (!(heap[child] < x)) break;
-                heap[at] = heap[child];
-                at = child;
-            }
-        }
-        heap[at] = x;
-    }
-    return heap[0];
-}
-
 /* The k largest of x[0..n) into raw/lanes[0, k) (k <= 64; lanes are indices into x) in one
    pass of a min-heap, an x equal to the root staying out; returns the largest value left out
    (-inf when none). Fewer than k values leave the heap partly filled. NaN never enters: the
@@ -324,7 +291,13 @@ static float pick_row(const char *row, int64_t elem, int64_t valid, int64_t tile
     if (chunks < 2 * cap && valid <= FEW_CHUNK_LANES)
         return heap_picks(row, elem, valid, cap, raw, lanes);
     Picks p = {raw, lanes, 0, cap, -INFINITY, -INFINITY};
-    if (chunks >= cap) p.floor = kth_largest(cmax, chunks, cap);
+    if (chunks >= cap) { /* the cap-th largest chunk maximum (a NaN chunk stays out: its row's
+                            lse is NaN, so launch 3 never vouches for it) */
+        float top[64] = {-INFINITY};
+        int64_t at[64];
+        heap_select(cmax, chunks, cap, top, at);
+        p.floor = top[0];
+    }
     if (p.floor == -INFINITY) {
         for (int64_t i = 0; i < valid; i++) offer(&p, read_lane(row, elem, i), i);
     } else {
