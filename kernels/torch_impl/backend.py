@@ -8,7 +8,7 @@ import torch
 from kernels.payload import flagged_rows, pick_rows, write_rows
 from kernels.rows import RowRequest
 from kernels.torch_impl import lean as torch_lean
-from kernels.torch_impl.compiled import RepeatedCall, compiled_reduce_repeated, repeated_call
+from kernels.torch_impl.compiled import RepeatedCall, repeated_call
 from kernels.torch_impl.lean_stats import uses_chunks
 from kernels.torch_impl.tiles import (
     TILE_LANES,
@@ -81,8 +81,7 @@ def reduce_torch_repeated(
     """reduce_torch for a caller that passes the same buffers on every call (the runtime's
     one-rank driver, each step): on CPU the compiled launches with their arguments prepared
     once (kept alive with them); otherwise, or for rows left to Python, reduce_torch."""
-    if torch_lean.LEAN and logits.device.type == "cpu":
-        narrow = request.k > 0 and not uses_chunks(vocab_size, tile)
-        if compiled_reduce_repeated(logits, request, vocab_size, out, tile, narrow):
-            return out
+    call = repeated_native_call(logits, request, vocab_size, out, tile=tile)
+    if call is not None and call():
+        return out
     return reduce_torch(logits, request, vocab_size, out, tile=tile)

@@ -318,20 +318,13 @@ class _RepeatedKept(threading.local):
 _REPEATED = _RepeatedKept()
 
 
-def compiled_reduce_repeated(logits: torch.Tensor, request, valid: int, out: torch.Tensor,
-                             tile: int, narrow: bool) -> bool:
-    """compiled_reduce for a caller that passes the same buffers every call; True when the
-    payload rows are written, False when the caller must run its own path (the compiled
-    launches do not apply to these buffers, or some row is left to Python). `narrow`:
-    launch 3 takes launch 1's picks (lean_stats.uses_chunks is False)."""
-    call = repeated_call(logits, request, valid, out, tile, narrow)
-    return call is not None and call()
-
-
 def repeated_call(logits: torch.Tensor, request, valid: int, out: torch.Tensor, tile: int,
                   narrow: bool) -> RepeatedCall | None:
-    """This thread's prepared call for these buffers (made on first use), or None when the
-    compiled launches do not apply to them."""
+    """This thread's prepared call for these buffers, for a caller that passes the same
+    buffers every call (made on first use), or None when the compiled launches do not apply
+    to them. Calling it returns True when the payload rows are written, False when some row
+    is left to the caller's own path. `narrow`: launch 3 takes launch 1's picks
+    (lean_stats.uses_chunks is False)."""
     key = (id(logits), id(request), id(out), valid, tile)
     kept = _REPEATED.calls
     call = kept.get(key)
