@@ -1,9 +1,10 @@
 """decode_frame: one frame's host copy -> each requesting slot's logprob entries.
 
 One gather takes the words of every emitted, unforced position of the requesting lanes, and
-two ``tolist`` calls turn them into Python ints and floats; each position is then checked and
-converted with list operations (position.py). On a frame of 16 lanes x 20 alternatives, this
-costs less than the two dozen whole-array operations that the same checks need in numpy.
+``tolist`` calls turn their ids and FP32 values into Python lists; each position is then
+checked and converted with list operations (position.py). On a frame of 16 lanes x 20
+alternatives, this costs less than the two dozen whole-array operations that the same checks
+need in numpy.
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from kernels.layout import FIRST_PAIR
+from kernels.layout import CHOSEN_BITS, CHOSEN_ID, FIRST_PAIR
 from ranks.contract.abi6 import HEADER
 from runtime.engine.decoding.lanes import DecodedEntry, DecodeError, LaneExpectation, SlotDecode
-from runtime.engine.decoding.position import decode_position, emitting_positions
+from runtime.engine.decoding.position import WordRow, decode_position, emitting_positions
 
 FEW_ROWS = 2
 """Frames of at most this many emitted positions gather them slice by slice."""
@@ -54,10 +55,10 @@ def decode_frame(
             slots += [slot] * len(emitting)
             positions += [position for position, _ in emitting]
             pairs = max(pairs, lane.pairs)
-    ints, floats = _gather(words, slots, positions, FIRST_PAIR + 2 * pairs)
+    rows = _gather(words, slots, positions, pairs)
     row = 0
     for slot, lane, emitting in lanes:
-        results[slot] = _decode_lane(slot, lane, emitting, ints, floats, row, vocab_size)
+        results[slot] = _decode_lane(slot, lane, emitting, rows, row, vocab_size)
         row += len(emitting)
     return {slot: results[slot] for slot in order}
 
@@ -110,17 +111,24 @@ def _emitting_lanes(
     return lanes
 
 
-def _gather(
-    words: np.ndarray, slots: list[int], positions: list[int], width: int
-) -> tuple[list[list[int]], list[list[float]]]:
-    """The first ``width`` words of each (slot, position), as ints and as FP32 floats. A few
-    rows are sliced one by one (an advanced index costs more than a few slices)."""
+def _gather(words: np.ndarray, slots: list[int], positions: list[int], pairs: int) -> list[WordRow]:
+    """Each (slot, position)'s chosen pair and first ``pairs`` alternative pairs, as Python
+    values (ids and FP32 values converted apart: half the objects of converting every word
+    both ways). A few rows are sliced one by one (an advanced index costs more)."""
+    end = FIRST_PAIR + 2 * pairs
     if len(slots) <= FEW_ROWS:
-        rows = [words[slot, position, :width]
-                for slot, position in zip(slots, positions, strict=True)]
-        return [row.tolist() for row in rows], [row.view(np.float32).tolist() for row in rows]
-    block = words[slots, positions, :width]
-    return block.tolist(), block.view(np.float32).tolist()
+        rows = []
+        for slot, position in zip(slots, positions, strict=True):
+            row = words[slot, position, :end]
+            floats = row.view(np.float32)
+            rows.append(WordRow(int(row[CHOSEN_ID]), float(floats[CHOSEN_BITS]),
+                                row[FIRST_PAIR::2].tolist(), floats[FIRST_PAIR + 1 :: 2].tolist()))
+        return rows
+    block = words[slots, positions, :end]
+    return list(map(WordRow, block[:, CHOSEN_ID].tolist(),
+                    block[:, CHOSEN_BITS].view(np.float32).tolist(),
+                    block[:, FIRST_PAIR::2].tolist(),
+                    block[:, FIRST_PAIR + 1 :: 2].view(np.float32).tolist()))
 
 
 def _host_array(values: torch.Tensor | np.ndarray, dtype: type, name: str) -> np.ndarray:
@@ -134,19 +142,18 @@ def _decode_lane(
     slot: int,
     lane: LaneExpectation,
     emitting: list[tuple[int, int]],
-    ints: list[list[int]],
-    floats: list[list[float]],
+    rows: list[WordRow],
     row: int,
     vocab_size: int,
 ) -> SlotDecode:
-    """A lane's positions, from row ``row`` of the gathered words: the entries before the
-    first failure, and that failure."""
+    """A lane's positions, from ``rows[row]`` on: the entries before the first failure, and
+    that failure."""
     entries: list[DecodedEntry] = []
     count = lane.count(vocab_size)
     try:
         for position, token_id in emitting:
-            entries.append(decode_position(slot, position, token_id, ints[row], floats[row],
-                                           lane, count, vocab_size))
+            entries.append(decode_position(slot, position, token_id, rows[row], lane, count,
+                                           vocab_size))
             row += 1
     except DecodeError as error:
         return SlotDecode(slot, tuple(entries), error)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from kernels.layout import CHOSEN_BITS, CHOSEN_ID, FIRST_PAIR
+from typing import NamedTuple
+
 from ranks.contract.abi6 import (
     EMITTED,
     EMITTING_KINDS,
@@ -61,30 +62,40 @@ def emitting_positions(
     return [(p, t) for p, t in enumerate(tokens) if not (forced_mask >> p) & 1]
 
 
+class WordRow(NamedTuple):
+    """One emitted position's copied words, read as Python values."""
+
+    chosen_id: int
+    chosen: float
+    """The chosen token's FP32 logprob."""
+    ids: list[int]
+    """Alternative ids, as many as the frame copied (the lane takes its first count)."""
+    values: list[float]
+    """Their FP32 logprobs."""
+
+
 def decode_position(
     slot: int,
     position: int,
     token_id: int,
-    ints: list[int],
-    floats: list[float],
+    row: WordRow,
     lane: LaneExpectation,
     count: int,
     vocab_size: int,
 ) -> DecodedEntry:
-    """One position's entry from its words read as ints and as floats, with ``count``
-    alternatives (``lane.count``)."""
-    chosen_id = ints[CHOSEN_ID]
+    """One position's entry from its words, with ``count`` alternatives (``lane.count``)."""
+    chosen_id, chosen = row.chosen_id, row.chosen
     if chosen_id != token_id:
         raise DecodeError(
             slot, f"position {position}: payload chosen id {chosen_id}, emitted token {token_id}"
         )
-    chosen = floats[CHOSEN_BITS]
     if chosen != chosen or chosen == _INF:
         raise DecodeError(
             slot, f"position {position}: chosen token {token_id}: non-finite logprob {chosen}"
         )
-    end = FIRST_PAIR + 2 * count
-    ids, values = ints[FIRST_PAIR:end:2], floats[FIRST_PAIR + 1 : end : 2]
+    ids, values = row.ids, row.values
+    if count < len(ids):
+        ids, values = ids[:count], values[:count]
     if lane.token_ids is not None:
         if ids != list(lane.token_ids):
             missing = [(j, t) for j, t in enumerate(lane.token_ids) if ids[j] != t]
