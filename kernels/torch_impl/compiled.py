@@ -89,7 +89,6 @@ def _mkl(name: str) -> int | None:
 
 def _build() -> ctypes.CDLL | None:
     width, exp, log = _vector_width(), _mkl("vmsExp"), _mkl("vmsLn")
-    local_threads = _mkl("MKL_Set_Num_Threads_Local")  # (None: MKL threads as configured)
     if width is None or exp is None or log is None:
         return None
     lib = None
@@ -102,7 +101,7 @@ def _build() -> ctypes.CDLL | None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     for name, args in (
-        ("configure", [ptr, ptr, ptr, ctypes.c_longlong, ctypes.c_int]),
+        ("configure", [ptr, ptr, ptr, ptr, ctypes.c_longlong, ctypes.c_int]),
         ("tile_stats", [ptr, i64, i64, ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr,
                         i64]),
         ("row_lse", [ptr, ptr, i64, i64, ptr, ptr, ptr]),
@@ -119,7 +118,7 @@ def _build() -> ctypes.CDLL | None:
     lib.reduce_flagged.restype = i64
     lib.reduce_prepared.argtypes = [ptr, i64]
     lib.reduce_prepared.restype = i64
-    lib.configure(exp, log, local_threads, VML_MODE, width)
+    configure(lib, width)
     failed = _probe(lib)
     _KEPT.outputs.clear()
     if failed:
@@ -127,6 +126,13 @@ def _build() -> ctypes.CDLL | None:
                      failed)
         return None
     return lib
+
+
+def configure(lib: ctypes.CDLL, width: int) -> None:
+    """Hands the library torch's MKL exp and log, the MKL thread controls (None: MKL threads
+    as configured) and the vector width its sums take."""
+    lib.configure(_mkl("vmsExp"), _mkl("vmsLn"), _mkl("MKL_Set_Num_Threads_Local"),
+                  _mkl("MKL_Get_Max_Threads"), VML_MODE, width)
 
 
 def _lib() -> ctypes.CDLL | None:

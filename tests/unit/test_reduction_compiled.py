@@ -239,8 +239,7 @@ def test_the_probe_refuses_another_summation_order(monkeypatch, caplog) -> None:
         x = logits_of("normal", 2, 5000, 0, torch.bfloat16)
         assert compiled.compiled_tile_stats(x, np.arange(2), 5000, 4096) is None
     finally:  # (the process shares one loaded library: give it back its real width)
-        original.configure(compiled._mkl("vmsExp"), compiled._mkl("vmsLn"),
-                           compiled._mkl("MKL_Set_Num_Threads_Local"), compiled.VML_MODE, right)
+        compiled.configure(original, right)
 
 
 @needs_compiled
