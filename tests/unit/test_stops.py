@@ -45,17 +45,20 @@ def gen(ids: list[int], *, forced: tuple[int, ...] = ()) -> list[GeneratedToken]
 
 def run(tb: TokenBytes, tokens: list[GeneratedToken], stops=(), **kwargs):
     stream = OutputStream(tb, stops, **kwargs)
-    # Silent tokens (no text: a skipped special token) after a held tail or a partial
-    # character stay queued until what precedes them is decided (a later stop cut before
-    # them drops their entry), so the bound is: 4 bytes of a partial character, the longest
-    # stop, and the silent tokens so far.
+    # What the stream may hold, whatever the output's length: the tokens of a partial
+    # character (4 bytes at most), a tail of at most the longest stop's length in characters
+    # and the entries of the tokens that made it (a token carries at least one byte, so at
+    # most 4 per character: '!!' + one 3-byte character of 3 byte tokens holds 3 characters
+    # and 5 entries), and silent tokens (no text: a skipped special token) after a held tail
+    # or a partial character, queued until what precedes them is decided.
     skip = kwargs.get("skip_special_tokens", True)
+    longest = max((len(s) for s in stops), default=0)
     silent_count = 0
     chunks = []
     for token in tokens:
         chunks.append(stream.push(token))
         silent_count += silent_alone(tb, token.token_id, skip)
-        bound = 4 + max((len(s) for s in stops), default=0) + silent_count
+        bound = 4 + longest + 4 * longest + silent_count
         assert stream.retained <= bound
         if stream.done:
             break
@@ -273,3 +276,13 @@ def test_stop_strings_wait_for_min_tokens(level) -> None:
     text, _, stop, _ = run(tb, gen(ids), ["STOP"], min_tokens=first + 1)
     assert (text, stop) == ("ab STOP cd ", "STOP")
     assert run(tb, gen(ids), ["STOP"], min_tokens=first)[:3:2] == ("ab ", "STOP")
+
+
+def test_a_held_tail_of_multi_token_characters_stays_bounded(level):
+    """Hypothesis found it: '!!' and a 3-byte character of three byte tokens are held as a
+    prefix of the stop (3 characters, 5 entries) while the next token starts another
+    character; the stop then completes and nothing is released."""
+    _, tb = level
+    text, entries, stop, _ = run(tb, gen([3, 3, 159, 97, 97, 129]),
+                                 ["!!\u0861\ufffd", "\ufffd\ufffd"])
+    assert (text, entries, stop) == ("", [], "!!\u0861\ufffd")
