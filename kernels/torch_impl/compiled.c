@@ -266,18 +266,43 @@ static float heap_select(const float *x, int64_t n, int64_t k, float *raw, int64
 }
 
 #define FEW_CHUNK_LANES (2 * 64 * 16 + 16)
-/* pick_row for a row of fewer than 2 x cap chunks (under FEW_CHUNK_LANES lanes: the floor
-   would skip few chunks): heap_select over the row's lanes (bf16 widened first). */
-static float heap_picks(const char *row, int64_t elem, int64_t valid, int64_t cap, float *raw,
-                        int64_t *lanes)
+/* Launch 1's picks per narrow row in reduce_rows: the m <= 20 best and a margin of 12 for
+   ties at the m-th value (a tie that runs past the picks leaves the row to Python's tile
+   path). compiled_tile_stats' callers choose their own count (lean_stats takes 64). */
+#define FUSED_PICKS 32
+/* pick_row for a row of under FEW_CHUNK_LANES lanes (its chunks are too few for the floor to
+   skip many of them): the floor is the cap-th largest chunk maximum (cap distinct lanes reach
+   it, so every lane of the row's cap largest is at or above it), and one pass over the
+   row's lanes in order keeps those at or above the floor (a few dozen: the test is a branch
+   that is almost never taken) and the largest of the others; a quickselect cuts the kept
+   lanes back to cap. Every lane may be kept (ties at the floor), so the buffer holds a whole
+   row. */
+static float floor_picks(const char *row, int64_t elem, int64_t valid, const float *cmax,
+                         int64_t chunks, int64_t cap, float *raw, int64_t *lanes)
 {
-    float wide[FEW_CHUNK_LANES];
-    const float *x = (const float *)row;
-    if (elem == 2) {
-        for (int64_t i = 0; i < valid; i++) wide[i] = widen_bf16(((const uint16_t *)row)[i]);
-        x = wide;
+    float kept_raw[FEW_CHUNK_LANES], top[64];
+    int64_t kept_lanes[FEW_CHUNK_LANES], at[64];
+    float floor = -INFINITY; /* with fewer than cap chunks every lane is kept */
+    if (chunks >= cap) {
+        heap_select(cmax, chunks, cap, top, at);
+        floor = top[0]; /* the heap's root */
     }
-    return heap_select(x, valid, cap, raw, lanes);
+    int64_t count = 0;
+    float left = -INFINITY;
+    for (int64_t i = 0; i < valid; i++) {
+        const float x = read_lane(row, elem, i);
+        if (x >= floor) {
+            kept_raw[count] = x;
+            kept_lanes[count++] = i;
+        } else if (x > left) {
+            left = x;
+        }
+    }
+    const float bound = top_k(kept_raw, kept_lanes, count, cap);
+    const int64_t keep = count < cap ? count : cap;
+    memcpy(raw, kept_raw, sizeof(float) * (size_t)keep);
+    memcpy(lanes, kept_lanes, sizeof(int64_t) * (size_t)keep);
+    return bound > left ? bound : left;
 }
 
 /* Narrow rows (launch 1's picks): the row's `cap` largest raw values into raw/lanes[0, cap)
@@ -286,14 +311,14 @@ static float heap_picks(const char *row, int64_t elem, int64_t valid, int64_t ca
    chunk maximum is <= the cap-th largest value (cap distinct lanes reach it), so lanes below
    it are left out at once: a chunk whose maximum is below the floor is never read; the lanes
    of the others collect in the buffer, which a quickselect cuts back to cap whenever it
-   fills. The row's lanes are read from the logits again, never copied whole. A row of fewer
-   than 2 x cap chunks (under ~2,048 lanes) would skip few chunks: it takes heap_picks. */
+   fills. The row's lanes are read from the logits again, never copied whole. A row of under
+   FEW_CHUNK_LANES lanes has too few chunks for the floor to skip many: it takes floor_picks. */
 static float pick_row(const char *row, int64_t elem, int64_t valid, int64_t tile,
                       const float *cmax, int64_t chunks, int64_t cap, float *raw,
                       int64_t *lanes)
 {
-    if (chunks < 2 * cap && valid <= FEW_CHUNK_LANES)
-        return heap_picks(row, elem, valid, cap, raw, lanes);
+    if (valid <= FEW_CHUNK_LANES)
+        return floor_picks(row, elem, valid, cmax, chunks, cap, raw, lanes);
     Picks p = {raw, lanes, 0, cap, -INFINITY, -INFINITY};
     if (chunks >= cap) { /* the cap-th largest chunk maximum (a NaN chunk stays out: its row's
                             lse is NaN, so launch 3 never vouches for it) */
@@ -720,7 +745,7 @@ int64_t reduce_rows(const void *base, int64_t elem, int64_t row_stride, const in
 {
     const int64_t full = valid / tile, rest = valid - full * tile;
     const int64_t tiles = full + (rest > 0);
-    const int64_t cap = narrow ? (valid < 64 ? valid : 64) : 0;
+    const int64_t cap = narrow ? (valid < FUSED_PICKS ? valid : FUSED_PICKS) : 0;
     int64_t *pick_lanes = cap ? (int64_t *)malloc(sizeof(int64_t) * (size_t)(n * cap)) : NULL;
     float *pick_raw = cap ? (float *)malloc(sizeof(float) * (size_t)(n * cap)) : NULL;
     float *pick_bound = cap ? (float *)malloc(sizeof(float) * (size_t)n) : NULL;

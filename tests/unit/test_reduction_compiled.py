@@ -167,10 +167,10 @@ def test_narrow_rows_with_many_candidates_keep_a_bounded_buffer(monkeypatch, voc
 @needs_compiled
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_narrow_row_tied_across_the_kth_value_is_not_vouched_for(monkeypatch, dtype):
-    """A row of few chunks (one pass of a 64-entry heap): 64 lanes tie at 5.0 from lane 0,
-    and 19 lanes at 10.0 come last, evicting tied lanes the heap held (lane 0 first). The
-    20th value is then a tie with lanes that left, so the picks must not vouch for the row:
-    the payload is still the numpy path's and the tile launches' (lane 0 is the 20th)."""
+    """A narrow row: 64 lanes tie at 5.0 from lane 0, and 19 lanes at 10.0 come last (or
+    first). The picks hold only some of the tied lanes, so the 20th value is a tie with lanes
+    left out and the picks must not vouch for the row: the payload is still the numpy path's
+    and the tile launches' (lane 0 is the 20th)."""
     vocab, rows = 300, 2
     x = torch.full((rows, vocab), -3.0)
     x[:, :64] = 5.0
@@ -181,6 +181,28 @@ def test_a_narrow_row_tied_across_the_kth_value_is_not_vouched_for(monkeypatch, 
     results = _three_ways(monkeypatch, lambda: reduce_logprobs(x, chosen))
     assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
     check_payload(results[0], x, vocab, chosen, 20, None, None)
+
+
+@needs_compiled
+def test_a_lane_below_the_floor_tied_by_the_subtraction_is_not_left_out(monkeypatch):
+    """Launch 1's floor keeps exactly 32 lanes of a narrow row: a 1000.0 lane, and 31 lanes
+    just above 0.5 in 31 chunks. Lane 41 (0.5, its own chunk) falls below the floor, yet
+    every one of these 32 reports -999.5 once the lse (~1000) is subtracted, so the 19 best
+    after lane 1000 are the smallest ids of the tie: lane 41, then lanes 500-517. The picks'
+    bound is lane 41's value, so they must not vouch for the row."""
+    vocab = 1031
+    x = torch.full((1, vocab), -5.0)
+    x[0, 1000] = 1000.0
+    tied = list(range(500, 531))  # chunks 52-63 and 0-18 (lane % 64)
+    for i, lane in enumerate(tied):
+        x[0, lane] = 0.5 + (i + 1) * 1e-7
+    x[0, 41] = 0.5
+    reported = x[0] - torch.logsumexp(x[0], 0)
+    assert len(set(reported[[41, *tied]].tolist())) == 1  # the tie the test is about
+    chosen = torch.tensor([1000])
+    results = _three_ways(monkeypatch, lambda: reduce_logprobs(x, chosen))
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+    assert results[0][0, 2:42:2].tolist() == [1000, 41, *range(500, 518)]
 
 
 @needs_compiled
