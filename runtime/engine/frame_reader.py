@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from ranks.contract import abi6
 from runtime.engine.client import Finished, GeneratedToken
 from runtime.engine.decoding.frame import decode_frame
-from runtime.engine.decoding.lanes import LaneExpectation
+from runtime.engine.decoding.lanes import DecodedEntry, LaneExpectation
 from runtime.engine.executor import HostFrame
 from runtime.engine.scheduler import Request
 
@@ -117,18 +117,22 @@ def read_frame(
             continue
         outcome.offered, outcome.accepted = record[abi6.OFFERED], record[abi6.ACCEPTED]
         emitted = record[abi6.HEADER : abi6.HEADER + record[abi6.EMITTED]]
-        entries = {}
+        entries: tuple[DecodedEntry, ...] = ()
         if request.wants_logprobs:
             result = decoded[request.slot]
-            entries = {e.position: e for e in result.entries}
-            if not result.ok:
+            entries = result.entries
+            if result.error is not None:
                 outcome.error = str(result.error)
         finishing = record[abi6.FINISH_REASON] != abi6.FinishReason.NONE
         end: bool | None = finishing or (False if not request.spec.stop_token_ids else None)
         base, forced_mask, last = len(request.generated), record[abi6.FORCED_MASK], len(emitted) - 1
+        held = len(entries)  # the decoder's entries, in emitted order without forced positions
+        at = 0
         for position, token in enumerate(emitted):
-            entry = entries.get(position)
-            if entry is None and request.wants_logprobs and not (forced_mask >> position) & 1:
+            entry = entries[at] if at < held and entries[at].position == position else None
+            if entry is not None:
+                at += 1
+            elif request.wants_logprobs and not (forced_mask >> position) & 1:
                 outcome.error = outcome.error or f"missing logprob entry at position {position}"
                 break
             outcome.tokens.append(GeneratedToken(

@@ -16,8 +16,8 @@ import torch
 
 from kernels.layout import CHOSEN_BITS, CHOSEN_ID, FIRST_PAIR
 from ranks.contract.abi6 import HEADER
-from runtime.engine.decoding.lanes import DecodedEntry, DecodeError, LaneExpectation, SlotDecode
-from runtime.engine.decoding.position import WordRow, decode_position, emitting_positions
+from runtime.engine.decoding.lanes import DecodeError, LaneExpectation, SlotDecode
+from runtime.engine.decoding.position import WordRow, decode_lane, emitting_positions
 
 FEW_ROWS = 2
 """Frames of at most this many emitted positions gather them slice by slice."""
@@ -46,21 +46,14 @@ def decode_frame(
         bad = next(slot for slot in order if not 0 <= slot < record_rows.shape[0])
         raise ValueError(f"slot: expected 0..{record_rows.shape[0] - 1}, got {bad}")
     results: dict[int, SlotDecode] = {}
-    lanes = _emitting_lanes(record_rows, words.shape, order, expected, submission, results)
-    slots: list[int] = []
-    positions: list[int] = []
-    pairs = 0
-    for slot, lane, emitting in lanes:
-        if emitting:
-            slots += [slot] * len(emitting)
-            positions += [position for position, _ in emitting]
-            pairs = max(pairs, lane.pairs)
+    lanes, slots, positions, pairs = _emitting_lanes(record_rows, words.shape, order, expected,
+                                                     submission, results)
     rows = _gather(words, slots, positions, pairs)
     row = 0
     for slot, lane, emitting in lanes:
-        results[slot] = _decode_lane(slot, lane, emitting, rows, row, vocab_size)
+        results[slot] = decode_lane(slot, lane, emitting, rows, row, vocab_size)
         row += len(emitting)
-    return {slot: results[slot] for slot in order}
+    return results if len(lanes) == len(order) else {slot: results[slot] for slot in order}
 
 
 def _checked_arrays(
@@ -93,13 +86,18 @@ def _emitting_lanes(
     expected: Mapping[int, LaneExpectation],
     submission: int | None,
     results: dict[int, SlotDecode],
-) -> list[tuple[int, LaneExpectation, list[tuple[int, int]]]]:
-    """(slot, lane, emitted positions) of every lane whose record passes its checks; a lane
-    that fails them gets its SlotDecode in ``results``."""
+) -> tuple[list[tuple[int, LaneExpectation, list[tuple[int, int]]]], list[int], list[int], int]:
+    """(slot, lane, emitted positions) of every lane whose record passes its checks, in slot
+    order, and the (slot, position) of every emitted position with the most pairs a lane
+    reads: what the gather takes. A lane that fails its record checks gets its SlotDecode in
+    ``results``."""
     headers = ([record_rows[slot].tolist() for slot in order] if len(order) <= FEW_ROWS
                else record_rows[order].tolist())
     copied_pairs = (shape[2] - FIRST_PAIR) // 2
     lanes = []
+    slots: list[int] = []
+    positions: list[int] = []
+    pairs = 0
     for slot, header in zip(order, headers, strict=True):
         lane = expected[slot]
         try:
@@ -108,7 +106,15 @@ def _emitting_lanes(
             results[slot] = SlotDecode(slot, (), error)
             continue
         lanes.append((slot, lane, emitting))
-    return lanes
+        if len(emitting) == 1:
+            slots.append(slot)
+            positions.append(emitting[0][0])
+        else:
+            slots += [slot] * len(emitting)
+            positions += [position for position, _ in emitting]
+        if emitting and lane.pairs > pairs:
+            pairs = lane.pairs
+    return lanes, slots, positions, pairs
 
 
 def _gather(words: np.ndarray, slots: list[int], positions: list[int], pairs: int) -> list[WordRow]:
@@ -121,14 +127,14 @@ def _gather(words: np.ndarray, slots: list[int], positions: list[int], pairs: in
         for slot, position in zip(slots, positions, strict=True):
             row = words[slot, position, :end]
             floats = row.view(np.float32)
-            rows.append(WordRow(int(row[CHOSEN_ID]), float(floats[CHOSEN_BITS]),
-                                row[FIRST_PAIR::2].tolist(), floats[FIRST_PAIR + 1 :: 2].tolist()))
+            rows.append((int(row[CHOSEN_ID]), float(floats[CHOSEN_BITS]),
+                         row[FIRST_PAIR::2].tolist(), floats[FIRST_PAIR + 1 :: 2].tolist()))
         return rows
     block = words[slots, positions, :end]
-    return list(map(WordRow, block[:, CHOSEN_ID].tolist(),
+    return list(zip(block[:, CHOSEN_ID].tolist(),
                     block[:, CHOSEN_BITS].view(np.float32).tolist(),
                     block[:, FIRST_PAIR::2].tolist(),
-                    block[:, FIRST_PAIR + 1 :: 2].view(np.float32).tolist()))
+                    block[:, FIRST_PAIR + 1 :: 2].view(np.float32).tolist(), strict=True))
 
 
 def _host_array(values: torch.Tensor | np.ndarray, dtype: type, name: str) -> np.ndarray:
@@ -136,25 +142,3 @@ def _host_array(values: torch.Tensor | np.ndarray, dtype: type, name: str) -> np
     if not isinstance(array, np.ndarray) or array.dtype != dtype:
         raise ValueError(f"{name}: expected a {np.dtype(dtype)} array, got {array.dtype}")
     return array
-
-
-def _decode_lane(
-    slot: int,
-    lane: LaneExpectation,
-    emitting: list[tuple[int, int]],
-    rows: list[WordRow],
-    row: int,
-    vocab_size: int,
-) -> SlotDecode:
-    """A lane's positions, from ``rows[row]`` on: the entries before the first failure, and
-    that failure."""
-    entries: list[DecodedEntry] = []
-    count = lane.count(vocab_size)
-    try:
-        for position, token_id in emitting:
-            entries.append(decode_position(slot, position, token_id, rows[row], lane, count,
-                                           vocab_size))
-            row += 1
-    except DecodeError as error:
-        return SlotDecode(slot, tuple(entries), error)
-    return tuple.__new__(SlotDecode, (slot, tuple(entries), None))

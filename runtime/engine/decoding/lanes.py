@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from runtime.engine.client import EngineError, TokenLogprobs
@@ -27,6 +27,11 @@ class LaneExpectation:
     """N natural alternatives (ignored when token_ids is set)."""
     token_ids: tuple[int, ...] | None = None
     """Selected IDs in caller order; their count is the slot's uploaded count."""
+    pairs: int = field(init=False, compare=False, repr=False)
+    """Alternative pairs this request reads from each position (a field: the decoder reads it
+    for every lane of every frame)."""
+    selected: list[int] | None = field(init=False, compare=False, repr=False)
+    """token_ids as a list, which each position's ids are compared with."""
 
     def __post_init__(self) -> None:
         if self.logprobs is None and self.token_ids is None:
@@ -37,18 +42,15 @@ class LaneExpectation:
             not isinstance(self.token_ids, tuple) or not self.token_ids
         ):
             raise ValueError(f"token_ids: expected a non-empty tuple, got {self.token_ids!r}")
-
-    @property
-    def pairs(self) -> int:
-        """Alternative pairs this request reads from each position."""
-        return len(self.token_ids) if self.token_ids is not None else int(self.logprobs or 0)
+        pairs = len(self.token_ids) if self.token_ids is not None else int(self.logprobs)
+        object.__setattr__(self, "pairs", pairs)
+        object.__setattr__(self, "selected", None if self.token_ids is None
+                           else list(self.token_ids))
 
     def count(self, vocab_size: int) -> int:
         """Alternatives each entry reports: every selected ID, or N natural ones (at most the
         vocabulary)."""
-        if self.token_ids is not None:
-            return len(self.token_ids)
-        return min(self.logprobs, vocab_size)
+        return self.pairs if self.token_ids is not None else min(self.pairs, vocab_size)
 
 
 class DecodedEntry(NamedTuple):
