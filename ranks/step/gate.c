@@ -66,26 +66,39 @@ int write_payload(int32_t *payload, int64_t capacity, int64_t tokens, int64_t wo
  * passed by address with its argument block): the number of rows it left for Python. */
 typedef int64_t (*reduce_t)(const void *block, int64_t threads);
 
-/* A step's whole reduction at TP1: gate_rows, the prepared reduction of the gated rows, and
- * write_payload of the first write_rows rows (their slots and positions are the gate's row
- * vectors). 0 when done; -1 / -2 when the gate / the write would leave a buffer; 1 when the
- * reduction left rows for Python (nothing written: the caller runs its own path, then the
- * write). */
-int step_reduce(const int64_t *records, int64_t capacity, int64_t width,
-                const int64_t *row_slots, const int64_t *row_epochs,
-                const int64_t *row_positions, int64_t rows, const int32_t *requested_by_slot,
-                int32_t *requested, int64_t *chosen,
-                const int32_t *ids_src, const int32_t *counts_src, int32_t *ids,
-                int32_t *counts, int64_t max_ids, void *reduce, const void *block,
-                int64_t threads, int32_t *payload, int64_t tokens, int64_t words,
-                const int32_t *out, int64_t out_width, int64_t write_rows) {
-    if (gate_rows(records, capacity, width, row_slots, row_epochs, row_positions, rows,
-                  requested_by_slot, requested, chosen, ids_src, counts_src, ids, counts,
-                  max_ids) != 0)
+/* step_reduce's arguments that stay the same from step to step, prepared once by
+ * gate_native.py (StepBlock) and passed by address. */
+typedef struct {
+    const int64_t *records[2];
+    int32_t *payload[2];
+    int64_t capacity, width, tokens, words;
+    const int32_t *requested_by_slot;
+    int32_t *requested;
+    int64_t *chosen;
+    const int32_t *ids_src, *counts_src;
+    int32_t *ids, *counts;
+    int64_t max_ids;
+    void *reduce;
+    const void *reduce_block;
+    const int32_t *out;
+    int64_t out_width;
+} StepBlock;
+
+/* A step's whole reduction at TP1: gate_rows over frame `frame`'s records, the prepared
+ * reduction of the gated rows, and write_payload of the first write_rows rows (their slots
+ * and positions are the gate's row vectors). 0 when done; -1 / -2 when the gate / the write
+ * would leave a buffer; 1 when the reduction left rows for Python (nothing written: the
+ * caller runs its own path, then the write). */
+int step_reduce(const StepBlock *b, int64_t frame, const int64_t *row_slots,
+                const int64_t *row_epochs, const int64_t *row_positions, int64_t rows,
+                int64_t write_rows, int64_t threads) {
+    if (gate_rows(b->records[frame], b->capacity, b->width, row_slots, row_epochs,
+                  row_positions, rows, b->requested_by_slot, b->requested, b->chosen,
+                  b->ids_src, b->counts_src, b->ids, b->counts, b->max_ids) != 0)
         return -1;
-    if (((reduce_t)reduce)(block, threads) != 0) return 1;
-    if (write_payload(payload, capacity, tokens, words, out, out_width, requested, row_slots,
-                      row_positions, write_rows) != 0)
+    if (((reduce_t)b->reduce)(b->reduce_block, threads) != 0) return 1;
+    if (write_payload(b->payload[frame], b->capacity, b->tokens, b->words, b->out,
+                      b->out_width, b->requested, row_slots, row_positions, write_rows) != 0)
         return -2;
     return 0;
 }

@@ -44,14 +44,23 @@ def _build() -> ctypes.CDLL | None:
         lib.gate_rows.restype = ctypes.c_int
         lib.write_payload.argtypes = [_P, _I, _I, _I, _P, _I, _P, _P, _P, _I]
         lib.write_payload.restype = ctypes.c_int
-        lib.step_reduce.argtypes = [*lib.gate_rows.argtypes, _P, _P, _I, _P, _I, _I, _P, _I,
-                                    _I]
+        lib.step_reduce.argtypes = [_P, _I, _P, _P, _P, _I, _I, _I]
         lib.step_reduce.restype = ctypes.c_int
     return lib
 
 
 def native_gate() -> ctypes.CDLL | None:
     return built_once(_state, _lock, _build)
+
+
+class StepBlock(ctypes.Structure):
+    """gate.c's StepBlock: step_reduce's arguments that stay the same from step to step."""
+
+    _fields_ = [("records", _P * 2), ("payload", _P * 2), ("capacity", _I), ("width", _I),
+                ("tokens", _I), ("words", _I), ("requested_by_slot", _P), ("requested", _P),
+                ("chosen", _P), ("ids_src", _P), ("counts_src", _P), ("ids", _P),
+                ("counts", _P), ("max_ids", _I), ("reduce", _P), ("reduce_block", _P),
+                ("out", _P), ("out_width", _I)]
 
 
 def _pointer(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> int:
@@ -92,6 +101,8 @@ class NativeStepGate:
         self.out, self.out_width = _pointer("out", out, torch.int32), out.shape[1]
         self.selected = (None, None, None, None)
         self.max_ids = 0
+        self._bound = None
+        """The RepeatedCall whose StepBlock is prepared (see _bind)."""
         if outputs.supports_token_ids:
             self.max_ids = ids.shape[1]
             self.selected = (
@@ -127,17 +138,34 @@ class NativeStepGate:
         """gate, the prepared one-rank reduction ``call`` (kernels' RepeatedCall: its C entry
         and argument block) and write of the first ``write_rows`` rows, in one C call. False
         when the reduction left rows for Python: the gate is done, nothing is written."""
-        if not 0 <= write_rows <= row_slots.shape[0]:
-            raise ValueError(f"write_rows {write_rows} outside [0, {row_slots.shape[0]}]")
+        if self._bound is not call:
+            self._bind(call)
+        rows = self._rows(row_slots, row_epochs, row_positions)
+        if not 0 <= write_rows <= rows:
+            raise ValueError(f"write_rows {write_rows} outside [0, {rows}]")
+        if not 0 <= frame < len(self.records):
+            raise ValueError(f"frame {frame} outside [0, {len(self.records) - 1}]")
         status = self.lib.step_reduce(
-            *self._gate_args(frame, row_slots, row_epochs, row_positions), call.function,
-            call.block, threads, self.payload[frame], self.tokens, self.words, self.out,
-            self.out_width, write_rows)
+            self._block_address, frame, _pointer("row_slots", row_slots, torch.int64),
+            _pointer("row_epochs", row_epochs, torch.int64),
+            _pointer("row_positions", row_positions, torch.int64), rows, write_rows, threads)
         if status == -1:
             raise IndexError(self._GATE_ERROR.format(self.capacity))
         if status == -2:
             raise IndexError(self._WRITE_ERROR.format(self.capacity, self.tokens))
         return status == 0
+
+    def _bind(self, call) -> None:
+        """step_reduce's fixed arguments for ``call``, in one block (built on its first step:
+        one pointer instead of two dozen converted arguments per call)."""
+        ids_src, counts_src, ids, counts = self.selected
+        self._block = StepBlock(
+            (_P * 2)(*self.records), (_P * 2)(*self.payload), self.capacity, self.width,
+            self.tokens, self.words, self.requested_by_slot, self.requested, self.chosen,
+            ids_src, counts_src, ids, counts, self.max_ids, call.function, call.block,
+            self.out, self.out_width)
+        self._block_address = ctypes.addressof(self._block)
+        self._bound = call
 
     def write(self, frame: int, slots: torch.Tensor, positions: torch.Tensor) -> None:
         rows = self._rows(slots, positions)
