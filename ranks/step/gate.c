@@ -82,16 +82,18 @@ typedef struct {
     const void *reduce_block;
     const int32_t *out;
     int64_t out_width;
+    const int64_t *row_slots, *row_epochs, *row_positions;
 } StepBlock;
 
-/* A step's whole reduction at TP1: gate_rows over frame `frame`'s records, the prepared
- * reduction of the gated rows, and write_payload of the first write_rows rows (their slots
- * and positions are the gate's row vectors). 0 when done; -1 / -2 when the gate / the write
- * would leave a buffer; 1 when the reduction left rows for Python (nothing written: the
- * caller runs its own path, then the write). */
-int step_reduce(const StepBlock *b, int64_t frame, const int64_t *row_slots,
-                const int64_t *row_epochs, const int64_t *row_positions, int64_t rows,
-                int64_t write_rows, int64_t threads) {
+/* A step's whole reduction at TP1: gate_rows over frame `frame`'s records and the block's
+ * row vectors (`rows` entries), the prepared reduction of the gated rows, and write_payload
+ * of the first write_rows rows. 0 when done; -1 / -2 when the gate / the write would leave
+ * a buffer; 1 when the reduction left rows for Python (nothing written: the caller runs its
+ * own path, then the write). */
+int step_reduce(const StepBlock *b, int64_t frame, int64_t rows, int64_t write_rows,
+                int64_t threads) {
+    const int64_t *row_slots = b->row_slots, *row_epochs = b->row_epochs;
+    const int64_t *row_positions = b->row_positions;
     if (gate_rows(b->records[frame], b->capacity, b->width, row_slots, row_epochs,
                   row_positions, rows, b->requested_by_slot, b->requested, b->chosen,
                   b->ids_src, b->counts_src, b->ids, b->counts, b->max_ids) != 0)

@@ -14,6 +14,7 @@ import ctypes
 import threading
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from kernels.native import built_once, load_library
@@ -44,7 +45,7 @@ def _build() -> ctypes.CDLL | None:
         lib.gate_rows.restype = ctypes.c_int
         lib.write_payload.argtypes = [_P, _I, _I, _I, _P, _I, _P, _P, _P, _I]
         lib.write_payload.restype = ctypes.c_int
-        lib.step_reduce.argtypes = [_P, _I, _P, _P, _P, _I, _I, _I]
+        lib.step_reduce.argtypes = [_P, _I, _I, _I, _I]
         lib.step_reduce.restype = ctypes.c_int
     return lib
 
@@ -60,7 +61,8 @@ class StepBlock(ctypes.Structure):
                 ("tokens", _I), ("words", _I), ("requested_by_slot", _P), ("requested", _P),
                 ("chosen", _P), ("ids_src", _P), ("counts_src", _P), ("ids", _P),
                 ("counts", _P), ("max_ids", _I), ("reduce", _P), ("reduce_block", _P),
-                ("out", _P), ("out_width", _I)]
+                ("out", _P), ("out_width", _I), ("row_slots", _P), ("row_epochs", _P),
+                ("row_positions", _P)]
 
 
 def _pointer(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> int:
@@ -103,6 +105,9 @@ class NativeStepGate:
         self.max_ids = 0
         self._bound = None
         """The RepeatedCall whose StepBlock is prepared (see _bind)."""
+        self._row_vectors = tuple(np.empty(self.rows, np.int64) for _ in range(3))
+        """step's row slots, epochs and positions, at addresses the StepBlock holds."""
+
         if outputs.supports_token_ids:
             self.max_ids = ids.shape[1]
             self.selected = (
@@ -133,27 +138,35 @@ class NativeStepGate:
         if self.lib.gate_rows(*self._gate_args(frame, row_slots, row_epochs, row_positions)):
             raise IndexError(self._GATE_ERROR.format(self.capacity))
 
-    def step(self, frame: int, row_slots: torch.Tensor, row_epochs: torch.Tensor,
-             row_positions: torch.Tensor, write_rows: int, call, threads: int) -> bool:
+    def step(self, frame: int, row_slots: list[int], row_epochs: list[int],
+             row_positions: list[int], write_rows: int, call, threads: int) -> bool:
         """gate, the prepared one-rank reduction ``call`` (kernels' RepeatedCall: its C entry
-        and argument block) and write of the first ``write_rows`` rows, in one C call. False
-        when the reduction left rows for Python: the gate is done, nothing is written."""
+        and argument block) and write of the first ``write_rows`` rows, in one C call. The
+        row lists (one entry per buffer row) are copied into this object's row vectors
+        (``row_tensors`` views two of them). False when the reduction left rows for Python:
+        the gate is done, nothing is written."""
         if self._bound is not call:
             self._bind(call)
-        rows = self._rows(row_slots, row_epochs, row_positions)
-        if not 0 <= write_rows <= rows:
-            raise ValueError(f"write_rows {write_rows} outside [0, {rows}]")
+        if not 0 <= write_rows <= self.rows:
+            raise ValueError(f"write_rows {write_rows} outside [0, {self.rows}]")
         if not 0 <= frame < len(self.records):
             raise ValueError(f"frame {frame} outside [0, {len(self.records) - 1}]")
-        status = self.lib.step_reduce(
-            self._block_address, frame, _pointer("row_slots", row_slots, torch.int64),
-            _pointer("row_epochs", row_epochs, torch.int64),
-            _pointer("row_positions", row_positions, torch.int64), rows, write_rows, threads)
+        slots, epochs, positions = self._row_vectors
+        slots[:] = row_slots  # (numpy: a list of another length is a ValueError)
+        epochs[:] = row_epochs
+        positions[:] = row_positions
+        status = self.lib.step_reduce(self._block_address, frame, self.rows, write_rows,
+                                      threads)
         if status == -1:
             raise IndexError(self._GATE_ERROR.format(self.capacity))
         if status == -2:
             raise IndexError(self._WRITE_ERROR.format(self.capacity, self.tokens))
         return status == 0
+
+    def row_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last step's row slots and positions (views of the row vectors), for the write
+        after the Python path."""
+        return torch.from_numpy(self._row_vectors[0]), torch.from_numpy(self._row_vectors[2])
 
     def _bind(self, call) -> None:
         """step_reduce's fixed arguments for ``call``, in one block (built on its first step:
@@ -163,7 +176,7 @@ class NativeStepGate:
             (_P * 2)(*self.records), (_P * 2)(*self.payload), self.capacity, self.width,
             self.tokens, self.words, self.requested_by_slot, self.requested, self.chosen,
             ids_src, counts_src, ids, counts, self.max_ids, call.function, call.block,
-            self.out, self.out_width)
+            self.out, self.out_width, *(v.ctypes.data for v in self._row_vectors))
         self._block_address = ctypes.addressof(self._block)
         self._bound = call
 

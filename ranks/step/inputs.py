@@ -5,8 +5,8 @@ plan order: an ordinary sampling item has one row (its last token's), a speculat
 (SlotWork.proposals = p1..pN) has 1 + N contiguous rows, row i being the logits after
 (last, p1..pi), i.e. emitted position i of the slot's record (packed targets). ``row_slots``
 / ``row_epochs`` / ``row_positions`` give each row's physical slot, epoch and emitted
-position as device vectors of the step's ``max_rows`` (-1 past the last row): they are what
-the reduction's gate compares with the committed records.
+position as lists of the step's ``max_rows`` (-1 past the last row): they are what the
+reduction's gate compares with the committed records (it makes them vectors on its device).
 """
 
 from __future__ import annotations
@@ -50,13 +50,13 @@ class StepInputs:
     """int64 [rows]: the token whose logits sampling row r takes."""
     rows: tuple[SampleRow, ...]
     """The sampling work items, in plan order (row order)."""
-    row_slots: torch.Tensor
-    """int64 [max_rows]: sampling row r's slot; -1 past the last row."""
-    row_epochs: torch.Tensor
-    """int64 [max_rows]: sampling row r's slot epoch; -1 past the last row."""
-    row_positions: torch.Tensor
-    """int64 [max_rows]: sampling row r's emitted position in its slot's record (0 for an
-    ordinary sample, i for row i of a round); -1 past the last row."""
+    row_slots: list[int]
+    """[max_rows]: sampling row r's slot; -1 past the last row."""
+    row_epochs: list[int]
+    """[max_rows]: sampling row r's slot epoch; -1 past the last row."""
+    row_positions: list[int]
+    """[max_rows]: sampling row r's emitted position in its slot's record (0 for an ordinary
+    sample, i for row i of a round); -1 past the last row."""
     records: RecordBatch
     """This submission's records so far: the admission records of chunks that do not sample."""
     lanes: dict[int, LaneRequest]
@@ -140,9 +140,9 @@ def prepare_inputs(
         slots=as_long(token_slots),
         logit_index=as_long(logit_index),
         rows=tuple(rows),
-        row_slots=as_long(row_slots),
-        row_epochs=as_long(row_epochs),
-        row_positions=as_long(row_positions),
+        row_slots=row_slots,
+        row_epochs=row_epochs,
+        row_positions=row_positions,
         records=records,
         lanes=lanes,
         scored_index=as_long(scored_index),

@@ -108,25 +108,33 @@ class StepReduction:
         self,
         frame: int,
         logits: torch.Tensor,
-        row_slots: torch.Tensor,
-        row_epochs: torch.Tensor,
-        row_positions: torch.Tensor | None = None,
+        row_slots: list[int],
+        row_epochs: list[int],
+        row_positions: list[int] | None = None,
     ) -> None:
         """Reduce the gated rows of ``logits`` [rows, local_width] into their emitted
-        positions (``row_positions``; all zero when omitted) in ``frame``'s packed output."""
+        positions (``row_positions``; 0 for every row of a slot when omitted) in ``frame``'s
+        packed output. The row lists hold one entry per buffer row (-1 past the last row)."""
         rows = logits.shape[0]
         if row_positions is None:
-            row_positions = torch.where(row_slots >= 0, 0, -1)
+            row_positions = [0 if slot >= 0 else -1 for slot in row_slots]
         if logits.data_ptr() != self.logits.data_ptr():
             self.logits[:rows].copy_(logits)
-        if self.call is not None and self.native.step(
-            frame, row_slots, row_epochs, row_positions, rows, self.call, torch.get_num_threads()
-        ):
-            return  # gate, reduction and write in one C call
-        if self.call is None:  # (else the C call gated the rows, and left some to Python)
-            self.gate(frame, row_slots, row_epochs, row_positions)
+        if self.call is not None:
+            if self.native.step(frame, row_slots, row_epochs, row_positions, rows, self.call,
+                                torch.get_num_threads()):
+                return  # gate, reduction and write in one C call
+            # The C call gated the rows and left some to Python: the driver's own path.
+            slots, positions = self.native.row_tensors()
+            self.driver(self.logits, self.request, self.out)
+            self.write(frame, slots[:rows], positions[:rows])
+            return
+        device = self.rows.device
+        slots, epochs, positions = (torch.tensor(values, dtype=torch.int64, device=device)
+                                    for values in (row_slots, row_epochs, row_positions))
+        self.gate(frame, slots, epochs, positions)
         self.driver(self.logits, self.request, self.out)
-        self.write(frame, row_slots[:rows], row_positions[:rows])
+        self.write(frame, slots[:rows], positions[:rows])
 
     def gate(
         self,

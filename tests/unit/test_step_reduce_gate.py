@@ -127,11 +127,11 @@ def test_one_c_call_per_step_equals_gate_reduce_and_write(vocab: int, ties: bool
                             local_valid=vocab, vocab_size=vocab)
     g = torch.Generator().manual_seed(vocab)
     outputs = CompletionOutputs.allocate(capacity, tokens)
-    slots = torch.tensor([4, 1, 3, 0, -1, -1])
-    epochs = torch.tensor([2, 2, 2, 2, -1, -1])
-    positions = torch.tensor([0, 0, 0, 0, -1, -1])
+    slots = [4, 1, 3, 0, -1, -1]
+    epochs = [2, 2, 2, 2, -1, -1]
+    positions = [0, 0, 0, 0, -1, -1]
     records = outputs.completion_records[frame]
-    for row, slot in enumerate(slots.tolist()[:4]):
+    for row, slot in enumerate(slots[:4]):
         records[slot, SLOT], records[slot, EPOCH], records[slot, KIND] = slot, 2, int(Kind.SAMPLE)
         records[slot, EMITTED], records[slot, FIRST_LOGIT_ROW] = 1, row
         records[slot, HEADER] = (17 * row + 3) % vocab
