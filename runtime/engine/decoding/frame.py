@@ -119,16 +119,17 @@ def _emitting_lanes(
 
 def _gather(words: np.ndarray, slots: list[int], positions: list[int], pairs: int) -> list[WordRow]:
     """Each (slot, position)'s chosen pair and first ``pairs`` alternative pairs, as Python
-    values (ids and FP32 values converted apart: half the objects of converting every word
-    both ways). A few rows are sliced one by one (an advanced index costs more)."""
+    values. A few rows are read one by one (an advanced index costs more), each word both as
+    an int and as a float (four numpy calls); more rows are gathered once and each column is
+    converted the one way it is read (half the objects)."""
     end = FIRST_PAIR + 2 * pairs
     if len(slots) <= FEW_ROWS:
         rows = []
         for slot, position in zip(slots, positions, strict=True):
             row = words[slot, position, :end]
-            floats = row.view(np.float32)
-            rows.append((int(row[CHOSEN_ID]), float(floats[CHOSEN_BITS]),
-                         row[FIRST_PAIR::2].tolist(), floats[FIRST_PAIR + 1 :: 2].tolist()))
+            ints, floats = row.tolist(), row.view(np.float32).tolist()
+            rows.append((ints[CHOSEN_ID], floats[CHOSEN_BITS], ints[FIRST_PAIR::2],
+                         floats[FIRST_PAIR + 1 :: 2]))
         return rows
     block = words[slots, positions, :end]
     return list(zip(block[:, CHOSEN_ID].tolist(),
