@@ -95,18 +95,30 @@ class FrameExecutor:
 
     def _copy(self, frame, requesting, records, payload, words) -> None:
         self.counters.record_bytes += records.numel() * records.element_size()
+        runs = slot_runs(requesting)
         if self._host_source is not None:
             source_records, source_payload = self._host_source
             records.numpy()[:] = source_records[frame]
             if requesting:
                 rows, source = payload.numpy(), source_payload[frame]
-                for slot in requesting:  # (slices: an advanced index costs as much as 16)
-                    rows[slot] = source[slot, :, :words]
+                for start, stop in runs:  # (slices: an advanced index costs as much as 16)
+                    rows[start:stop] = source[start:stop, :, :words]
         else:
             records.copy_(self.outputs.completion_records[frame], non_blocking=True)
             source = self.outputs.completion_logprobs[frame]
-            for slot in requesting:
-                payload[slot].copy_(source[slot, :, :words], non_blocking=True)
+            for start, stop in runs:
+                payload[start:stop].copy_(source[start:stop, :, :words], non_blocking=True)
         if requesting:
             self.counters.payload_bytes += words * 4 * payload.shape[1] * len(requesting)
             self.counters.payload_copies += 1
+
+
+def slot_runs(slots: list[int]) -> list[tuple[int, int]]:
+    """Sorted distinct slots as [start, stop) runs of consecutive slots: one copy per run."""
+    runs: list[tuple[int, int]] = []
+    for slot in slots:
+        if runs and runs[-1][1] == slot:
+            runs[-1] = (runs[-1][0], slot + 1)
+        else:
+            runs.append((slot, slot + 1))
+    return runs
