@@ -89,17 +89,23 @@ class LogprobUploader:
     def upload(self, submission_lanes: Mapping[int, LaneRequest]) -> UploadResult:
         """Validate every lane, then write the full vectors; nothing is written on refusal."""
         capacity = self.outputs.capacity
+        checked = self._checked
+        flags = [0] * capacity
+        counts = [0] * capacity
+        requesting: list[int] = []
+        selecting: list[tuple[int, tuple[int, ...]]] = []
         for slot, lane in submission_lanes.items():
             if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < capacity:
                 raise ValueError(f"slot: expected 0..{capacity - 1}, got {slot!r}")
-            if self._checked.get(slot) is not lane:
+            if checked.get(slot) is not lane:
                 self.check(lane)
-        self._checked.update(submission_lanes)
-        flags = [0] * capacity
-        counts = [0] * capacity
-        for slot, lane in submission_lanes.items():
-            flags[slot] = int(lane.requesting)
-            counts[slot] = lane.selected_count
+            if lane.logprobs is not None or lane.token_ids is not None:
+                flags[slot] = 1
+                requesting.append(slot)
+            if lane.token_ids:
+                counts[slot] = len(lane.token_ids)
+                selecting.append((slot, lane.token_ids))
+        checked.update(submission_lanes)
         outputs = self.outputs
         if self.host:
             outputs.logprob_requested.numpy()[:] = flags
@@ -109,10 +115,9 @@ class LogprobUploader:
             outputs.logprob_requested.copy_(torch.tensor(flags, dtype=torch.int32))
             if outputs.logprob_token_id_counts is not None:
                 outputs.logprob_token_id_counts.copy_(torch.tensor(counts, dtype=torch.int32))
-        for slot, lane in sorted(submission_lanes.items()):
-            if lane.token_ids:
-                prefix = torch.tensor(lane.token_ids, dtype=torch.int32)
-                outputs.logprob_token_ids[slot, : len(prefix)].copy_(prefix)
-        requesting = tuple(slot for slot in sorted(submission_lanes) if flags[slot])
-        width = max([self.k, *counts]) if requesting else 0
-        return UploadResult(requesting_slots=requesting, copy_width=width)
+        for slot, token_ids in selecting:
+            prefix = torch.tensor(token_ids, dtype=torch.int32)
+            outputs.logprob_token_ids[slot, : len(prefix)].copy_(prefix)
+        requesting.sort()
+        width = max([self.k, *(len(ids) for _, ids in selecting)]) if requesting else 0
+        return UploadResult(requesting_slots=tuple(requesting), copy_width=width)
