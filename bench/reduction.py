@@ -32,11 +32,12 @@ a device-to-device copy of the same logits measured in the same run (read + writ
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -79,6 +80,21 @@ def time_pair(
     return [statistics.median(s) for s in samples]
 
 
+@contextlib.contextmanager
+def quiet_stderr() -> Iterator[None]:
+    """File descriptor 2 to /dev/null: the CPU profiler of some torch builds prints two
+    "USDT ... profiler_start/stop" lines per session there."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def peak_extra_bytes(fn: Callable[[], object], device: torch.device) -> int:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -89,7 +105,7 @@ def peak_extra_bytes(fn: Callable[[], object], device: torch.device) -> int:
         return torch.cuda.max_memory_allocated(device) - before
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
     live = peak = 0
