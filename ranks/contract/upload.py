@@ -29,10 +29,6 @@ class LaneRequest:
     def requesting(self) -> bool:
         return self.logprobs is not None or self.token_ids is not None
 
-    @property
-    def selected_count(self) -> int:
-        return len(self.token_ids) if self.token_ids is not None else 0
-
 
 @dataclass(frozen=True)
 class UploadResult:
@@ -99,7 +95,7 @@ class LogprobUploader:
                 raise ValueError(f"slot: expected 0..{capacity - 1}, got {slot!r}")
             if checked.get(slot) is not lane:
                 self.check(lane)
-            if lane.logprobs is not None or lane.token_ids is not None:
+            if lane.requesting:
                 flags[slot] = 1
                 requesting.append(slot)
             if lane.token_ids:

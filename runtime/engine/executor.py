@@ -114,7 +114,7 @@ class FrameExecutor:
 
 
 def slot_runs(slots: list[int]) -> list[tuple[int, int]]:
-    """Sorted distinct slots as [start, stop) runs of consecutive slots: one copy per run."""
+    """The slots as [start, stop) runs of consecutive ones, in their order: one copy per run."""
     runs: list[tuple[int, int]] = []
     for slot in slots:
         if runs and runs[-1][1] == slot:
