@@ -126,13 +126,11 @@ class StepReduction:
                 return  # gate, reduction and write in one C call
             # The C call gated the rows and left some to Python: the driver's own path.
             slots, positions = self.native.row_tensors()
-            self.driver(self.logits, self.request, self.out)
-            self.write(frame, slots[:rows], positions[:rows])
-            return
-        device = self.rows.device
-        slots, epochs, positions = (torch.tensor(values, dtype=torch.int64, device=device)
-                                    for values in (row_slots, row_epochs, row_positions))
-        self.gate(frame, slots, epochs, positions)
+        else:
+            device = self.rows.device
+            slots, epochs, positions = (torch.tensor(values, dtype=torch.int64, device=device)
+                                        for values in (row_slots, row_epochs, row_positions))
+            self.gate(frame, slots, epochs, positions)
         self.driver(self.logits, self.request, self.out)
         self.write(frame, slots[:rows], positions[:rows])
 
