@@ -13,6 +13,8 @@ import threading
 import torch
 
 from kernels.noise.philox import (
+    BOUND_OFFSET,
+    BOUND_SCALE,
     GUMBEL_SPAN,
     gumbel_bounds,
     gumbel_noise,
@@ -20,6 +22,7 @@ from kernels.noise.philox import (
     seed_words,
     uniform_of,
 )
+from kernels.noise.philox_native import native_candidates
 from ranks.sampler_filters import NO_ID, empty_best, score_keys
 
 ROW_NOISE_MIN_WIDTH = 16384
@@ -63,10 +66,8 @@ def gumbel_best(
         # is enough to estimate whether most lanes remain candidates.
         sample = x[:, ::_ESTIMATE_STRIDE] >= low.unsqueeze(1)
         dense = torch.nonzero(sample.sum(dim=1) * 2 > sample.shape[1]).flatten().tolist()
-    for i in dense:
-        key, lane = dense_row_best(x[i], int(seeds[i]), int(positions[i]), vocab_start,
-                                   float(xmax[i]))
-        best[i], best_id[i] = key, lane + vocab_start
+    if dense:
+        _dense_rows(x, dense, seeds, positions, vocab_start, xmax, best, best_id)
     if len(dense) == n:
         return best, best_id
     rows = None
@@ -79,11 +80,49 @@ def gumbel_best(
         if rows is not None:
             row = rows.index_select(0, row)
         ids = lane + vocab_start
-        key = score_keys(values + gumbel_noise(seeds[row], positions[row], ids))
-        best.scatter_reduce_(0, row, key, reduce="amax")
-        tied = torch.where(key == best[row], ids, NO_ID)
-        best_id.scatter_reduce_(0, row, tied, reduce="amin")
+        _settle(best, best_id, row, ids, values + gumbel_noise(seeds[row], positions[row], ids))
     return best, best_id
+
+
+def _settle(best: torch.Tensor, best_id: torch.Tensor, row: torch.Tensor, ids: torch.Tensor,
+            scores: torch.Tensor) -> None:
+    """Fold candidate lanes (their rows, global ids and exact float64 scores) into the rows'
+    best (score key, id): the largest key, the smallest id among equal keys."""
+    key = score_keys(scores)
+    best.scatter_reduce_(0, row, key, reduce="amax")
+    tied = torch.where(key == best[row], ids, NO_ID)
+    best_id.scatter_reduce_(0, row, tied, reduce="amin")
+
+
+def _dense_rows(x: torch.Tensor, dense: list[int], seeds: torch.Tensor, positions: torch.Tensor,
+                vocab_start: int, xmax: torch.Tensor, best: torch.Tensor,
+                best_id: torch.Tensor) -> None:
+    """best and best_id of the dense rows. Compiled code finds the few lanes of each that
+    can still win (native_candidates), and their exact scores are computed here, as
+    dense_row_best computes them; rows it cannot take go through dense_row_best."""
+    width = x.shape[1]
+    maxima = xmax.tolist()
+    plain = [i for i in dense if math.isfinite(maxima[i]) and abs(maxima[i]) <= DENSE_X_LIMIT]
+    found = None
+    if plain and vocab_start + width <= 2**31:
+        seed_list, position_list = seeds.tolist(), positions.tolist()
+        found = native_candidates(x, plain, [seed_list[i] for i in plain],
+                                  [position_list[i] for i in plain], vocab_start,
+                                  BOUND_OFFSET, BOUND_SCALE, torch.get_num_threads())
+    rest = dense
+    if found is not None:
+        left, owners, lanes, bits = found
+        searched = set(plain) - set(left)
+        rest = [i for i in dense if i not in searched]
+        if owners:
+            row = torch.tensor(owners, dtype=torch.int64, device=x.device)
+            noise = uniform_of(bits).log_().neg_().log_().neg_()
+            _settle(best, best_id, row, lanes + vocab_start,
+                    x[row, lanes].to(torch.float64) + noise)
+    for i in rest:
+        key, lane = dense_row_best(x[i], int(seeds[i]), int(positions[i]), vocab_start,
+                                   maxima[i])
+        best[i], best_id[i] = key, lane + vocab_start
 
 
 class _RowBuffers(threading.local):

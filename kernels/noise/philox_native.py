@@ -1,132 +1,40 @@
-"""Philox bits for one CPU row in compiled code, when a C compiler is at hand.
+"""Philox bits and the Gumbel-max candidate search of CPU rows in compiled code
+(kernels/noise/philox.c), when a C compiler is at hand.
 
 ``native_bits(ids, position, k0, k1, out)`` writes the same int64 m = (w0 << 20) | (w1 >> 12)
 as ``kernels.noise.philox.philox_bits`` (integer arithmetic only, so the bits are identical, not
-merely close). The C source below is compiled once per source hash with the system C
-compiler (``$CC``, else ``cc``) into a per-user cache directory and loaded with ctypes. Without
-a compiler, on failure, off x86/aarch64 CPUs, or with ``HELIOS_NATIVE_PHILOX=0``,
-``available()`` is False and callers keep the torch path. ``native_gumbel_bounds`` is the
-same for kernels.noise.philox.gumbel_bounds (float32, rounded as the torch path rounds it). Tests
-compare both paths.
+merely close). ``native_gumbel_bounds`` is the same for kernels.noise.philox.gumbel_bounds
+(float32, rounded as the torch path rounds it). ``native_candidates`` finds the few lanes of
+each sampled row that can still win its Gumbel-max (ranks/sampler_gumbel.py scores them). The
+C file is compiled once per source hash with the system C compiler (``$CC``, else ``cc``) into
+a per-user cache directory and loaded with ctypes. Without a compiler, on failure, off
+x86/aarch64 CPUs, or with ``HELIOS_NATIVE_PHILOX=0``, ``available()`` is False and callers
+keep the torch path. Tests compare both paths.
 """
 
 from __future__ import annotations
 
 import ctypes
 import threading
+from pathlib import Path
 
 import torch
 
-from kernels.native import built_once, load_library
+from kernels.native import built_once, load_library, torch_openmp
 
-# Why this layout: with SSE2 (baseline x86-64), _mm_mul_epu32 multiplies the low 32-bit half
-# of each 64-bit slot, giving the full 64-bit product. Each state word lives in the low half
-# of a 64-bit slot; its high half may hold garbage, because a product reads only the low
-# half and every other use is an XOR whose garbage never reaches a low half. So a word costs
-# one multiply, one shift and two XORs per round, with no masking; two registers per
-# iteration (four lanes) keep the multiplier busy. The tail and non-x86 builds use the plain
-# scalar loop, which is the Random123 definition.
-_SOURCE = r"""
-#include <stdint.h>
-#define M0 0xD2511F53u
-#define M1 0xCD9E8D57u
-#define W0 0x9E3779B9u
-#define W1 0xBB67AE85u
-
-static void scalar_bits(const int64_t *ids, int64_t start, int64_t n, uint32_t pos,
-                        uint32_t k0, uint32_t k1, int64_t *out)
-{
-    for (int64_t i = start; i < n; i++) {
-        uint32_t x0 = (uint32_t)ids[i], x1 = pos, x2 = 0, x3 = 0, a = k0, b = k1;
-        for (int r = 0; r < 10; r++) {
-            uint64_t p0 = (uint64_t)M0 * x0, p1 = (uint64_t)M1 * x2;
-            x0 = (uint32_t)(p1 >> 32) ^ x1 ^ a;
-            x1 = (uint32_t)p1;
-            x2 = (uint32_t)(p0 >> 32) ^ x3 ^ b;
-            x3 = (uint32_t)p0;
-            a += W0;
-            b += W1;
-        }
-        out[i] = ((int64_t)x0 << 20) | (int64_t)(x1 >> 12);
-    }
-}
-
-#if defined(__SSE2__)
-#include <emmintrin.h>
-void philox_bits(const int64_t *ids, int64_t n, uint32_t pos, uint32_t k0, uint32_t k1,
-                 int64_t *out)
-{
-    const __m128i m0 = _mm_set1_epi64x(M0), m1 = _mm_set1_epi64x(M1);
-    const __m128i low = _mm_set1_epi64x(0xFFFFFFFFll);
-    __m128i ka[10], kb[10];
-    uint32_t a = k0, b = k1;
-    for (int r = 0; r < 10; r++) {
-        ka[r] = _mm_set1_epi64x(a);
-        kb[r] = _mm_set1_epi64x(b);
-        a += W0;
-        b += W1;
-    }
-    int64_t i = 0;
-    for (; i + 4 <= n; i += 4) {
-        __m128i x0 = _mm_loadu_si128((const __m128i *)(ids + i));
-        __m128i y0 = _mm_loadu_si128((const __m128i *)(ids + i + 2));
-        __m128i x1 = _mm_set1_epi64x(pos), y1 = x1;
-        __m128i x2 = _mm_setzero_si128(), y2 = x2, x3 = x2, y3 = x2;
-        for (int r = 0; r < 10; r++) {
-            __m128i p0 = _mm_mul_epu32(x0, m0), p1 = _mm_mul_epu32(x2, m1);
-            __m128i q0 = _mm_mul_epu32(y0, m0), q1 = _mm_mul_epu32(y2, m1);
-            x0 = _mm_xor_si128(_mm_xor_si128(_mm_srli_epi64(p1, 32), x1), ka[r]);
-            x2 = _mm_xor_si128(_mm_xor_si128(_mm_srli_epi64(p0, 32), x3), kb[r]);
-            y0 = _mm_xor_si128(_mm_xor_si128(_mm_srli_epi64(q1, 32), y1), ka[r]);
-            y2 = _mm_xor_si128(_mm_xor_si128(_mm_srli_epi64(q0, 32), y3), kb[r]);
-            x1 = p1;
-            x3 = p0;
-            y1 = q1;
-            y3 = q0;
-        }
-        x0 = _mm_or_si128(_mm_slli_epi64(_mm_and_si128(x0, low), 20),
-                          _mm_srli_epi64(_mm_and_si128(x1, low), 12));
-        y0 = _mm_or_si128(_mm_slli_epi64(_mm_and_si128(y0, low), 20),
-                          _mm_srli_epi64(_mm_and_si128(y1, low), 12));
-        _mm_storeu_si128((__m128i *)(out + i), x0);
-        _mm_storeu_si128((__m128i *)(out + i + 2), y0);
-    }
-    scalar_bits(ids, i, n, pos, k0, k1, out);
-}
-#else
-void philox_bits(const int64_t *ids, int64_t n, uint32_t pos, uint32_t k0, uint32_t k1,
-                 int64_t *out)
-{
-    scalar_bits(ids, 0, n, pos, k0, k1, out);
-}
-#endif
-
-/* One key and position per lane (the sparse Gumbel-max path: lanes of several rows). */
-void philox_bits_lanes(const int64_t *ids, const int64_t *pos, const int64_t *k0,
-                       const int64_t *k1, int64_t n, int64_t *out)
-{
-    for (int64_t i = 0; i < n; i++)
-        scalar_bits(ids + i, 0, 1, (uint32_t)pos[i], (uint32_t)k0[i], (uint32_t)k1[i], out + i);
-}
-
-void gumbel_bounds(const int64_t *m, int64_t n, float c0, float c1, float *out)
-{
-    for (int64_t i = 0; i < n; i++) {
-        union { float f; int32_t b; } h;
-        h.f = (float)(int32_t)((uint64_t)(m[i] ^ 0xFFFFFFFFFFFFFll) >> 21);
-        out[i] = c0 - c1 * (float)h.b;
-    }
-}
-"""
-
-_FLAGS = ("-O3", "-fPIC", "-shared", "-ffp-contract=off")
+_SOURCE = (Path(__file__).parent / "philox.c").read_text()
+_FLAGS = ("-O3", "-fPIC", "-shared", "-ffp-contract=off", "-fopenmp-simd", "-lm")
 _ENV_SWITCH = "HELIOS_NATIVE_PHILOX"
 _LOCK = threading.Lock()
 _STATE: dict[str, object] = {}
 
 
 def _build() -> ctypes.CDLL | None:
-    lib = load_library("philox", _SOURCE, _FLAGS, _ENV_SWITCH)
+    lib = None
+    if torch_openmp():  # (rows fan out on torch's OpenMP threads, as in the reduction)
+        lib = load_library("philox", _SOURCE, (*_FLAGS, "-fopenmp"), _ENV_SWITCH, quiet=True)
+    if lib is None:
+        lib = load_library("philox", _SOURCE, _FLAGS, _ENV_SWITCH)
     if lib is None:
         return None
     fn = lib.philox_bits
@@ -140,6 +48,11 @@ def _build() -> ctypes.CDLL | None:
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_float,
                    ctypes.c_void_p]
+    fn = lib.gumbel_candidates
+    fn.restype = None
+    i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+    fn.argtypes = [ptr, i64, ptr, i64, i64, i64, ptr, ptr, ptr, f32, f32, ptr, ptr, ptr, i64,
+                   ptr, ptr, ptr, i64]
     return lib
 
 
@@ -196,3 +109,52 @@ def native_gumbel_bounds(m: torch.Tensor, c0: float, c1: float, out: torch.Tenso
         return False
     lib.gumbel_bounds(m.data_ptr(), m.numel(), c0, c1, out.data_ptr())
     return True
+
+
+CANDIDATE_CAP = 512
+"""Candidates a row may have in native_candidates before it is left to the caller's path."""
+
+BLOCK_LANES = 128
+"""philox.c's BLOCK: lanes per block maximum."""
+
+
+def native_candidates(x: torch.Tensor, rows: list[int], seeds: list[int], positions: list[int],
+                      vocab_start: int, c0: float, c1: float, threads: int
+                      ) -> tuple[list[int], list[int], torch.Tensor, torch.Tensor] | None:
+    """The lanes of rows `rows` of x (float32 [n, width], CPU, unit lane stride; each row's
+    maximum finite and of size <= 1e6; ids below 2**31) that can still win the row's
+    Gumbel-max with its seed and position, and their bits (philox.c's gumbel_candidates says
+    how they are found; c0 and c1 are gumbel_bounds' constants). Returns (left, owners,
+    lanes, bits): the rows that had more than CANDIDATE_CAP candidates (not searched), and
+    every other row's candidates: the row of each, its lane and its bits (int64 tensors).
+    None when not applicable (nothing computed)."""
+    n_rows = len(rows)
+    if (x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2
+            or x.stride(1) != 1 or n_rows == 0):
+        return None
+    lib = _lib()
+    if lib is None:
+        return None
+    width = x.shape[1]
+    keys = torch.tensor([rows, positions, seeds, [s >> 32 for s in seeds]], dtype=torch.int64)
+    blocks = -(-width // BLOCK_LANES)
+    jobs = max(n_rows, threads)
+    maxima = torch.empty(n_rows * blocks, dtype=torch.float32)
+    lead_value = torch.empty(jobs, dtype=torch.float32)
+    lead_block = torch.empty(jobs, dtype=torch.int64)
+    counts = torch.empty(n_rows, dtype=torch.int64)
+    lanes = torch.empty(n_rows * CANDIDATE_CAP, dtype=torch.int64)
+    bits = torch.empty(n_rows * CANDIDATE_CAP, dtype=torch.int64)
+    row_ptr, pos_ptr, k0_ptr, k1_ptr = (keys[i].data_ptr() for i in range(4))
+    lib.gumbel_candidates(
+        x.data_ptr(), x.stride(0), row_ptr, n_rows, width, vocab_start, pos_ptr, k0_ptr,
+        k1_ptr, c0, c1, maxima.data_ptr(), lead_value.data_ptr(), lead_block.data_ptr(),
+        CANDIDATE_CAP, counts.data_ptr(), lanes.data_ptr(), bits.data_ptr(), max(1, threads))
+    found = counts.tolist()
+    left = [row for row, count in zip(rows, found, strict=True) if count < 0]
+    owners, slots = [], []
+    for k, count in enumerate(found):
+        owners += [rows[k]] * max(count, 0)
+        slots += range(k * CANDIDATE_CAP, k * CANDIDATE_CAP + count)
+    index = torch.tensor(slots, dtype=torch.int64)
+    return left, owners, lanes.index_select(0, index), bits.index_select(0, index)

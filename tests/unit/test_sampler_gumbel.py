@@ -5,7 +5,7 @@ import torch
 
 import kernels.noise.philox_native as native
 import ranks.sampler_gumbel as gumbel
-from kernels.noise.philox import gumbel_noise
+from kernels.noise.philox import gumbel_bounds, gumbel_noise, philox_bits, seed_words
 from ranks.sampler import ShardedSampler
 from ranks.sampler_filters import score_keys
 from ranks.sampler_gumbel import gumbel_best
@@ -85,23 +85,89 @@ def test_many_random_rows_with_forced_dense_path(monkeypatch):
 
 def test_dense_row_tie_picks_the_smallest_id(monkeypatch, path):
     """Equal scores: the winning lane's bits copied to a smaller and a larger lane of a flat
-    row (equal noise, equal value) make a three-way tie; the smallest id must win."""
-    real = gumbel.philox_bits
+    row (equal noise, equal value) make a three-way tie; the smallest id must win. The torch
+    path draws the copies through philox_bits; the native path gets them as candidates."""
     width = 20_000
     first = torch.empty(width, dtype=torch.int64)
-    real(torch.arange(width), 8, 4, 0, out=first)
+    gumbel.philox_bits(torch.arange(width), 8, 4, 0, out=first)
     winner = int(torch.argmax(first))
     assert 100 < winner < width - 1
+    if path == "torch":
+        real_bits = gumbel.philox_bits
 
-    def tied_bits(ids, position, k0, k1, out=None, *, clean=False):
-        out = real(ids, position, k0, k1, out=out, clean=clean)
-        out[100] = out[winner]
-        out[width - 1] = out[winner]
-        return out
+        def tied_bits(ids, position, k0, k1, out=None, *, clean=False):
+            out = real_bits(ids, position, k0, k1, out=out, clean=clean)
+            out[100] = out[winner]
+            out[width - 1] = out[winner]
+            return out
 
-    monkeypatch.setattr(gumbel, "philox_bits", tied_bits)
+        monkeypatch.setattr(gumbel, "philox_bits", tied_bits)
+    else:
+        real_search = gumbel.native_candidates
+
+        def tied_candidates(*args):
+            left, owners, lanes, bits = real_search(*args)
+            assert winner in lanes.tolist()
+            copies = torch.tensor([width - 1, 100])
+            return (left, owners + [0, 0], torch.cat((lanes, copies)),
+                    torch.cat((bits, first[[winner, winner]])))
+
+        monkeypatch.setattr(gumbel, "native_candidates", tied_candidates)
     key, gid = gumbel_best(torch.zeros(1, width), torch.tensor([4]), torch.tensor([8]), 0)
     assert int(gid[0]) == 100
+
+
+needs_native = pytest.mark.skipif(not native.available(), reason="no C compiler")
+
+
+@needs_native
+@pytest.mark.parametrize("kind", KINDS)
+def test_native_candidates_hold_the_winner_with_its_bits_at_any_thread_count(kind):
+    """The compiled search keeps every row's exhaustive winner, hands back each candidate's
+    own bits, and finds the same lanes whether a row is one job or split over threads (odd
+    width: a partial last block)."""
+    width, rows = 40_001, 3
+    x = rows_of(kind, rows, width, 50 + KINDS.index(kind))
+    if kind == "huge":
+        x = x - 3e6 + 9e5  # (rows beyond the margins' limit never reach the search)
+    seeds, positions = [3, -(2**63), 2**62 + 1], [1, 2**32 - 1, 40]
+    want = exhaustive(x, torch.tensor(seeds), torch.tensor(positions), 5)[1]
+    found = {}
+    for threads in (1, 2, 5):
+        left, owners, lanes, bits = native.native_candidates(
+            x, [0, 1, 2], seeds, positions, 5, gumbel.BOUND_OFFSET, gumbel.BOUND_SCALE, threads)
+        assert left == []
+        found[threads] = (owners, lanes.tolist(), bits.tolist())
+        for row in range(rows):
+            assert int(want[row]) - 5 in [lane for o, lane in zip(owners, lanes.tolist(),
+                                                                  strict=True) if o == row]
+        for owner, lane, m in zip(owners, lanes.tolist(), bits.tolist(), strict=True):
+            k0, k1 = seed_words(seeds[owner])
+            assert m == int(philox_bits(torch.tensor([lane + 5]), positions[owner], k0, k1)[0])
+    assert found[1] == found[2] == found[5]
+
+
+@needs_native
+def test_rows_over_the_candidate_cap_take_the_row_path(monkeypatch):
+    """A row whose values cancel its lanes' noise bounds (every bound equal) makes every lane
+    a candidate: the search hands it back, and dense_row_best still finds the exhaustive
+    winner; the ordinary row beside it is searched."""
+    real_search, handed_back = gumbel.native_candidates, []
+
+    def recording(*args):
+        result = real_search(*args)
+        handed_back.extend(result[0])
+        return result
+
+    monkeypatch.setattr(gumbel, "native_candidates", recording)
+    width, seeds, positions = 17_000, torch.tensor([1, 2]), torch.tensor([9, 8])
+    k0, k1 = seed_words(1)
+    x = rows_of("normal", 2, width, 3)
+    x[0] = -gumbel_bounds(philox_bits(torch.arange(width), 9, k0, k1))
+    got = gumbel_best(x, seeds, positions, vocab_start=0)
+    want = exhaustive(x, seeds, positions, 0)
+    assert handed_back == [0]
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 PARAMS = [

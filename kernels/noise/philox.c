@@ -1,0 +1,325 @@
+/* Philox4x32-10 bits and the Gumbel-max candidate search of CPU rows, in compiled code
+   (kernels/noise/philox_native.py binds it; kernels/noise/philox.py is the torch definition).
+
+   Bits: m = (w0 << 20) | (w1 >> 12) of Philox4x32-10 with counter (id, position, 0, 0) and
+   key (k0, k1), integer arithmetic only, so every path writes the same bits.
+
+   Why the vector layout: _mm_mul_epu32 / _mm256_mul_epu32 multiply the low 32-bit half of
+   each 64-bit slot, giving the full 64-bit product. Each state word lives in the low half of
+   a 64-bit slot; its high half may hold garbage, because a product reads only the low half
+   and every other use is an XOR whose garbage never reaches a low half. So a word costs one
+   multiply, one shift and two XORs per round, with no masking; two registers per iteration
+   keep the multiplier busy. SSE2 (baseline x86-64) takes 4 lanes per iteration, AVX2 (chosen
+   at run time) 8. The tail and non-x86 builds use the plain scalar loop, which is the
+   Random123 definition. */
+#include <math.h>
+#include <stdint.h>
+
+#define M0 0xD2511F53u
+#define M1 0xCD9E8D57u
+#define W0 0x9E3779B9u
+#define W1 0xBB67AE85u
+#define BLOCK 128
+
+static void scalar_bits(const int64_t *ids, int64_t start, int64_t n, uint32_t pos,
+                        uint32_t k0, uint32_t k1, int64_t *out)
+{
+    for (int64_t i = start; i < n; i++) {
+        uint32_t x0 = (uint32_t)ids[i], x1 = pos, x2 = 0, x3 = 0, a = k0, b = k1;
+        for (int r = 0; r < 10; r++) {
+            uint64_t p0 = (uint64_t)M0 * x0, p1 = (uint64_t)M1 * x2;
+            x0 = (uint32_t)(p1 >> 32) ^ x1 ^ a;
+            x1 = (uint32_t)p1;
+            x2 = (uint32_t)(p0 >> 32) ^ x3 ^ b;
+            x3 = (uint32_t)p0;
+            a += W0;
+            b += W1;
+        }
+        out[i] = ((int64_t)x0 << 20) | (int64_t)(x1 >> 12);
+    }
+}
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+/* 4 lanes per iteration (SSE2); returns the lanes done. */
+static int64_t sse2_bits(const int64_t *ids, int64_t n, uint32_t pos, uint32_t k0, uint32_t k1,
+                         int64_t *out)
+{
+    const __m128i m0 = _mm_set1_epi64x(M0), m1 = _mm_set1_epi64x(M1);
+    const __m128i low = _mm_set1_epi64x(0xFFFFFFFFll);
+    __m128i ka[10], kb[10];
+    uint32_t a = k0, b = k1;
+    for (int r = 0; r < 10; r++) {
+        ka[r] = _mm_set1_epi64x(a);
+        kb[r] = _mm_set1_epi64x(b);
+        a += W0;
+        b += W1;
+    }
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        __m128i x0 = _mm_loadu_si128((const __m128i *)(ids + i));
+        __m128i y0 = _mm_loadu_si128((const __m128i *)(ids + i + 2));
+        __m128i x1 = _mm_set1_epi64x(pos), y1 = x1;
+        __m128i x2 = _mm_setzero_si128(), y2 = x2, x3 = x2, y3 = x2;
+        for (int r = 0; r < 10; r++) {
+            __m128i p0 = _mm_mul_epu32(x0, m0), p1 = _mm_mul_epu32(x2, m1);
+            __m128i q0 = _mm_mul_epu32(y0, m0), q1 = _mm_mul_epu32(y2, m1);
+            x0 = _mm_xor_si128(_mm_xor_si128(_mm_srli_epi64(p1, 32), x1), ka[r]);
+            x2 = _mm_xor_si128(_mm_xor_si128(_mm_srli_epi64(p0, 32), x3), kb[r]);
+            y0 = _mm_xor_si128(_mm_xor_si128(_mm_srli_epi64(q1, 32), y1), ka[r]);
+            y2 = _mm_xor_si128(_mm_xor_si128(_mm_srli_epi64(q0, 32), y3), kb[r]);
+            x1 = p1;
+            x3 = p0;
+            y1 = q1;
+            y3 = q0;
+        }
+        x0 = _mm_or_si128(_mm_slli_epi64(_mm_and_si128(x0, low), 20),
+                          _mm_srli_epi64(_mm_and_si128(x1, low), 12));
+        y0 = _mm_or_si128(_mm_slli_epi64(_mm_and_si128(y0, low), 20),
+                          _mm_srli_epi64(_mm_and_si128(y1, low), 12));
+        _mm_storeu_si128((__m128i *)(out + i), x0);
+        _mm_storeu_si128((__m128i *)(out + i + 2), y0);
+    }
+    return i;
+}
+
+/* The same with 8 lanes per iteration (AVX2, when the CPU has it). */
+__attribute__((target("avx2")))
+static int64_t avx2_bits(const int64_t *ids, int64_t n, uint32_t pos, uint32_t k0, uint32_t k1,
+                         int64_t *out)
+{
+    const __m256i m0 = _mm256_set1_epi64x(M0), m1 = _mm256_set1_epi64x(M1);
+    const __m256i low = _mm256_set1_epi64x(0xFFFFFFFFll);
+    __m256i ka[10], kb[10];
+    uint32_t a = k0, b = k1;
+    for (int r = 0; r < 10; r++) {
+        ka[r] = _mm256_set1_epi64x(a);
+        kb[r] = _mm256_set1_epi64x(b);
+        a += W0;
+        b += W1;
+    }
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256i x0 = _mm256_loadu_si256((const __m256i *)(ids + i));
+        __m256i y0 = _mm256_loadu_si256((const __m256i *)(ids + i + 4));
+        __m256i x1 = _mm256_set1_epi64x(pos), y1 = x1;
+        __m256i x2 = _mm256_setzero_si256(), y2 = x2, x3 = x2, y3 = x2;
+        for (int r = 0; r < 10; r++) {
+            __m256i p0 = _mm256_mul_epu32(x0, m0), p1 = _mm256_mul_epu32(x2, m1);
+            __m256i q0 = _mm256_mul_epu32(y0, m0), q1 = _mm256_mul_epu32(y2, m1);
+            x0 = _mm256_xor_si256(_mm256_xor_si256(_mm256_srli_epi64(p1, 32), x1), ka[r]);
+            x2 = _mm256_xor_si256(_mm256_xor_si256(_mm256_srli_epi64(p0, 32), x3), kb[r]);
+            y0 = _mm256_xor_si256(_mm256_xor_si256(_mm256_srli_epi64(q1, 32), y1), ka[r]);
+            y2 = _mm256_xor_si256(_mm256_xor_si256(_mm256_srli_epi64(q0, 32), y3), kb[r]);
+            x1 = p1;
+            x3 = p0;
+            y1 = q1;
+            y3 = q0;
+        }
+        x0 = _mm256_or_si256(_mm256_slli_epi64(_mm256_and_si256(x0, low), 20),
+                             _mm256_srli_epi64(_mm256_and_si256(x1, low), 12));
+        y0 = _mm256_or_si256(_mm256_slli_epi64(_mm256_and_si256(y0, low), 20),
+                             _mm256_srli_epi64(_mm256_and_si256(y1, low), 12));
+        _mm256_storeu_si256((__m256i *)(out + i), x0);
+        _mm256_storeu_si256((__m256i *)(out + i + 4), y0);
+    }
+    return i;
+}
+
+static int avx2_state = -1; /* -1: not asked yet */
+
+static int has_avx2(void)
+{
+    if (avx2_state < 0) {
+        __builtin_cpu_init();
+        avx2_state = __builtin_cpu_supports("avx2") ? 1 : 0;
+    }
+    return avx2_state;
+}
+
+static int64_t vector_bits(const int64_t *ids, int64_t n, uint32_t pos, uint32_t k0,
+                           uint32_t k1, int64_t *out)
+{
+    return has_avx2() ? avx2_bits(ids, n, pos, k0, k1, out)
+                      : sse2_bits(ids, n, pos, k0, k1, out);
+}
+#else
+static int64_t vector_bits(const int64_t *ids, int64_t n, uint32_t pos, uint32_t k0,
+                           uint32_t k1, int64_t *out)
+{
+    (void)ids, (void)n, (void)pos, (void)k0, (void)k1, (void)out;
+    return 0;
+}
+#endif
+
+void philox_bits(const int64_t *ids, int64_t n, uint32_t pos, uint32_t k0, uint32_t k1,
+                 int64_t *out)
+{
+    scalar_bits(ids, vector_bits(ids, n, pos, k0, k1, out), n, pos, k0, k1, out);
+}
+
+/* One key and position per lane (the sparse Gumbel-max path: lanes of several rows). */
+void philox_bits_lanes(const int64_t *ids, const int64_t *pos, const int64_t *k0,
+                       const int64_t *k1, int64_t n, int64_t *out)
+{
+    for (int64_t i = 0; i < n; i++)
+        scalar_bits(ids + i, 0, 1, (uint32_t)pos[i], (uint32_t)k0[i], (uint32_t)k1[i], out + i);
+}
+
+/* The FP32 noise bound of bits m: c0 - c1 * (the int32 pattern of FP32(h)), h = (2**52 - 1 - m)
+   >> 21, rounded step by step as kernels.noise.philox.gumbel_bounds rounds it (no contraction:
+   built with -ffp-contract=off). */
+static inline float bound_of(int64_t m, float c0, float c1)
+{
+    union { float f; int32_t b; } h;
+    h.f = (float)(int32_t)((uint64_t)(m ^ 0xFFFFFFFFFFFFFll) >> 21);
+    return c0 - c1 * (float)h.b;
+}
+
+void gumbel_bounds(const int64_t *m, int64_t n, float c0, float c1, float *out)
+{
+    for (int64_t i = 0; i < n; i++) out[i] = bound_of(m[i], c0, c1);
+}
+
+/* ---- The Gumbel-max candidates of dense rows (ranks/sampler_gumbel.py) -------------------
+
+   A row's score of lane j is float64(x[j]) + noise(m_j), noise = -log(-log(u)), u = (m + 0.5)
+   / 2**52; the winner has the largest score. Every lane's bits must be drawn, but only a few
+   lanes' noise can decide the winner. Per row:
+   1. Each lane's bits m and FP32 bound b = x + bound_of(m), above its score by 1e-3 before
+      rounding, and the largest b of each block of BLOCK lanes. Jobs of whole blocks,
+      several per row when rows are fewer than threads. The lead is the first lane with the
+      row's largest b (its block's bits are drawn again to find it).
+   2. The lead's score s0, with C's log: within 1e-12 (1 + |s0|) of the score torch computes
+      (each log is within a few ulps of the true value). Some lane scores s0, so the winner
+      scores >= s0, and a lane that scores >= s0 has b >= s0 - (1e-3 + 2**-20 (1 + |s0|))
+      (dense_row_best in ranks/sampler_gumbel.py gives why); the threshold t is that less
+      another 1e-9 (1 + |s0|) for C's log, as FP32 rounded down.
+   3. Blocks whose maximum reaches t draw their bits again; their lanes with b >= t are the
+      candidates, written with their bits (the caller scores them exactly, as torch does). A
+      row with more than `cap` candidates reports -1 (the caller takes its other path). */
+
+/* Bits and bounds of lanes [lane0, lane0 + count) of a row; returns their largest bound.
+   Written once, built for AVX2 and for the baseline (bounds_avx2, bounds_base). */
+static inline __attribute__((always_inline)) float bounds_body(
+    const float *x, int64_t lane0, int64_t count, int64_t first, uint32_t pos, uint32_t k0,
+    uint32_t k1, float c0, float c1, int64_t *m, float *b)
+{
+    int64_t ids[BLOCK];
+    for (int64_t i = 0; i < count; i++) ids[i] = first + lane0 + i;
+    philox_bits(ids, count, pos, k0, k1, m);
+    float best = -INFINITY;
+#pragma omp simd reduction(max : best)
+    for (int64_t i = 0; i < count; i++) {
+        b[i] = x[lane0 + i] + bound_of(m[i], c0, c1);
+        best = b[i] > best ? b[i] : best;
+    }
+    return best;
+}
+
+#if defined(__x86_64__)
+__attribute__((target("avx2"))) static float bounds_avx2(
+    const float *x, int64_t lane0, int64_t count, int64_t first, uint32_t pos, uint32_t k0,
+    uint32_t k1, float c0, float c1, int64_t *m, float *b)
+{
+    return bounds_body(x, lane0, count, first, pos, k0, k1, c0, c1, m, b);
+}
+#endif
+
+static float bounds_base(const float *x, int64_t lane0, int64_t count, int64_t first,
+                         uint32_t pos, uint32_t k0, uint32_t k1, float c0, float c1, int64_t *m,
+                         float *b)
+{
+    return bounds_body(x, lane0, count, first, pos, k0, k1, c0, c1, m, b);
+}
+
+static float block_bounds(const float *x, int64_t lane0, int64_t count, int64_t first,
+                          uint32_t pos, uint32_t k0, uint32_t k1, float c0, float c1, int64_t *m,
+                          float *b)
+{
+#if defined(__x86_64__)
+    if (has_avx2()) return bounds_avx2(x, lane0, count, first, pos, k0, k1, c0, c1, m, b);
+#endif
+    return bounds_base(x, lane0, count, first, pos, k0, k1, c0, c1, m, b);
+}
+
+void gumbel_candidates(const float *x, int64_t row_stride, const int64_t *rows, int64_t n_rows,
+                       int64_t width, int64_t first, const int64_t *pos, const int64_t *k0,
+                       const int64_t *k1, float c0, float c1, float *maxima, float *lead_value,
+                       int64_t *lead_block, int64_t cap, int64_t *counts, int64_t *lanes,
+                       int64_t *bits, int64_t threads)
+{
+    const int64_t blocks = (width + BLOCK - 1) / BLOCK;
+    int64_t chunks = n_rows >= threads ? 1 : threads / n_rows;
+    if (chunks > blocks) chunks = blocks;
+    const int64_t per_chunk = (blocks + chunks - 1) / chunks;
+    chunks = (blocks + per_chunk - 1) / per_chunk; /* none empty */
+    const int64_t jobs = n_rows * chunks;
+
+    /* 1. block maxima, and each job's first block with its largest maximum */
+#pragma omp parallel for num_threads((int)threads) schedule(static)
+    for (int64_t job = 0; job < jobs; job++) {
+        const int64_t r = job / chunks, c = job % chunks;
+        const float *row = x + rows[r] * row_stride;
+        int64_t m[BLOCK];
+        float b[BLOCK], best = -INFINITY;
+        int64_t lead = c * per_chunk;
+        for (int64_t k = c * per_chunk; k < (c + 1) * per_chunk && k < blocks; k++) {
+            int64_t lane0 = k * BLOCK, count = width - lane0 < BLOCK ? width - lane0 : BLOCK;
+            float top = block_bounds(row, lane0, count, first, (uint32_t)pos[r],
+                                     (uint32_t)k0[r], (uint32_t)k1[r], c0, c1, m, b);
+            maxima[r * blocks + k] = top;
+            if (top > best) {
+                best = top;
+                lead = k;
+            }
+        }
+        lead_value[job] = best;
+        lead_block[job] = lead;
+    }
+
+    /* 2. and 3. per row: the threshold, then the candidates */
+#pragma omp parallel for num_threads((int)threads) schedule(static)
+    for (int64_t r = 0; r < n_rows; r++) {
+        const float *row = x + rows[r] * row_stride;
+        const uint32_t p = (uint32_t)pos[r], a = (uint32_t)k0[r], b1 = (uint32_t)k1[r];
+        int64_t block = lead_block[r * chunks];
+        float best = lead_value[r * chunks];
+        for (int64_t c = 1; c < chunks; c++)
+            if (lead_value[r * chunks + c] > best) {
+                best = lead_value[r * chunks + c];
+                block = lead_block[r * chunks + c];
+            }
+        int64_t m[BLOCK], lane0 = block * BLOCK, lead = lane0;
+        float bound[BLOCK];
+        int64_t count = width - lane0 < BLOCK ? width - lane0 : BLOCK;
+        block_bounds(row, lane0, count, first, p, a, b1, c0, c1, m, bound);
+        while (bound[lead - lane0] != best) lead++;
+        const double u = ((double)m[lead - lane0] + 0.5) * 0x1p-52;
+        const double s0 = (double)row[lead] - log(-log(u));
+        const double slack = 1.0 + fabs(s0);
+        const double floor_ = s0 - (1e-3 + 0x1p-20 * slack) - 1e-9 * slack;
+        float t = (float)floor_;
+        if ((double)t > floor_) t = nextafterf(t, -INFINITY);
+
+        int64_t found = 0;
+        for (int64_t k = 0; k < blocks && found >= 0; k++) {
+            if (!(maxima[r * blocks + k] >= t)) continue;
+            lane0 = k * BLOCK;
+            count = width - lane0 < BLOCK ? width - lane0 : BLOCK;
+            block_bounds(row, lane0, count, first, p, a, b1, c0, c1, m, bound);
+            for (int64_t i = 0; i < count; i++) {
+                if (!(bound[i] >= t)) continue;
+                if (found == cap) {
+                    found = -1;
+                    break;
+                }
+                lanes[r * cap + found] = lane0 + i;
+                bits[r * cap + found] = m[i];
+                found++;
+            }
+        }
+        counts[r] = found;
+    }
+}
