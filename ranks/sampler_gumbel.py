@@ -1,8 +1,9 @@
 """The sampler's Gumbel-max: each shard's best (score key, global id) of its rows.
 
 A row's score of lane j is float64(x[j]) + gumbel_noise(seed, position, vocab_start + j); the
-best is the largest score key (score_keys), the smallest global id among equal keys. Both
-paths below pick exactly that lane; they only differ in how much noise they evaluate.
+best is the largest score key (score_keys), the smallest global id among equal keys. Every
+path below picks exactly that lane; they only differ in how much noise they evaluate and where
+(torch, or compiled code that narrows a dense CPU row to its few possible winners).
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ def gumbel_best(
     rounding, so skipping such lanes never changes the winner. Lanes that remain draw noise
     in one flat call with per-lane keys, except in wide rows where most lanes remain: those
     draw their Philox bits row by row with scalar keys and evaluate the noise exactly only
-    where it can still decide the winner (dense_row_best).
+    where it can still decide the winner (_dense_rows: compiled code on CPU, else
+    dense_row_best).
     """
     n, width = x.shape
     best, best_id = empty_best(n, x.device)
