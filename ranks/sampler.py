@@ -23,7 +23,7 @@ Tie rules are documented in ranks/sampler_filters.py.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -90,17 +90,22 @@ class ShardedSampler:
         """Global token ids int64 [rows], identical on every rank of the group."""
         x = self.processed(logits, rows, prompt_ids, output_ids)
         n = len(rows)
+        greedy = [i for i, r in enumerate(rows) if r.greedy]
+        seeded = [i for i, r in enumerate(rows) if not r.greedy]
+        if not seeded:
+            keys, ids = greedy_best(x, self.vocab_start)
+            return pick_global(keys, ids, self.pick_exchange)
+        seeds = self._index(rows[i].seed - SEED_MAX if rows[i].seed >= 2**63 else rows[i].seed
+                            for i in seeded)
+        positions = self._index(rows[i].position for i in seeded)
+        if not greedy:  # (every row: no copy of x)
+            keys, ids = gumbel_best(x, seeds, positions, self.vocab_start)
+            return pick_global(keys, ids, self.pick_exchange)
         keys = torch.empty(n, dtype=torch.int64, device=self.device)
         ids = torch.empty_like(keys)
-        greedy = self._index([i for i, r in enumerate(rows) if r.greedy])
-        if greedy.numel():
-            keys[greedy], ids[greedy] = greedy_best(x[greedy], self.vocab_start)
-        rand = self._index([i for i, r in enumerate(rows) if not r.greedy])
-        if rand.numel():
-            seeds = [r.seed - SEED_MAX if r.seed >= 2**63 else r.seed for r in rows]
-            seeds_t = torch.tensor(seeds, dtype=torch.int64, device=self.device)[rand]
-            positions = torch.tensor([r.position for r in rows], device=self.device)[rand]
-            keys[rand], ids[rand] = gumbel_best(x[rand], seeds_t, positions, self.vocab_start)
+        picked, drawn = self._index(greedy), self._index(seeded)
+        keys[picked], ids[picked] = greedy_best(x[picked], self.vocab_start)
+        keys[drawn], ids[drawn] = gumbel_best(x[drawn], seeds, positions, self.vocab_start)
         return pick_global(keys, ids, self.pick_exchange)
 
     def processed(
@@ -243,7 +248,7 @@ class ShardedSampler:
         vals = torch.tensor(list(values), dtype=torch.float32, device=self.device)
         return lanes[mine], vals[mine]
 
-    def _index(self, values: Sequence[int]) -> torch.Tensor:
+    def _index(self, values: Iterable[int]) -> torch.Tensor:
         return torch.tensor(list(values), dtype=torch.int64, device=self.device)
 
     def _float64(self, values: Sequence[float]) -> torch.Tensor:

@@ -294,6 +294,23 @@ def test_seeded_determinism_and_batch_independence():
     assert len(set(draws)) > 5
 
 
+def test_a_mixed_batch_picks_what_each_row_picks_alone():
+    """Greedy and seeded rows in one batch (each kind drawn from its rows) against every row
+    sampled alone (one kind: the whole batch at once), wide enough for the dense path."""
+    width = 20_000
+    logits = torch.randn(5, width, generator=torch.Generator().manual_seed(8)) * 3
+    rows = [RowSampling(seed=3, position=1, temperature=0.0),
+            RowSampling(seed=4, position=9, temperature=0.8),
+            RowSampling(seed=5, position=2, temperature=1.3),
+            RowSampling(seed=6, position=0, temperature=0.0),
+            RowSampling(seed=2**64 - 1, position=7, temperature=1.0)]
+    mixed = make_sampler(width, 5).sample(logits, rows, [[]] * 5, [[]] * 5).tolist()
+    alone = [int(make_sampler(width, 1).sample(logits[i:i + 1], rows[i:i + 1], [[]], [[]])[0])
+             for i in range(5)]
+    assert mixed == alone
+    assert [mixed[0], mixed[3]] == logits[[0, 3]].argmax(dim=1).tolist()
+
+
 @pytest.mark.parametrize(("rows", "width"), [(64, 300), (6, 20_000)])
 def test_gumbel_pruning_never_changes_the_winner(rows, width):
     gen = torch.Generator().manual_seed(7)
