@@ -18,7 +18,7 @@ Two implementations of the same function:
   blocks of lanes, in reused buffers. Tests compare both with a scalar reference.
   On CPU, with scalar position and key, the same bits come from compiled code
   (kernels/noise/philox_native.py) when a C compiler is available: about 12x faster at one
-  thread with AVX2 (5x with SSE2 only), bit-identical.
+  thread with AVX2 (3.5x from the scalar loop without it), bit-identical.
 - ``gumbel_bounds``: an FP32 upper bound of each lane's noise from its bits, so that the
   sampler evaluates the float64 noise only on lanes that can still win.
 """
