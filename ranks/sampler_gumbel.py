@@ -106,7 +106,7 @@ def _dense_rows(x: torch.Tensor, dense: list[int], seeds: torch.Tensor, position
     maxima = xmax.tolist()
     plain = [i for i in dense if math.isfinite(maxima[i]) and abs(maxima[i]) <= DENSE_X_LIMIT]
     found = None
-    if plain and vocab_start + width <= 2**31:
+    if plain and vocab_start + width <= 2**31 and x.device.type == "cpu":
         seed_list, position_list = seeds.tolist(), positions.tolist()
         found = native_candidates(x, plain, [seed_list[i] for i in plain],
                                   [position_list[i] for i in plain], vocab_start,
