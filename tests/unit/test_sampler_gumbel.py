@@ -122,18 +122,19 @@ needs_native = pytest.mark.skipif(not native.available(), reason="no C compiler"
 
 @needs_native
 @pytest.mark.parametrize("kind", KINDS)
-def test_native_candidates_hold_the_winner_with_its_bits_at_any_thread_count(kind):
+@pytest.mark.parametrize("width", [130, 40_001])
+def test_native_candidates_hold_the_winner_with_its_bits_at_any_thread_count(kind, width):
     """The compiled search keeps every row's exhaustive winner, hands back each candidate's
-    own bits, and finds the same lanes whether a row is one job or split over threads (odd
-    width: a partial last block)."""
-    width, rows = 40_001, 3
+    own bits, and finds the same lanes whether a row is one job or split over 2 or 4 (odd
+    widths: a partial last block; 130 lanes: more threads than blocks)."""
+    rows = 3
     x = rows_of(kind, rows, width, 50 + KINDS.index(kind))
     if kind == "huge":
         x = x - 3e6 + 9e5  # (rows beyond the margins' limit never reach the search)
     seeds, positions = [3, -(2**63), 2**62 + 1], [1, 2**32 - 1, 40]
     want = exhaustive(x, torch.tensor(seeds), torch.tensor(positions), 5)[1]
     found = {}
-    for threads in (1, 2, 5):
+    for threads in (1, 6, 13):
         left, owners, lanes, bits = native.native_candidates(
             x, [0, 1, 2], seeds, positions, 5, gumbel.BOUND_OFFSET, gumbel.BOUND_SCALE, threads)
         assert left == []
@@ -144,7 +145,7 @@ def test_native_candidates_hold_the_winner_with_its_bits_at_any_thread_count(kin
         for owner, lane, m in zip(owners, lanes.tolist(), bits.tolist(), strict=True):
             k0, k1 = seed_words(seeds[owner])
             assert m == int(philox_bits(torch.tensor([lane + 5]), positions[owner], k0, k1)[0])
-    assert found[1] == found[2] == found[5]
+    assert found[1] == found[6] == found[13]
 
 
 @needs_native
