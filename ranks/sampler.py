@@ -131,8 +131,11 @@ class ShardedSampler:
             if r.max_token_id() >= self.vocab_size:
                 raise ValueError(f"rows[{i}]: token id {r.max_token_id()} outside vocabulary")
         x = self.scratch[:n, : self.local_valid]
-        x.copy_(logits[:, : self.local_valid])
-        x.nan_to_num_(nan=NEG_INF, posinf=float("inf"), neginf=NEG_INF)
+        source = logits[:, : self.local_valid]
+        if source.dtype == x.dtype:  # (the copy and the NaN rule in one pass)
+            torch.nan_to_num(source, nan=NEG_INF, posinf=float("inf"), neginf=NEG_INF, out=x)
+        else:
+            x.copy_(source).nan_to_num_(nan=NEG_INF, posinf=float("inf"), neginf=NEG_INF)
         for i, r in enumerate(rows):
             if r.allowed_token_ids is not None:
                 lanes, _ = self._local(r.allowed_token_ids)

@@ -294,6 +294,21 @@ def test_seeded_determinism_and_batch_independence():
     assert len(set(draws)) > 5
 
 
+def test_half_precision_logits_sample_as_their_float32_values():
+    """bf16 logits (converted into the FP32 scratch) pick what the same values in FP32 pick;
+    a NaN lane counts as -inf in both."""
+    logits = (torch.randn(4, 300, generator=torch.Generator().manual_seed(9)) * 3)
+    logits[:, 7] = float("nan")
+    logits[2, 11] = 40.0
+    half = logits.to(torch.bfloat16)
+    rows = [RowSampling(seed=i, position=3, temperature=t)
+            for i, t in enumerate((0.0, 0.9, 1.0, 0.0))]
+    sampler = make_sampler(300, 4)
+    got = sampler.sample(half, rows, [[]] * 4, [[]] * 4).tolist()
+    assert got == sampler.sample(half.float(), rows, [[]] * 4, [[]] * 4).tolist()
+    assert 7 not in got and got[2] == 11
+
+
 def test_a_mixed_batch_picks_what_each_row_picks_alone():
     """Greedy and seeded rows in one batch (each kind drawn from its rows) against every row
     sampled alone (one kind: the whole batch at once), wide enough for the dense path."""
