@@ -252,7 +252,7 @@ void gumbel_candidates(const float *x, int64_t row_stride, const int64_t *rows, 
         float bound[BLOCK];
         int64_t count = width - lane0 < BLOCK ? width - lane0 : BLOCK;
         block_bounds(row, lane0, count, first, p, a, b1, c0, c1, m, bound);
-        while (bound[lead - lane0] != best) lead++;
+        while (lead - lane0 < count - 1 && bound[lead - lane0] != best) lead++;
         const double u = ((double)m[lead - lane0] + 0.5) * 0x1p-52;
         const double s0 = (double)row[lead] - log(-log(u));
         const double slack = 1.0 + fabs(s0);
