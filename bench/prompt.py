@@ -1,9 +1,9 @@
 """Prompt scoring throughput through the HTTP server, against ordinary prefill.
 
 Starts its own server with --prompt-logprobs, once on the embedded tiny model (vocabulary
-1,031) and once on a random checkpoint with the tiny model's shape but a 151,936-token
-vocabulary (Qwen's; built here on first use and cached), then sends the same prompts (distinct
-random token-id prompts, so no run reuses another's prefix) as
+1,031) and once on `bench.large_vocab`'s random checkpoint (the tiny model's shape, Qwen's
+151,936-token vocabulary; built on first use and cached), then sends the same prompts
+(distinct random token-id prompts, so no run reuses another's prefix) as
 
 * ordinary prefill: max_tokens 1, nothing scored (the baseline);
 * prompt_logprobs=K, max_tokens 1 (the scores in `prompt_logprobs`);
@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
-import shutil
 import statistics
 import subprocess
 import time
@@ -31,9 +29,9 @@ from pathlib import Path
 import httpx
 
 from bench import server
+from bench.large_vocab import DEFAULT_CACHE, LARGE_VOCAB, large_vocab_model
 
 ROOT = Path(__file__).resolve().parents[1]
-LARGE_VOCAB = 151_936
 TINY_VOCAB = 1031
 """The embedded tiny model's tokenizer (launch/tiny_model.py VOCAB_SIZE)."""
 
@@ -50,34 +48,6 @@ RUNS: list[tuple[str, dict]] = [
 class Samples:
     tokens_per_s: list[float] = field(default_factory=list)
     bytes_per_request: list[float] = field(default_factory=list)
-
-
-def large_vocab_model(cache: Path) -> Path:
-    """The tiny model's shape, tokenizer and chat template with a 151,936-token head and
-    embedding (random weights; ids past the tokenizer's have no text)."""
-    target = cache / f"bench-prompt-vocab{LARGE_VOCAB}"
-    if (target / "config.json").exists():
-        return target
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from launch.tiny_model import ensure_tiny_model
-
-    tiny = ensure_tiny_model()
-    config = LlamaConfig.from_pretrained(tiny)
-    config.vocab_size = LARGE_VOCAB
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(8.0)  # peaked, like a trained model's
-    staging = cache / f".{target.name}.{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    model.save_pretrained(staging)
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        if (tiny / name).exists():
-            shutil.copy(tiny / name, staging / name)
-    staging.rename(target)
-    return target
 
 
 def start_server(model: Path | None, args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
@@ -120,7 +90,7 @@ def measure(model_dir: Path | None, args: argparse.Namespace) -> dict[str, Sampl
     proc, url = start_server(model_dir, args)
     try:
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
-        text_vocab = TINY_VOCAB  # both models use the tiny model's tokenizer
+        text_vocab = TINY_VOCAB  # ids both tokenizers share (the large one extends the tiny)
         samples = {run_name: Samples() for run_name, _ in RUNS}
         warm = prompts(argparse.Namespace(**{**vars(args), "requests": 2}), text_vocab, 10**6)
         for _, fields in RUNS:
@@ -155,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--capacity", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "helios")
+    parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
     parser.add_argument("--only", choices=("tiny", "large"), default=None,
                         help=f"only the tiny model, or only the {LARGE_VOCAB:,}-token checkpoint")
     args = parser.parse_args(argv)

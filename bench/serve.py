@@ -1,15 +1,16 @@
 """HTTP serving throughput with and without logprobs, on loopback.
 
-Starts its own server (the embedded tiny model unless --model is given; --url uses a running
-one), then runs the same workload with 16 concurrent clients (--concurrency) in three modes:
-no logprobs, logprobs=0 and logprobs=20 (Completions; --chat uses Chat Completions with
-top_logprobs). The modes run back to back within each of --repeat rounds (their order
+Starts its own server (the embedded tiny model unless --model or --large-vocab is given; --url
+uses a running one), then runs the same workload with 16 concurrent clients (--concurrency) in
+three modes: no logprobs, logprobs=0 and logprobs=20 (Completions; --chat uses Chat Completions
+with top_logprobs). The modes run back to back within each of --repeat rounds (their order
 rotating), so that load from other processes affects them alike. Prints the median
 requests/s, generated tokens/s and response bytes per request of each mode; "tok/s x" is the
 median over rounds of the mode's tokens/s divided by the no-logprobs run of the same round
 (throughput here drifts by 20% within seconds), "of medians" the ratio of the medians.
 
-    python -m bench.serve [--requests 256] [--max-tokens 32] [--stream] [--chat] [--repeat 3]
+    python -m bench.serve [--large-vocab] [--requests 256] [--max-tokens 32] [--stream] [--chat]
+        [--repeat 3] [--concurrency 16 --capacity 16]
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pathlib import Path
 import httpx
 
 from bench import server
+from bench.large_vocab import large_vocab_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,6 +56,8 @@ MODES = (("no logprobs", None), ("logprobs=0", 0), ("logprobs=20", 20))
 
 
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+    if args.large_vocab:
+        args.model = str(large_vocab_model())
     model = ["--model", args.model] if args.model else []
     return server.start_server(["--capacity", str(args.capacity), *model])
 
@@ -109,6 +113,8 @@ def main(argv: list[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", default=None, help="use a running server instead")
     parser.add_argument("--model", default=None, help="model dir (default: embedded tiny model)")
+    parser.add_argument("--large-vocab", action="store_true",
+                        help="bench.large_vocab's random 151,936-id checkpoint (built, cached)")
     parser.add_argument("--capacity", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--requests", type=int, default=256)
