@@ -2,9 +2,10 @@
 
 The weights are random (the head scaled up so that rows are peaked, like a trained model's).
 The tokenizer is the tiny model's byte-level BPE grown to 151,936 entries by merges of
-printable-ASCII pieces, so that every id decodes to text, as in a real checkpoint. (An earlier
-version kept the tiny model's 1,031-entry tokenizer: nearly every sampled id then had no text,
-and a stream without logprobs sent almost no chunks, which no real checkpoint does.)
+printable-ASCII pieces, so that every id past the tiny model's 1,031 decodes to whole
+characters, as nearly every id of a real checkpoint does. (An earlier version kept the tiny
+model's 1,031-entry tokenizer: nearly every sampled id then had no text, and a stream without
+logprobs sent almost no chunks, which no real checkpoint does.)
 
     python -m bench.large_vocab        # builds it (cached), prints its directory
 """
