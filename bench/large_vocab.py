@@ -64,7 +64,7 @@ def _printable(piece: str) -> bool:
 def grow_tokenizer(tokenizer: dict, size: int, seed: int = LARGE_VOCAB) -> None:
     """Append BPE merges of printable pieces (in tokenizer.json's layout) until the vocabulary,
     added tokens included, holds `size` entries. Each new entry is two existing pieces joined,
-    so every id decodes to whole characters."""
+    so every new id decodes to whole characters."""
     model = tokenizer["model"]
     vocab: dict[str, int] = model["vocab"]
     merges: list = model["merges"]
