@@ -9,7 +9,7 @@ import torch
 
 from kernels.noise.philox import gumbel_noise
 from ranks.sampler import ShardedSampler
-from ranks.sampler_filters import key_values, score_keys, value_keys
+from ranks.sampler_filters import ARGMAX_TILE, first_argmax, key_values, score_keys, value_keys
 from ranks.sampler_gumbel import gumbel_best
 from ranks.sampling_params import RowSampling
 from tests import sampler_oracle as oracle
@@ -33,6 +33,32 @@ def test_greedy_is_argmax_with_smallest_id_on_ties():
     rows = [RowSampling(seed=i, position=0, temperature=0.0, top_k=2, top_p=0.1) for i in range(4)]
     got = make_sampler(50, 4).sample(logits, rows, [[]] * 4, [[]] * 4).tolist()
     assert got == [int(logits[0].argmax()), 3, 44, 0]
+
+
+@pytest.mark.parametrize("width", [ARGMAX_TILE * 64, 151_936, 32_000, 423])
+@pytest.mark.parametrize("rows", [1, 9])
+def test_first_argmax_is_torch_argmax(rows, width):
+    """Row 0 random; later rows plant the cases the tiled path must get right: the max twice
+    (in one tile and in two tiles), at the last lane of a short last tile, -0.0 before +0.0,
+    an all -inf row, +inf, and NaN (torch.argmax returns the first NaN)."""
+    gen = torch.Generator().manual_seed(rows + width)
+    x = torch.randn(rows, width, generator=gen)
+    cases = [
+        (3, [width - 1, width // 2]),
+        (2, [ARGMAX_TILE + 5, ARGMAX_TILE + 1]),
+        (7, [width - 1]),
+    ]
+    for row, lanes in cases[: rows - 1]:
+        x[row, [lane % width for lane in lanes]] = 50.0
+    if rows > 4:
+        x[4] = 0.0
+        x[4, width // 3] = -0.0
+        x[5] = NEG_INF
+        x[6, [width - 2, 17]] = float("inf")
+        x[7, [width - 3, width // 2]] = float("nan")
+        x[8, 1] = float("nan")
+    assert torch.equal(first_argmax(x), torch.argmax(x, dim=1))
+    assert torch.equal(first_argmax(x[:, 1:]), torch.argmax(x[:, 1:], dim=1))  # strided view
 
 
 def test_padded_lanes_never_sampled():
