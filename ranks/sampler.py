@@ -33,6 +33,7 @@ from ranks.sampler_filters import (
     FILTER_WORDS,
     PICK_WORDS,
     TOPK_WIDTH,
+    first_argmax,
     greedy_best,
     key_values,
     max_and_topk,
@@ -93,6 +94,8 @@ class ShardedSampler:
         greedy = [i for i, r in enumerate(rows) if r.greedy]
         seeded = [i for i, r in enumerate(rows) if not r.greedy]
         if not seeded:
+            if self.pick_exchange.world == 1:  # (one rank: its argmax is the pick)
+                return first_argmax(x) + self.vocab_start
             keys, ids = greedy_best(x, self.vocab_start)
             return pick_global(keys, ids, self.pick_exchange)
         seeds = self._index(rows[i].seed - SEED_MAX if rows[i].seed >= 2**63 else rows[i].seed
