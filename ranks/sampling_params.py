@@ -66,7 +66,8 @@ class RowSampling:
         if not 0 <= self.position < POSITION_MAX:
             raise RequestError("position", f"expected 0 <= position < 2**32, got {self.position}")
         if _finite("temperature", self.temperature) < 0:
-            raise RequestError("temperature", f"expected >= 0, got {self.temperature}")
+            raise RequestError("temperature",
+                               f"temperature must be non-negative, got {self.temperature}.")
         if self.top_k < -1:
             raise RequestError(
                 "top_k", f"expected -1, 0 (off) or a positive count, got {self.top_k}"

@@ -24,7 +24,7 @@ class RequestError(ValueError):
         self.message = message
 
 
-def check_prompt_logprobs(value: int | None, k: int, enabled: bool) -> None:
+def check_prompt_logprobs(value: int | None, k: int, enabled: bool, vocab_size: int) -> None:
     """prompt_logprobs: None, or 0..K on a core that scores prompts (--prompt-logprobs)."""
     if value is None:
         return
@@ -34,8 +34,23 @@ def check_prompt_logprobs(value: int | None, k: int, enabled: bool) -> None:
             "prompt logprobs need a server started with --prompt-logprobs (this one has no "
             "prompt scoring buffers)",
         )
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= k:
+    if isinstance(value, bool) or not isinstance(value, int):
         raise RequestError(PROMPT_LOGPROBS, f"must be an integer in [0, {k}], got {value!r}")
+    check_count(PROMPT_LOGPROBS, "prompt", value, k, vocab_size)
+
+
+def check_count(param: str, kind: str, value: int, k: int, vocab_size: int) -> None:
+    """0 <= value <= K, refused in vLLM's words. -1 asks vLLM for the whole vocabulary, which
+    no core here serves (K is at most 20)."""
+    if value < 0 and value != -1:
+        raise RequestError(param, f"`{param}` must be a positive value or -1.")
+    wanted = vocab_size if value == -1 else value
+    if wanted > k:
+        raise RequestError(param, f"Requested {kind} logprobs of {wanted}, which is greater "
+                                  f"than max allowed: {k}")
+    if value == -1:
+        raise RequestError(param, f"`{param}` -1 (the whole vocabulary) is not served here; "
+                                  f"ask for 0..{k}")
 
 
 def check_min_tokens(min_tokens: object, max_tokens: int) -> None:
@@ -83,8 +98,7 @@ def check_logprob_request(
     if logprobs is not None:
         if isinstance(logprobs, bool) or not isinstance(logprobs, int):
             raise RequestError(count_param, f"must be an integer in [0, {k}], got {logprobs!r}")
-        if not 0 <= logprobs <= k:
-            raise RequestError(count_param, f"must be in [0, {k}], got {logprobs}")
+        check_count(count_param, "sample", logprobs, k, vocab_size)
     if token_ids is None:
         return
     if not supports_token_ids:
@@ -93,7 +107,9 @@ def check_logprob_request(
             "not supported: this model's core declares no token-id inputs "
             "(it serves natural alternatives only)",
         )
-    if not 1 <= len(token_ids) <= MAX_TOKEN_IDS:
+    if not token_ids:
+        raise RequestError(TOKEN_IDS, "`logprob_token_ids` must not be an empty list.")
+    if len(token_ids) > MAX_TOKEN_IDS:
         raise RequestError(TOKEN_IDS, f"must hold 1..{MAX_TOKEN_IDS} ids, got {len(token_ids)}")
     check_token_ids(TOKEN_IDS, token_ids, vocab_size)
     repeated = sorted({t for t in token_ids if token_ids.count(t) > 1})

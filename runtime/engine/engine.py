@@ -109,7 +109,8 @@ class Engine:
             params.logprobs, params.logprob_token_ids, info.vocab_size, info.max_logprobs,
             info.supports_token_ids,
         )
-        check_prompt_logprobs(params.prompt_logprobs, info.max_logprobs, info.prompt_logprobs)
+        check_prompt_logprobs(params.prompt_logprobs, info.max_logprobs, info.prompt_logprobs,
+                              info.vocab_size)
         check_token_ids("stop_token_ids", params.stop_token_ids, info.vocab_size)
         check_token_ids("allowed_token_ids", params.allowed_token_ids or (), info.vocab_size)
         check_token_ids("logit_bias", [t for t, _ in params.logit_bias], info.vocab_size)

@@ -32,6 +32,7 @@ from runtime.http.responses import (
 )
 
 fields_log = logging.getLogger("runtime.http")
+UNSUPPORTED_MEDIA_TYPE = "Unsupported Media Type: Only 'application/json' is allowed"
 T = TypeVar("T")
 
 
@@ -76,7 +77,11 @@ async def parse_body(request: Request, model: type[BaseModel] | Callable[[dict],
                      max_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> BaseModel | Response:
     """The body as `model` (or as the model `model(data)` picks for the decoded object); an
     error response for a body over `max_bytes` (413), malformed, too deeply nested, holding
-    lone surrogates or failing validation (400)."""
+    lone surrogates or failing validation (400), and for a body not sent as JSON (400)."""
+    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media_type != "application/json":
+        # vLLM's validate_json_request (every JSON endpoint; its 400 since it stopped using 415)
+        return error_response(UNSUPPORTED_MEDIA_TYPE, None)
     try:
         raw = await read_body(request, max_bytes)
     except BodyTooLarge as exc:

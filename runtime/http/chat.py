@@ -50,15 +50,35 @@ class PreparedChat:
 
 
 def _check_logprobs(req: ChatCompletionRequest) -> int | None:
-    """Chat's own pairing rules; the number of natural alternatives (None: no logprobs).
-    Ranges and what the core serves are checked once, by the engine."""
-    if req.top_logprobs and not req.logprobs:
-        raise RequestError("top_logprobs", "when using top_logprobs, logprobs must be set to true")
+    """Chat's own pairing rules, in vLLM's wording; the number of natural alternatives (None:
+    no logprobs). Ranges and what the core serves are checked once, by the engine."""
+    top = req.top_logprobs
+    if top is not None and top < 0 and top != -1:
+        raise RequestError("top_logprobs", "`top_logprobs` must be a positive value or -1.")
+    if top is not None and (top > 0 or top == -1) and not req.logprobs:
+        raise RequestError("top_logprobs",
+                           "when using `top_logprobs`, `logprobs` must be set to true.")
     if req.logprob_token_ids is not None and not req.logprobs:
-        raise RequestError(
-            "logprob_token_ids", "when using logprob_token_ids, logprobs must be set to true"
-        )
-    return (req.top_logprobs or 0) if req.logprobs else None
+        raise RequestError("logprob_token_ids",
+                           "when using `logprob_token_ids`, `logprobs` must be set to true.")
+    return (top or 0) if req.logprobs else None
+
+
+def _check_tool_usage(req: ChatCompletionRequest) -> None:
+    """vLLM's check_tool_usage: what it refuses before tools are considered (tools themselves
+    are refused by the field policy)."""
+    if req.tools == []:
+        raise RequestError("tools", "`tools` must not be an empty array. Either provide at "
+                                    "least one tool or omit the field entirely.")
+    choice = req.tool_choice
+    if choice is None or choice == "none":
+        return
+    if req.tools is None:
+        raise RequestError("tool_choice", "When using `tool_choice`, `tools` must be set.")
+    if choice not in ("auto", "required") and not isinstance(choice, dict):
+        raise RequestError("tool_choice", f"Invalid value for `tool_choice`: {choice}! Only "
+                                          'named tools, "none", "auto" or "required" are '
+                                          "supported.")
 
 
 def render(req: Any, messages: list[ChatMessage], assets: ModelAssets) -> str:
@@ -86,6 +106,7 @@ def prepare_chat(
     req: ChatCompletionRequest, engine: EngineClient, assets: ModelAssets
 ) -> PreparedChat:
     """Everything refused before admission raises RequestError here (HTTP 400)."""
+    _check_tool_usage(req)
     check_request(req)
     messages = parse_messages(req.messages)
     top = _check_logprobs(req)

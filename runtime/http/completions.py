@@ -73,10 +73,11 @@ class PreparedCompletion:
 def _check_logprobs(req: CompletionRequest, scoring: bool) -> bool:
     """The endpoint's own pairing rules; whether the prompt positions are echoed in logprobs.
     Ranges and what the core serves are checked once, by the engine."""
+    if req.logprobs is not None and req.logprobs < 0 and req.logprobs != -1:
+        raise RequestError("logprobs", "`logprobs` must be a positive value or -1.")
     if req.logprob_token_ids is not None and req.logprobs is None:
-        raise RequestError(
-            "logprob_token_ids", "when using logprob_token_ids, logprobs must be set"
-        )
+        raise RequestError("logprob_token_ids",
+                           "when using `logprob_token_ids`, `logprobs` must be set.")
     if not req.echo or req.logprobs is None:
         return False
     if req.logprob_token_ids is not None:
@@ -174,7 +175,7 @@ def prepare_completion(
         max_tokens = resolve_max_tokens(
             explicit, len(ids), info.max_model_len, "max_tokens",
             default=DEFAULT_MAX_TOKENS,
-            allow_zero=bool(req.echo) or req.prompt_logprobs is not None,
+            allow_zero=bool(req.echo),
         )
         total += len(ids)
         echo, prompt = None, None

@@ -86,8 +86,8 @@ class ChatTemplate:
         **kwargs: Any,
     ) -> str:
         if add_generation_prompt and continue_final_message:
-            raise ChatTemplateError(
-                "add_generation_prompt and continue_final_message cannot both be true"
+            raise ChatTemplateError(  # (vLLM's wording)
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
             )
         context = {**self.special_tokens, **kwargs}
         try:

@@ -197,9 +197,20 @@ def test_prompt_logprobs_completions(scoring_server, n):
         check_prompt_logprobs(choice["prompt_logprobs"], prompt, server.model_dir, n)
         assert choice["logprobs"] is None
     assert same(out["choices"][0]["prompt_logprobs"], out["choices"][1]["prompt_logprobs"])
+    if n > 0:  # vLLM refuses prompt_logprobs > 0 in a stream (0 streams, as there)
+        refused_in_a_stream(server, "/v1/completions", body)
+        return
     stream = streamed(server, body)
     for choice in out["choices"]:
         assert same(stream[choice["index"]], whole(choice))
+
+
+def refused_in_a_stream(server, path: str, body: dict) -> None:
+    response = post(server, path, {"model": served_name(server), **body, "stream": True})
+    assert response.status_code == 400, response.text
+    error = strict_json(response.content)["error"]
+    assert error["param"] == "prompt_logprobs"
+    assert "`prompt_logprobs` are not available when `stream=True`." in error["message"]
 
 
 def test_prompt_logprobs_with_the_openai_client(scoring_server):
@@ -269,7 +280,11 @@ def test_prompt_logprobs_chat(scoring_server):
     out = strict_json(response.content)
     check_prompt_logprobs(out["prompt_logprobs"], prompt, server.model_dir, 4)
     assert out["usage"]["prompt_tokens"] == len(prompt)
-    # Streamed: choice 0's first chunks carry it (top-level), in prompt order.
+    # Streamed: refused above 0 (vLLM's rule); at 0, choice 0's first chunks carry it
+    # (top-level), in prompt order.
+    refused_in_a_stream(server, "/v1/chat/completions", body)
+    body = {**body, "prompt_logprobs": 0}
+    out = strict_json(post(server, "/v1/chat/completions", body).content)
     events = sse_events(post(server, "/v1/chat/completions", {**body, "stream": True}))
     pieces = [e["prompt_logprobs"] for e in events if "prompt_logprobs" in e]
     assert pieces and same([item for piece in pieces for item in piece], out["prompt_logprobs"])
@@ -360,7 +375,7 @@ def test_refusals_without_prompt_scoring(server):
     """A server started without --prompt-logprobs loads, serves, and refuses scoring."""
     check_refused(server, "/v1/completions", {"prompt": "Hi", "prompt_logprobs": 0},
                   "prompt_logprobs", mentions="--prompt-logprobs")
-    check_refused(server, "/v1/chat/completions", {**CHAT, "prompt_logprobs": 1},
+    check_refused(server, "/v1/chat/completions", {**CHAT, "prompt_logprobs": 0},
                   "prompt_logprobs", mentions="--prompt-logprobs")
     check_refused(server, "/v1/completions", {"prompt": "Hi", "echo": True, "logprobs": 1},
                   "echo", mentions="--prompt-logprobs")

@@ -185,10 +185,10 @@ DEFAULTS_ACCEPTED = [
                      "return_token_ids": False, "response_format": {"type": "text"},
                      "suffix": "", "logits_processors": [], "watermarking": False}),
     ("completions", {"n": 2, "best_of": 2, "response_format": None, "guided_json": None}),
-    ("chat", {"tools": [], "tool_choice": "none", "include_reasoning": True,
+    ("chat", {"tools": None, "tool_choice": "none", "include_reasoning": True,
               "response_format": {"type": "text"}, "modalities": ["text"],
               "parallel_tool_calls": True}),
-    ("chat", {"tool_choice": "auto", "functions": [], "function_call": "none",
+    ("chat", {"tool_choice": None, "functions": [], "function_call": "none",
               "reasoning_effort": None, "chat_template": None}),
 ]
 

@@ -1,9 +1,13 @@
 """Assertions of vLLM's own server tests (tests/entrypoints/openai/) that this server failed,
 replayed with the official `openai` client: stream_options defaults, the refusals' wording that
-vLLM's clients and tests match, every bad logit_bias key named at once."""
+vLLM's clients and tests match, every bad logit_bias key named at once; and what vLLM's request
+validators and SamplingParams refuse or accept (its protocol.py and sampling_params.py)."""
 
 from __future__ import annotations
 
+import json
+
+import httpx
 import openai
 import pytest
 
@@ -95,3 +99,117 @@ def test_out_of_vocabulary_prompt_ids_use_vllm_wording(server, prompt):
         server.client().completions.create(model=served_name(server), prompt=prompt,
                                            max_tokens=2)
     assert info.value.body["param"] == "prompt"
+
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {}}}
+# (route, fields, param, what vLLM's message says): vLLM's request validators
+# (completion/ and chat_completion/protocol.py) and SamplingParams._verify_args.
+REFUSED_AS_VLLM = [
+    ("completions", {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs",
+     "`prompt_logprobs` are not available when `stream=True`."),
+    ("completions", {"presence_penalty": 3}, "presence_penalty",
+     "presence_penalty must be in [-2, 2], got 3.0."),
+    ("completions", {"frequency_penalty": -2.5}, "frequency_penalty",
+     "frequency_penalty must be in [-2, 2], got -2.5."),
+    ("completions", {"temperature": 3}, "temperature", "temperature must be in [0, 2], got 3.0."),
+    ("completions", {"temperature": -0.5}, "temperature",
+     "temperature must be non-negative, got -0.5."),
+    ("completions", {"n": 2, "temperature": 0}, "n",
+     "n must be 1 when using greedy sampling, got 2."),
+    ("completions", {"stop": [""]}, "stop", "stop cannot contain an empty string."),
+    ("completions", {"stop": ""}, "stop", "stop cannot contain an empty string."),
+    ("completions", {"bad_words": [""]}, "bad_words", "bad_words cannot contain an empty string."),
+    ("completions", {"stream_interval": 0}, "stream_interval",
+     "stream_interval must be at least 1, got 0."),
+    ("completions", {"cache_salt": ""}, "cache_salt",
+     "Parameter 'cache_salt' must be a non-empty string if provided."),
+    ("completions", {"stream_options": {"include_usage": True}}, "stream_options",
+     "Stream options can only be defined when `stream=True`."),
+    ("completions", {"logprobs": -2}, "logprobs", "`logprobs` must be a positive value or -1."),
+    ("completions", {"logprobs": 21}, "logprobs",
+     "Requested sample logprobs of 21, which is greater than max allowed: 20"),
+    ("completions", {"logprobs": -1}, "logprobs", "Requested sample logprobs of "),
+    ("completions", {"logprobs": 0, "logprob_token_ids": []}, "logprob_token_ids",
+     "`logprob_token_ids` must not be an empty list."),
+    ("completions", {"logprob_token_ids": [5]}, "logprob_token_ids",
+     "when using `logprob_token_ids`, `logprobs` must be set."),
+    ("completions", {"max_tokens": 0}, "max_tokens", "max_tokens must be at least 1, got 0."),
+    ("completions", {"prompt": None, "prompt_embeds": []}, "prompt", EMPTY),
+    ("chat", {"tool_choice": "auto"}, "tool_choice",
+     "When using `tool_choice`, `tools` must be set."),
+    ("chat", {"tools": []}, "tools", "`tools` must not be an empty array."),
+    ("chat", {"tools": [TOOL], "tool_choice": "sometimes"}, "tool_choice",
+     "Invalid value for `tool_choice`: sometimes!"),
+    ("chat", {"top_logprobs": 3}, "top_logprobs",
+     "when using `top_logprobs`, `logprobs` must be set to true."),
+    ("chat", {"top_logprobs": -2}, "top_logprobs",
+     "`top_logprobs` must be a positive value or -1."),
+    ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs",
+     "Requested sample logprobs of 21, which is greater than max allowed: 20"),
+    ("chat", {"logprob_token_ids": [5]}, "logprob_token_ids",
+     "when using `logprob_token_ids`, `logprobs` must be set to true."),
+    ("chat", {"continue_final_message": True}, None,
+     "Cannot set both `continue_final_message` and `add_generation_prompt` to True."),
+    ("chat", {"prompt_logprobs": 2, "stream": True}, "prompt_logprobs",
+     "`prompt_logprobs` are not available when `stream=True`."),
+    ("chat", {"n": 3, "temperature": 0.0}, "n", "n must be 1 when using greedy sampling, got 3."),
+]
+
+
+def _body(server, route: str, fields: dict) -> tuple[str, dict]:
+    if route == "chat":
+        return "/v1/chat/completions", {"model": served_name(server), "messages": MESSAGES,
+                                        "max_tokens": 3, **fields}
+    return "/v1/completions", {"model": served_name(server), "prompt": "Hello",
+                               "max_tokens": 3, **fields}
+
+
+@pytest.mark.parametrize(("route", "fields", "param", "says"), REFUSED_AS_VLLM,
+                         ids=lambda v: str(v)[:40])
+def test_refused_in_vllm_words(server, route, fields, param, says):
+    response = post(server, *_body(server, route, fields))
+    assert response.status_code == 400, response.text
+    error = strict_json(response.content)["error"]
+    assert says in error["message"]
+    if param is not None:
+        assert error["param"] == param
+
+
+@pytest.mark.parametrize(("route", "fields"), [
+    ("completions", {"stream_options": {}}),  # vLLM tests the dict's truth: {} asks nothing
+    ("completions", {"prompt_embeds": []}),  # empty embeds beside a prompt
+    ("completions", {"presence_penalty": 2.0, "frequency_penalty": -2.0, "temperature": 2.0}),
+    ("chat", {"tool_choice": "none"}),
+    ("chat", {"n": 2, "temperature": 0.5, "top_logprobs": 0}),
+])
+def test_accepted_as_vllm_accepts(server, route, fields):
+    response = post(server, *_body(server, route, fields))
+    assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize(("content_type", "status"), [
+    ("text/plain", 400), (None, 400), ("application/json; charset=utf-8", 200),
+    ("Application/JSON", 200),
+])
+def test_only_json_bodies_are_read(server, content_type, status):
+    """vLLM's validate_json_request: the media type must be application/json."""
+    path, body = _body(server, "completions", {})
+    headers = {} if content_type is None else {"content-type": content_type}
+    response = httpx.post(server.url + path, content=json.dumps(body), headers=headers,
+                          timeout=60.0)
+    assert response.status_code == status, response.text
+    if status == 400:
+        assert strict_json(response.content)["error"]["message"] == (
+            "Unsupported Media Type: Only 'application/json' is allowed")
+
+
+def test_seed_minus_one_is_unseeded(server):
+    """vLLM's SamplingParams turns seed -1 into no seed: repeated requests draw anew, where
+    one seed repeats itself."""
+    def texts(seed: int) -> set[str]:
+        return {strict_json(post(server, *_body(server, "completions", {
+            "seed": seed, "max_tokens": 24, "temperature": 1.0, "ignore_eos": True,
+        })).content)["choices"][0]["text"] for _ in range(4)}
+
+    assert len(texts(7)) == 1
+    assert len(texts(-1)) > 1

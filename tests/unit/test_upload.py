@@ -97,12 +97,18 @@ def test_natural_core_serves_k_and_its_copy_width():
 def test_logprobs_above_k_are_refused():
     error = refused({0: LaneRequest(logprobs=6)}, k=5, supports_token_ids=False)
     assert error.param == "logprobs"
-    assert error.message == "must be in [0, 5], got 6"
+    assert error.message == "Requested sample logprobs of 6, which is greater than max allowed: 5"
 
 
 def test_negative_logprobs_are_refused():
-    error = refused({1: LaneRequest(logprobs=-1)})
-    assert (error.param, error.message) == ("logprobs", "must be in [0, 20], got -1")
+    error = refused({1: LaneRequest(logprobs=-2)})
+    assert (error.param, error.message) == (
+        "logprobs", "`logprobs` must be a positive value or -1.")
+    whole = refused({1: LaneRequest(logprobs=-1)})  # vLLM's whole vocabulary
+    assert whole.message == (
+        f"Requested sample logprobs of {VOCAB}, which is greater than max allowed: 20")
+    with pytest.raises(RequestError, match="-1 \\(the whole vocabulary\\) is not served"):
+        check_logprob_request(-1, None, vocab_size=10, k=20, supports_token_ids=True)
 
 
 def test_boolean_logprobs_are_refused():
@@ -119,7 +125,8 @@ def test_token_ids_on_a_core_without_id_inputs_are_refused():
 
 def test_empty_token_ids_are_refused():
     error = refused({0: LaneRequest(token_ids=())})
-    assert (error.param, error.message) == ("logprob_token_ids", "must hold 1..128 ids, got 0")
+    assert (error.param, error.message) == (
+        "logprob_token_ids", "`logprob_token_ids` must not be an empty list.")
 
 
 def test_more_than_128_token_ids_are_refused():

@@ -41,6 +41,8 @@ def parse_logit_bias(raw: dict[str, float] | None) -> tuple[tuple[int, float], .
 
 
 def check_stops(stops: list[str]) -> None:
+    if any(not stop for stop in stops):
+        raise RequestError("stop", "stop cannot contain an empty string.")
     if len(stops) > MAX_STOP_STRINGS:
         raise RequestError("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
     for stop in stops:
@@ -131,8 +133,9 @@ def truncate(ids: list[int], keep: int | None, side: str | None) -> list[int]:
 
 
 def choice_seed(seed: int | None, index: int) -> int | None:
-    """Choice i of a seeded request uses seed + i (so n > 1 choices differ)."""
-    return None if seed is None else seed + index
+    """Choice i of a seeded request uses seed + i (so n > 1 choices differ). -1 asks for no
+    seed, as in vLLM (SamplingParams.__post_init__)."""
+    return None if seed is None or seed == -1 else seed + index
 
 
 def resolve_max_tokens(
@@ -157,7 +160,9 @@ def resolve_max_tokens(
     if requested is None:
         return room if default is None else min(default, room)
     if requested < (0 if allow_zero else 1):
-        raise RequestError(param, f"must be at least {0 if allow_zero else 1}, got {requested}")
+        raise RequestError(
+            param, f"{param} must be at least {0 if allow_zero else 1}, got {requested}."
+        )
     if requested > room:
         raise RequestError(
             param,
@@ -167,13 +172,49 @@ def resolve_max_tokens(
     return requested
 
 
+GREEDY_TEMPERATURE = 1e-5
+"""vLLM's _SAMPLING_EPS: a lower temperature samples greedily."""
+
+
 def check_request(req: SamplingFields) -> None:
-    """The field policy's refusals (protocol.REFUSED), then stream_options without stream."""
+    """What vLLM's request model refuses (its validators, in their wording), the field
+    policy's refusals (protocol.REFUSED), then vLLM's SamplingParams bounds."""
+    options = req.stream_options
+    if options is not None and (options.model_fields_set or options.model_extra) and not req.stream:
+        # ({} asks for nothing, so vLLM lets it through)
+        raise RequestError("stream_options",
+                           "Stream options can only be defined when `stream=True`.")
+    plp = req.prompt_logprobs
+    if plp is not None and req.stream and (plp > 0 or plp == -1):
+        raise RequestError("prompt_logprobs",
+                           "`prompt_logprobs` are not available when `stream=True`.")
+    if req.cache_salt is not None and not req.cache_salt:
+        raise RequestError("cache_salt",
+                           "Parameter 'cache_salt' must be a non-empty string if provided.")
     refused = req.refusal()
     if refused is not None:
         raise refused
-    if req.stream_options is not None and not req.stream:
-        raise RequestError("stream_options", "stream_options can only be set when stream=true")
+    check_sampling(req)
+
+
+def check_sampling(req: SamplingFields) -> None:
+    """vLLM's SamplingParams._verify_args bounds that the engine does not own (the engine
+    checks top-p, top-k, min-p and the rest once, for every client)."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(req, name)
+        if value is not None and not -2.0 <= value <= 2.0:
+            raise RequestError(name, f"{name} must be in [-2, 2], got {value}.")
+    t = req.temperature  # (the engine refuses a negative one)
+    if t is not None and t > 2.0:
+        raise RequestError("temperature", f"temperature must be in [0, 2], got {t}.")
+    if req.stream_interval is not None and req.stream_interval < 1:
+        raise RequestError("stream_interval",
+                           f"stream_interval must be at least 1, got {req.stream_interval}.")
+    if req.bad_words is not None and any(not word for word in req.bad_words):
+        raise RequestError("bad_words", "bad_words cannot contain an empty string. "
+                                        f"Got bad_words={req.bad_words}")
+    if req.n > 1 and t is not None and 0 <= t < GREEDY_TEMPERATURE:
+        raise RequestError("n", f"n must be 1 when using greedy sampling, got {req.n}.")
 
 
 def wire_mode(req: SamplingFields, enabled: bool) -> WireMode | None:

@@ -69,7 +69,7 @@ REFUSED: dict[str, Refusal] = {
     "watermarking": Refusal("watermarking is not supported by this server", _truthy),
     "spaces_between_special_tokens": Refusal("only the default (true) is supported", _false),
     # prompt handling
-    "prompt_embeds": Refusal("prompt_embeds is not supported by this server"),
+    "prompt_embeds": Refusal("prompt_embeds is not supported by this server", _truthy),
     "suffix": Refusal("suffix is not supported by this server", _truthy),
     "kv_transfer_params": Refusal("kv_transfer_params (disaggregated serving) is not supported"),
     # structured outputs
