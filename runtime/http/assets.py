@@ -48,12 +48,23 @@ class ModelAssets:
         self.tokenizer = tokenizers.Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
         self.token_bytes = TokenBytes(self.tokenizer, vocab_size)
         self.chat_template = ChatTemplate.from_model_dir(self.model_dir)
+        self.eos_token_id = self._tokenizer_eos()
+        """The tokenizer's EOS (tokenizer_config.json `eos_token`), vLLM's primary EOS, or None."""
         self.max_token_chars = self._max_token_chars()
         # Long texts are encoded by the batch call, which releases the GIL. The `_fast` form
         # (tokenizers >= 0.21) skips the offsets: 3x faster, and dropping the encoding of
         # millions of tokens then costs ~3 ms under the GIL instead of ~200 ms.
         self._encode_unblocked = getattr(self.tokenizer, "encode_batch_fast",
                                          self.tokenizer.encode_batch)
+
+    def _tokenizer_eos(self) -> int | None:
+        path = self.model_dir / "tokenizer_config.json"
+        if not path.is_file():
+            return None
+        token = json.loads(path.read_text(encoding="utf-8")).get("eos_token")
+        if isinstance(token, dict):
+            token = token.get("content")
+        return self.tokenizer.token_to_id(token) if isinstance(token, str) else None
 
     def _max_token_chars(self) -> int | None:
         """The most input characters one token can stand for, or None when the normalizer may

@@ -79,14 +79,19 @@ class Totals:
         }
 
 
-def stop_reason_of(
-    finished: Finished, params: SamplingParams, eos_ids: Sequence[int]
-) -> int | None:
-    """vLLM's stop_reason for a token stop: the id for stop_token_ids, None for EOS."""
+def primary_eos(eos_ids: Sequence[int], tokenizer_eos: int | None) -> int | None:
+    """vLLM's primary EOS: the tokenizer's, else the model's first EOS id."""
+    if tokenizer_eos is not None and tokenizer_eos in eos_ids:
+        return tokenizer_eos
+    return eos_ids[0] if eos_ids else None
+
+
+def stop_reason_of(finished: Finished, params: SamplingParams, primary: int | None) -> int | None:
+    """vLLM's stop_reason for a token stop: None for the primary EOS (unless ignore_eos made a
+    stop_token_ids entry of it), else the id. vLLM adds the model's other EOS ids (an
+    end-of-turn token in generation_config.json) to stop_token_ids, so they report their id."""
     token = finished.stop_token_id
-    if token is None or token not in params.stop_token_ids:
-        return None
-    if token in eos_ids and not params.ignore_eos:
+    if token is None or (token == primary and not params.ignore_eos):
         return None
     return token
 
@@ -110,7 +115,8 @@ def _visible(delta: Delta | None) -> bool:
     return delta is not None and bool(delta.text or delta.positions or delta.prompt)
 
 
-async def run_choice(engine: EngineClient, job: ChoiceJob, tb: TokenBytes) -> AsyncIterator[Delta]:
+async def run_choice(engine: EngineClient, job: ChoiceJob, tb: TokenBytes,
+                     tokenizer_eos: int | None = None) -> AsyncIterator[Delta]:
     """Engine events -> deltas; ends the engine request early when a stop string matches.
 
     vLLM's stream shape: the finish rides on the delta that carries the last text/entries, so
@@ -136,7 +142,7 @@ async def run_choice(engine: EngineClient, job: ChoiceJob, tb: TokenBytes) -> As
         prompt_ids=job.prompt_ids,
         min_tokens=job.params.min_tokens,
     )
-    eos_ids = engine.info.eos_token_ids
+    primary = primary_eos(engine.info.eos_token_ids, tokenizer_eos)
     at_once = not any(job.stops)
     held: Delta | None = None
     carried: Delta | None = None
@@ -163,7 +169,7 @@ async def run_choice(engine: EngineClient, job: ChoiceJob, tb: TokenBytes) -> As
                         chunk.text,
                         entries(chunk),
                         finish_reason=event.reason,
-                        stop_reason=stop_reason_of(event, job.params, eos_ids),
+                        stop_reason=stop_reason_of(event, job.params, primary),
                         tokens=0 if event.stop_token_id is None else 1,
                         token_ids=[] if event.stop_token_id is None else [event.stop_token_id],
                     )

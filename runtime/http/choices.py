@@ -27,7 +27,7 @@ def envelope(id_prefix: str, obj: str, assets: ModelAssets) -> dict[str, Any]:
 
 
 def _streams(jobs: list[ChoiceJob], engine: EngineClient, assets: ModelAssets) -> list:
-    return [run_choice(engine, job, assets.token_bytes) for job in jobs]
+    return [run_choice(engine, job, assets.token_bytes, assets.eos_token_id) for job in jobs]
 
 
 @dataclass

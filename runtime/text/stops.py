@@ -171,6 +171,8 @@ class OutputStream:
         self._filter: StopFilter[GeneratedToken] = StopFilter(
             stops, include_stop_str_in_output=include_stop_str_in_output
         )
+        self._include_stop_token = include_stop_str_in_output
+        self._generated = 0
         self._pending: deque[GeneratedToken] = deque()
 
     @property
@@ -190,16 +192,26 @@ class OutputStream:
         if self.done:
             raise RuntimeError("push() after the output ended")
         self._pending.append(token)
+        self._generated += 1
         match = token.index >= self._min_tokens
         return self._chunk(self._detok.feed(token.token_id), final=False, match=match)
 
     def finish(self, finished: Finished | None = None) -> Chunk:
         """End of generation. The terminating stop token (finished.stop_token_id), if any, was
-        never yielded and gets no entry."""
-        del finished
+        never yielded and gets no entry; with include_stop_str_in_output its text still ends
+        the output, as vLLM's detokenizer keeps it (a special token only when special tokens
+        are not skipped)."""
         if self.done:
             return Chunk("", ())
-        return self._chunk(self._detok.finish(), final=True)
+        stop_token = None if finished is None else finished.stop_token_id
+        if stop_token is None or not self._include_stop_token:
+            return self._chunk(self._detok.finish(), final=True)
+        self._pending.append(GeneratedToken(self._generated, stop_token, logprob=None))
+        fed = self._chunk(self._detok.feed(stop_token), final=False)
+        if self.done:  # (its text completed a stop string)
+            return fed
+        rest = self._chunk(self._detok.finish(), final=True)
+        return Chunk(fed.text + rest.text, fed.entries + rest.entries, rest.stop)
 
     def _chunk(self, step: DetokStep, *, final: bool, match: bool = True) -> Chunk:
         starts = [(self._pending.popleft(), start) for start in step.starts]
