@@ -80,6 +80,23 @@ async def sse_stream(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[byt
     yield SSE_DONE
 
 
+async def sse_events(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+    """The Responses API's framing (OpenAI's, and vLLM's _convert_stream_to_sse_events): an
+    `event: <type>` line before each data line and no [DONE]; a failure after admission
+    becomes an `error` event."""
+    sequence = 0
+    try:
+        async with aclosing(chunks) as source:
+            async for chunk in source:
+                sequence = chunk["sequence_number"] + 1
+                yield b"event: " + chunk["type"].encode() + b"\n" + sse(chunk)
+    except Exception as exc:  # noqa: BLE001 - reported to the client
+        log.warning("streamed request failed: %s", exc)
+        error = {"type": "error", "code": None, "message": failure_message(exc), "param": None,
+                 "sequence_number": sequence}
+        yield b"event: error\n" + sse(error)
+
+
 def failure_message(exc: BaseException) -> str:
     if isinstance(exc, NonFiniteLogprob):
         return f"request failed: {exc}"

@@ -53,6 +53,7 @@ from runtime.http.responses import (
     json_response,
     now,
     request_error_response,
+    sse_events,
     sse_stream,
 )
 from runtime.http.responses_api import prepare_responses, respond, stream_responses
@@ -178,7 +179,7 @@ def create_app(engine: EngineClient, model_dir: str | Path, served_model_name: s
         for reason in reasons:
             stats.finished[reason or "abort"] += 1
 
-    def streamed(prepared: Any, chunks: AsyncIterator[dict[str, Any]]) -> Response:
+    def streamed(prepared: Any, chunks: AsyncIterator[dict[str, Any]], framing) -> Response:
         reasons: dict[int, str] = {}
 
         async def observed() -> AsyncIterator[dict[str, Any]]:
@@ -198,10 +199,11 @@ def create_app(engine: EngineClient, model_dir: str | Path, served_model_name: s
         def close() -> None:
             ended(prepared, [reasons.get(job.index) for job in prepared.jobs])
 
-        return TrackedStream(sse_stream(observed()), close, media_type="text/event-stream",
+        return TrackedStream(framing(observed()), close, media_type="text/event-stream",
                              headers=SSE_HEADERS)
 
-    async def serve_request(request: Request, model: type[BaseModel], prepare, whole, chunks):
+    async def serve_request(request: Request, model: type[BaseModel], prepare, whole, chunks,
+                            framing=sse_stream):
         req = await parse_body(request, model, max_request_bytes)
         if isinstance(req, Response):
             if req.status_code == 413:
@@ -218,7 +220,7 @@ def create_app(engine: EngineClient, model_dir: str | Path, served_model_name: s
             return overloaded()
         admitted(prepared)
         if req.stream:
-            return streamed(prepared, chunks(prepared, engine, assets))
+            return streamed(prepared, chunks(prepared, engine, assets), framing)
         reasons: list[str | None] = [None] * len(prepared.jobs)
         try:
             work = asyncio.ensure_future(whole(prepared, engine, assets))
@@ -261,7 +263,8 @@ def create_app(engine: EngineClient, model_dir: str | Path, served_model_name: s
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
         return await serve_request(
-            request, ResponsesRequest, prepare_responses, respond, stream_responses
+            request, ResponsesRequest, prepare_responses, respond, stream_responses,
+            framing=sse_events,
         )
 
     async def serve_tokenizer(request: Request, model, answer) -> Response:

@@ -346,6 +346,22 @@ def sse_events(response: httpx.Response) -> list:
     return events[:-1]
 
 
+def response_events(response: httpx.Response) -> list:
+    """Decoded events of a Responses API stream: `event: <type>` then `data: <json>` with that
+    type in each block, and no [DONE] (OpenAI's framing, as vLLM sends it)."""
+    events = []
+    for block in response.text.split("\n\n"):
+        if not block.strip():
+            continue
+        head, _, data = block.partition("\n")
+        assert head.startswith("event: ") and data.startswith("data: "), block
+        event = strict_json(data[len("data: "):])
+        assert event["type"] == head[len("event: "):], block
+        events.append(event)
+    assert events
+    return events
+
+
 # ----------------------------------------------------------------------------- oracles
 TOLERANCE = 1e-4
 

@@ -1,7 +1,8 @@
 """Schema fuzzing of the running server: generated bodies for /v1/completions and
 /v1/chat/completions (valid, malformed and adversarial values for every field) never get a
 5xx, and every answer is strict JSON (no NaN or Infinity): a 200 has choices (or, streamed, SSE
-events ending in [DONE]), an error has vLLM's error object naming a message."""
+events ending in [DONE]; the Responses API's typed events), an error has vLLM's error object
+naming a message."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.server.helpers import sse_events, strict_json
+from tests.server.helpers import response_events, sse_events, strict_json
 
 pytestmark = pytest.mark.slow
 
@@ -104,7 +105,7 @@ def bodies(fields: dict, required: str):
     return st.fixed_dictionaries({required: fields[required]}, optional=optional)
 
 
-def check(response: httpx.Response, stream: bool) -> None:
+def check(response: httpx.Response, stream: bool, events_of=sse_events) -> None:
     assert response.status_code < 500, response.text[:2000]
     if response.status_code != 200:
         assert response.status_code in ERRORS, response.status_code
@@ -112,8 +113,9 @@ def check(response: httpx.Response, stream: bool) -> None:
         assert isinstance(error["message"], str) and error["message"]
         return
     if stream:
-        events = sse_events(response)
-        assert events and all("error" not in e for e in events), events[-1:]
+        events = events_of(response)
+        assert events and all("error" not in e and e.get("type") != "error"
+                              for e in events), events[-1:]
     else:
         body = strict_json(response.content)
         assert body["choices"] if "choices" in body else body["output"]
@@ -148,4 +150,4 @@ def test_chat_completions_never_fail_with_5xx(server, body):
 @FUZZ
 @given(bodies(RESPONSES_FIELDS, "input"))
 def test_responses_never_fail_with_5xx(server, body):
-    check(send(server, "/v1/responses", body), body.get("stream") is True)
+    check(send(server, "/v1/responses", body), body.get("stream") is True, response_events)

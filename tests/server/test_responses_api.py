@@ -15,6 +15,7 @@ from tests.server.helpers import (
     chat_prompt_ids,
     hf_rows,
     post,
+    response_events,
     served_name,
     strict_json,
 )
@@ -82,6 +83,18 @@ def test_streamed_events_add_up_to_the_response(server):
     final = events[-1].response
     assert final.output_text == whole.output_text and final.status == whole.status
     assert final.usage.output_tokens == whole.usage.output_tokens
+
+
+def test_stream_framing_is_openais(server):
+    """`event: <type>` before each data line, the type repeated in the data, no [DONE]."""
+    body = {"model": served_name(server), "input": "Once upon a time", "max_output_tokens": 3,
+            "stream": True}
+    response = post(server, "/v1/responses", body)
+    assert response.status_code == 200, response.text
+    assert "[DONE]" not in response.text
+    kinds = [e["type"] for e in response_events(response)]
+    assert kinds[0] == "response.created" and kinds[-1] in ("response.completed",
+                                                              "response.incomplete")
 
 
 def test_without_include_no_entries(server):
