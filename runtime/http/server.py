@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import logging
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -60,6 +61,10 @@ from runtime.http.responses_api import prepare_responses, respond, stream_respon
 from runtime.http.tokenization import detokenize_ids, tokenize, tokenize_model, tokenizer_info
 
 log = logging.getLogger("runtime.http.server")
+try:
+    VERSION = importlib.metadata.version("helios-logprobs")
+except importlib.metadata.PackageNotFoundError:  # (run from a checkout without installing)
+    VERSION = "unknown"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -143,6 +148,15 @@ def create_app(engine: EngineClient, model_dir: str | Path, served_model_name: s
         if engine.healthy():
             return Response(status_code=200)
         return error_response("the engine is not healthy", None, 503)
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        """vLLM's (SageMaker's) liveness route: /health's answer."""
+        return await health()
+
+    @app.get("/version")
+    async def version() -> Response:
+        return json_response({"version": VERSION})
 
     @app.get("/metrics")
     async def metrics_route() -> Response:

@@ -4,6 +4,7 @@ inputs, health; and chat templates against transformers' apply_chat_template."""
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 import math
 
@@ -122,6 +123,22 @@ def test_health_follows_the_engine(model_dirs):
     assert call(engine, model_dirs["byte_level"], "GET", "/health").status_code == 503
     response = call(engine, model_dirs["byte_level"], "POST", "/v1/completions", BODY)
     assert response.status_code == 503 and engine.requests == 0
+    # vLLM's /ping (GET and POST) answers as /health does.
+    for method in ("GET", "POST"):
+        assert call(engine, model_dirs["byte_level"], method, "/ping").status_code == 503
+    engine.alive = True
+    for method in ("GET", "POST"):
+        assert call(engine, model_dirs["byte_level"], method, "/ping").status_code == 200
+
+
+def test_version_and_wrong_methods(model_dirs):
+    engine = ScriptedEngine([Finished("length")])
+    response = call(engine, model_dirs["byte_level"], "GET", "/version")
+    assert strict_json(response.content) == {
+        "version": importlib.metadata.version("helios-logprobs")}
+    wrong = call(engine, model_dirs["byte_level"], "GET", "/v1/completions")
+    assert wrong.status_code == 405
+    assert strict_json(wrong.content)["error"]["type"] == "MethodNotAllowedError"
 
 
 CONVERSATIONS = [

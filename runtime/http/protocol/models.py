@@ -253,6 +253,7 @@ def error_body(message: str, param: str | None, code: int = 400) -> dict[str, An
     kind = {
         400: "BadRequestError",
         404: "NotFoundError",
+        405: "MethodNotAllowedError",
         413: "RequestTooLargeError",
         429: "RateLimitError",
         500: "InternalServerError",
