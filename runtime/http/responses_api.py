@@ -89,7 +89,15 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
     return messages
 
 
+TOP_LOGPROBS_LIMIT = 20
+"""OpenAI's bound on top_logprobs, checked with or without the logprobs include."""
+
+
 def _refusals(req: ResponsesRequest) -> None:
+    top = req.top_logprobs
+    if top is not None and not 0 <= top <= TOP_LOGPROBS_LIMIT:
+        raise RequestError("top_logprobs", f"top_logprobs must be between 0 and "
+                                           f"{TOP_LOGPROBS_LIMIT}, got {top}")
     if req.tools:
         raise RequestError("tools", "tools: tool calling is not supported by this server")
     if req.previous_response_id is not None:

@@ -37,6 +37,7 @@ from runtime.http.metrics import (
     ServerStats,
     default_queue_limit,
 )
+from runtime.http.openapi import openapi_document
 from runtime.http.protocol.limits import (
     DEFAULT_MAX_REQUEST_BYTES,
 )
@@ -113,7 +114,11 @@ def create_app(engine: EngineClient, model_dir: str | Path, served_model_name: s
     """The app. `max_queued_requests` bounds waiting + running engine requests (None: four
     per slot of an engine with a scheduler, else unbounded); beyond it, 429."""
     assets = ModelAssets(model_dir, served_model_name, engine.info.vocab_size)
-    app = FastAPI(title="helios", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="helios", docs_url=None, redoc_url=None)
+    info = engine.info
+    app.openapi = lambda: openapi_document(  # GET /openapi.json
+        app, VERSION, vocab=min(info.vocab_size, assets.token_bytes.size), k=info.max_logprobs,
+        max_model_len=info.max_model_len, scoring=info.prompt_logprobs)
     if max_queued_requests is None:
         capacity = getattr(getattr(engine, "config", None), "capacity", None)
         max_queued_requests = default_queue_limit(capacity) if capacity else None
@@ -136,7 +141,8 @@ def create_app(engine: EngineClient, model_dir: str | Path, served_model_name: s
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(_: Request, exc: StarletteHTTPException) -> Response:
-        return error_response(str(exc.detail), None, exc.status_code)
+        # (its headers too: a 405 names the allowed methods in Allow, as RFC 9110 asks)
+        return error_response(str(exc.detail), None, exc.status_code, exc.headers)
 
     @app.exception_handler(Exception)
     async def on_error(_: Request, exc: Exception) -> Response:
@@ -149,10 +155,8 @@ def create_app(engine: EngineClient, model_dir: str | Path, served_model_name: s
             return Response(status_code=200)
         return error_response("the engine is not healthy", None, 503)
 
-    @app.api_route("/ping", methods=["GET", "POST"])
-    async def ping() -> Response:
-        """vLLM's (SageMaker's) liveness route: /health's answer."""
-        return await health()
+    # vLLM's (SageMaker's) liveness route, GET and POST: /health's answer.
+    app.add_api_route("/ping", health, methods=["GET", "POST"], name="ping")
 
     @app.get("/version")
     async def version() -> Response:

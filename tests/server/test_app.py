@@ -11,36 +11,11 @@ import math
 import httpx
 import pytest
 
-from runtime.engine.client import EngineError, EngineInfo, Finished, GeneratedToken, TokenLogprob
-from runtime.engine.engine import Engine as RealEngine
+from runtime.engine.client import EngineError, Finished, GeneratedToken, TokenLogprob
 from runtime.http.server import create_app
 from runtime.text.chat_template import ChatTemplate, ChatTemplateError
 from tests.server.helpers import strict_json
-
-
-class ScriptedEngine:
-    """Yields `script` (tokens, exceptions to raise, then Finished) for every request."""
-
-    def __init__(self, script, *, k: int = 20, token_ids: bool = True) -> None:
-        self.info = EngineInfo("scripted", 321, 64, k, token_ids, (0,))
-        self.script = script
-        self.alive = True
-        self.requests = 0
-
-    def check(self, prompt_ids, params) -> None:
-        RealEngine.check(self, prompt_ids, params)
-
-    async def generate(self, prompt_ids, params):
-        self.check(prompt_ids, params)
-        self.requests += 1
-        for event in self.script:
-            await asyncio.sleep(0)
-            if isinstance(event, Exception):
-                raise event
-            yield event
-
-    def healthy(self) -> bool:
-        return self.alive
+from tests.server.scripted_engine import ScriptedEngine
 
 
 def token(index: int, token_id: int, logprob: float | None, alts=()) -> GeneratedToken:

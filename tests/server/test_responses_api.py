@@ -108,6 +108,7 @@ def test_without_include_no_entries(server):
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input"),
     ({"top_logprobs": 21, "include": INCLUDE}, "top_logprobs"),
+    ({"top_logprobs": 21}, "top_logprobs"),  # (OpenAI's bound holds without the include too)
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"text": {"format": {"type": "json_object"}}}, "text"),
 ])

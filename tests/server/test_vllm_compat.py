@@ -134,6 +134,8 @@ REFUSED_AS_VLLM = [
     ("completions", {"logprob_token_ids": [5]}, "logprob_token_ids",
      "when using `logprob_token_ids`, `logprobs` must be set."),
     ("completions", {"max_tokens": 0}, "max_tokens", "max_tokens must be at least 1, got 0."),
+    ("completions", {"truncate_prompt_tokens": 0}, "truncate_prompt_tokens",
+     "truncate_prompt_tokens must be >= 1"),
     ("completions", {"prompt": None, "prompt_embeds": []}, "prompt", EMPTY),
     ("chat", {"tool_choice": "auto"}, "tool_choice",
      "When using `tool_choice`, `tools` must be set."),

@@ -41,7 +41,10 @@ TokenId = StrictInt
 
 
 class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    # Strict types, as OpenAI's API and the published schema have them: `"stream": "true"`,
+    # `"background": 0` or `"temperature": "1"` are refused, not coerced (an int is still a
+    # number).
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
 
     REFUSED_FIELDS: ClassVar[tuple[str, ...]] = ()
 

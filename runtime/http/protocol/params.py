@@ -117,6 +117,9 @@ def truncation(req: SamplingFields, max_model_len: int) -> int | None:
     keep = req.truncate_prompt_tokens
     if keep is None:
         return None
+    if keep == 0:
+        raise RequestError("truncate_prompt_tokens", "truncate_prompt_tokens must be >= 1 (or -1 "
+                                                     "for the context length), got 0")
     keep = max_model_len if keep == -1 else keep
     if keep > max_model_len:
         raise RequestError("truncate_prompt_tokens",

@@ -1,0 +1,33 @@
+"""An engine stand-in for in-process app tests: every request yields one script."""
+
+from __future__ import annotations
+
+import asyncio
+
+from runtime.engine.client import EngineInfo
+from runtime.engine.engine import Engine as RealEngine
+
+
+class ScriptedEngine:
+    """Yields `script` (tokens, exceptions to raise, then Finished) for every request."""
+
+    def __init__(self, script, *, k: int = 20, token_ids: bool = True) -> None:
+        self.info = EngineInfo("scripted", 321, 64, k, token_ids, (0,))
+        self.script = script
+        self.alive = True
+        self.requests = 0
+
+    def check(self, prompt_ids, params) -> None:
+        RealEngine.check(self, prompt_ids, params)
+
+    async def generate(self, prompt_ids, params):
+        self.check(prompt_ids, params)
+        self.requests += 1
+        for event in self.script:
+            await asyncio.sleep(0)
+            if isinstance(event, Exception):
+                raise event
+            yield event
+
+    def healthy(self) -> bool:
+        return self.alive
