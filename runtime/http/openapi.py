@@ -60,6 +60,10 @@ ERROR = {
 }
 ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
 OBJECT = {"type": "object"}
+SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
+    "data": {"type": "string"}, "event": {"type": "string"}}}
+"""One server-sent event: its data (a JSON object, or [DONE]) and, for the Responses API, its
+event type."""
 
 
 def _errors(statuses: dict[int, str]) -> dict[str, Any]:
@@ -70,7 +74,7 @@ def _errors(statuses: dict[int, str]) -> dict[str, Any]:
 def _generation(path: str) -> dict[str, Any]:
     content = {"application/json": {"schema": OBJECT}}
     if path in STREAMING:
-        content["text/event-stream"] = {"schema": {"type": "string"}}
+        content["text/event-stream"] = {"schema": SSE_EVENT}
     errors = GENERATION_ERRORS if path in STREAMING else TOKENIZER_ERRORS
     return {"200": {"description": "the response (server-sent events with stream)",
                     "content": content}, **_errors(errors)}
@@ -176,7 +180,7 @@ def _tighten(schemas: dict[str, Any], vocab: int, k: int, max_model_len: int,
             {"type": "array", "minItems": 1, "items": token_list}]},
         "logprobs": counts,
         "max_tokens": _nullable({**room, "minimum": 0}),
-        "suffix": FALSY, "prompt_embeds": FALSY,
+        "suffix": {"anyOf": [{"type": "null"}, {"const": ""}]}, "prompt_embeds": FALSY,
     })
     completion["required"] = ["prompt"]
     chat["properties"].update({
@@ -205,7 +209,8 @@ def _tighten(schemas: dict[str, Any], vocab: int, k: int, max_model_len: int,
         name: shared[name] for name in ("temperature", "top_p", "top_k")})
     responses.update({
         "top_logprobs": counts, "max_output_tokens": _nullable({**room, "minimum": 1}),
-        "tools": FALSY, "previous_response_id": {"type": "null"},
+        "tools": {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]},
+        "previous_response_id": {"type": "null"},
         "background": {"enum": [None, False]}, "reasoning": {"type": "null"},
         "text": _nullable({"type": "object", "properties": {"format": _nullable({
             "type": "object", "required": ["type"], "properties": {"type": {"const": "text"}}})}}),
