@@ -13,11 +13,11 @@ import httpx
 import openai
 import pytest
 
-from runtime.engine.client import EngineInfo, Finished, GeneratedToken
-from runtime.engine.engine import Engine as RealEngine
+from runtime.engine.client import Finished, GeneratedToken
 from runtime.http.protocol.refusals import CHAT_REFUSED, COMPLETION_REFUSED, IGNORED, REFUSED
 from runtime.http.server import create_app
 from tests.server.helpers import served_name, strict_json
+from tests.server.scripted_engine import ScriptedEngine
 
 IGNORED_MESSAGE = "The following fields were present in the request but ignored"
 COMPLETION = {"prompt": [5, 6], "max_tokens": 2}
@@ -26,31 +26,15 @@ ROUTES = {"completions": ("/v1/completions", COMPLETION),
           "chat": ("/v1/chat/completions", CHAT)}
 
 
-class ScriptedEngine:
+def two_tokens() -> ScriptedEngine:
     """Two tokens then the end, for every request; counts admitted requests."""
-
-    def __init__(self) -> None:
-        self.info = EngineInfo("scripted", 321, 64, 20, True, (0,))
-        self.requests = 0
-
-    def check(self, prompt_ids, params) -> None:
-        RealEngine.check(self, prompt_ids, params)
-
-    async def generate(self, prompt_ids, params):
-        self.check(prompt_ids, params)
-        self.requests += 1
-        for event in (GeneratedToken(0, 70, None), GeneratedToken(1, 71, None),
-                      Finished("length")):
-            await asyncio.sleep(0)
-            yield event
-
-    def healthy(self) -> bool:
-        return True
+    return ScriptedEngine([GeneratedToken(0, 70, None), GeneratedToken(1, 71, None),
+                           Finished("length")])
 
 
 @pytest.fixture(scope="module")
 def app(model_dirs):
-    engine = ScriptedEngine()
+    engine = two_tokens()
     return engine, create_app(engine, model_dirs["byte_level"], "scripted")
 
 

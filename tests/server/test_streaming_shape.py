@@ -15,8 +15,7 @@ from functools import cache
 import httpx
 import pytest
 
-from runtime.engine.client import EngineError, EngineInfo, Finished, GeneratedToken, TokenLogprob
-from runtime.engine.engine import Engine as RealEngine
+from runtime.engine.client import EngineError, Finished, GeneratedToken, TokenLogprob
 from runtime.http.server import create_app
 from tests.server.helpers import (
     encoder,
@@ -28,6 +27,7 @@ from tests.server.helpers import (
     token_id_of,
     vocab_bytes,
 )
+from tests.server.scripted_engine import ScriptedEngine
 
 PROMPT = "The quick brown fox"
 MESSAGES = [{"role": "user", "content": PROMPT}]
@@ -221,28 +221,6 @@ def test_stop_string_releases_held_text_with_the_finish(server, baseline, includ
 
 
 # ----------------------------------------------------------------------------- in-process
-class ScriptedEngine:
-    """Yields `script` (tokens, exceptions to raise, then Finished) for every request."""
-
-    def __init__(self, script) -> None:
-        self.info = EngineInfo("scripted", 321, 64, 20, True, (0,))
-        self.script = script
-
-    def check(self, prompt_ids, params) -> None:
-        RealEngine.check(self, prompt_ids, params)
-
-    async def generate(self, prompt_ids, params):
-        self.check(prompt_ids, params)
-        for event in self.script:
-            await asyncio.sleep(0)
-            if isinstance(event, Exception):
-                raise event
-            yield event
-
-    def healthy(self) -> bool:
-        return True
-
-
 def call(engine, model_dir, path: str, body: dict) -> httpx.Response:
     app = create_app(engine, model_dir, "scripted")
 
