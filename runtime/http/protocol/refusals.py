@@ -55,7 +55,9 @@ class Refusal:
 
 STRUCTURED = "structured outputs are not supported by this server"
 TOOLS = "tool calling is not supported by this server"
-REASONING = "reasoning controls are not supported by this server (no reasoning parser)"
+REASONING = ("reasoning controls are not supported by this server (a reasoning parser only "
+             "enforces thinking_token_budget; the output is not split into reasoning and "
+             "content)")
 
 REFUSED: dict[str, Refusal] = {
     # sampling and decoding features that are not implemented
