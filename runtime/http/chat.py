@@ -32,6 +32,7 @@ from runtime.http.protocol.params import (
 )
 from runtime.http.wire import Position, WireMode, chat_logprobs, request_prompt_logprobs
 from runtime.text.chat_template import ChatTemplateError
+from runtime.text.reasoning import ReasoningSplit, ReasoningStrings, split_reasoning
 
 RESERVED_TEMPLATE_KEYS = {"messages", "add_generation_prompt"}
 
@@ -47,6 +48,9 @@ class PreparedChat:
     mode: WireMode | None
     totals: Totals = field(default_factory=Totals)
     """Usage so far (the server's metrics read it when the response ends)."""
+    reasoning: ReasoningStrings | None = None
+    """The delimiters that split the output into `reasoning` and `content` (a server with a
+    reasoning parser), or None: all output is content."""
 
 
 def _check_logprobs(req: ChatCompletionRequest) -> int | None:
@@ -103,9 +107,12 @@ def render(req: Any, messages: list[ChatMessage], assets: ModelAssets) -> str:
 
 
 def prepare_chat(
-    req: ChatCompletionRequest, engine: EngineClient, assets: ModelAssets
+    req: ChatCompletionRequest, engine: EngineClient, assets: ModelAssets, *,
+    split_reasoning: bool = True,
 ) -> PreparedChat:
-    """Everything refused before admission raises RequestError here (HTTP 400)."""
+    """Everything refused before admission raises RequestError here (HTTP 400).
+    `split_reasoning`: a server with a reasoning parser splits the output into reasoning and
+    content (vLLM's `reasoning` field)."""
     _check_tool_usage(req)
     check_request(req)
     messages = parse_messages(req.messages)
@@ -154,8 +161,39 @@ def prepare_chat(
     echo = None
     if req.echo and messages[-1].role == role:
         echo = messages[-1].content or ""
+    reasoning = engine.info.reasoning
+    strings = reasoning.strings if reasoning is not None and split_reasoning else None
     return PreparedChat(req, messages, jobs, role, echo, len(ids),
-                        wire_mode(req, top is not None), Totals(len(ids)))
+                        wire_mode(req, top is not None), Totals(len(ids)), strings)
+
+
+def _message(prep: PreparedChat, text: str) -> dict[str, Any]:
+    """The choice's message; with a reasoning parser, vLLM's split of the generated text
+    (`reasoning`, left out with include_reasoning false, and `content`, null when empty)."""
+    message: dict[str, Any] = {"role": prep.role, "content": text, "tool_calls": []}
+    if prep.reasoning is None:
+        return message
+    echo = prep.echo or ""
+    reasoning, content = split_reasoning(text[len(echo):], prep.reasoning)
+    message["content"] = echo + content if echo and content else (content or echo or None)
+    if prep.request.include_reasoning:
+        message["reasoning"] = reasoning
+    return message
+
+
+def _delta(splits: dict[int, ReasoningSplit] | None, include_reasoning: bool, index: int,
+           text: str, final: bool) -> dict[str, Any]:
+    """A chunk's delta: its text, or with a reasoning parser the reasoning and content it
+    releases (`{"content": ""}` while a possible delimiter is held back)."""
+    if splits is None:
+        return {"content": text}
+    reasoning, content = splits[index].feed(text, final=final)
+    delta: dict[str, Any] = {}
+    if reasoning and include_reasoning:
+        delta["reasoning"] = reasoning
+    if content or not delta:
+        delta["content"] = content
+    return delta
 
 
 def _logprobs(prep: PreparedChat, items: list[Position], assets: ModelAssets):
@@ -171,7 +209,7 @@ async def chat(prep: PreparedChat, engine: EngineClient, assets: ModelAssets) ->
     outcomes = await collect(prep.jobs, engine, assets, totals, prefixes)
     choices = [{
         "index": out.index,
-        "message": {"role": prep.role, "content": out.text, "tool_calls": []},
+        "message": _message(prep, out.text),
         "logprobs": _logprobs(prep, out.positions, assets),
         "finish_reason": out.finish_reason,
         "stop_reason": out.stop_reason,
@@ -202,10 +240,14 @@ def stream_chat(
             opening.append({"index": index, "delta": {"content": prep.echo}, "logprobs": None,
                             "finish_reason": None})
 
+    splits = None if prep.reasoning is None else {
+        index: ReasoningSplit(prep.reasoning) for index in range(len(prep.jobs))}
+
     def choice(index: int, text: str, delta: Delta) -> dict[str, Any]:
+        final = delta.finish_reason is not None
         out = {
             "index": index,
-            "delta": {"content": text},
+            "delta": _delta(splits, prep.request.include_reasoning, index, text, final),
             "logprobs": _logprobs(prep, delta.positions, assets),
             "finish_reason": delta.finish_reason,
         }

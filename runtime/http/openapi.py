@@ -191,7 +191,6 @@ def _tighten(schemas: dict[str, Any], vocab: int, k: int, max_model_len: int,
         "tools": {"type": "null"}, "functions": FALSY,
         "tool_choice": {"enum": [None, "none"]},
         "function_call": {"enum": [None, "none", "auto"]},
-        "include_reasoning": {"const": True},
         "modalities": {"anyOf": [{"type": "null"}, {"const": ["text"]}]},
         **{name: {"type": "null"} for name in (
             "reasoning_effort", "chat_template", "documents", "mm_processor_kwargs", "audio",

@@ -133,7 +133,9 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
 def prepare_responses(req: ResponsesRequest, engine: EngineClient, assets: ModelAssets
                       ) -> PreparedResponses:
     try:
-        prepared = prepare_chat(chat_request(req), engine, assets)
+        # (the output stays whole: the reasoning/content split of output-text entries is not
+        # done for the Responses API yet)
+        prepared = prepare_chat(chat_request(req), engine, assets, split_reasoning=False)
     except RequestError as exc:
         param = CHAT_TO_RESPONSES.get(exc.param)
         if param is None:

@@ -83,3 +83,47 @@ def load_reasoning(
     if not path.is_file():
         raise ValueError(f"a reasoning configuration needs {path} to resolve its token ids")
     return resolve_tokens(strings, tokenizers.Tokenizer.from_file(str(path)))
+
+
+class ReasoningSplit:
+    """Generated text -> (reasoning, content), as vLLM's qwen3 and deepseek_r1 parsers split
+    it: everything before the first end string is reasoning (start strings removed), the rest
+    is content; the delimiters belong to neither. Fed piece by piece, it holds back a tail that
+    could begin a delimiter, so the pieces join to the split of the whole text."""
+
+    def __init__(self, strings: ReasoningStrings) -> None:
+        self.start, self.end = strings.start, strings.end
+        self.held = ""
+        self.thinking = True
+        """No end string seen yet."""
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, str]:
+        """(reasoning, content) released by `text`; `final` releases what is held."""
+        self.held += text
+        if not self.thinking:
+            released, self.held = self.held, ""
+            return "", released
+        cut = self.held.find(self.end)
+        if cut >= 0:
+            reasoning, content = self.held[:cut], self.held[cut + len(self.end):]
+            self.thinking, self.held = False, ""
+            return reasoning.replace(self.start, ""), content
+        self.held = self.held.replace(self.start, "")
+        keep = 0 if final else self._partial_delimiter()
+        released, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
+        return released, ""
+
+    def _partial_delimiter(self) -> int:
+        """Length of the longest tail of the held text that begins a delimiter."""
+        for n in range(min(len(self.held), max(len(self.start), len(self.end)) - 1), 0, -1):
+            tail = self.held[-n:]
+            if self.end.startswith(tail) or self.start.startswith(tail):
+                return n
+        return 0
+
+
+def split_reasoning(text: str, strings: ReasoningStrings) -> tuple[str, str | None]:
+    """The whole generated text's (reasoning, content); content is None when the text has no
+    end string or nothing after it (vLLM's `content or None`)."""
+    reasoning, content = ReasoningSplit(strings).feed(text, final=True)
+    return reasoning, content or None

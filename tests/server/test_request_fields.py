@@ -123,7 +123,6 @@ REFUSED_VALUES = {
     "functions": [{"name": "f", "parameters": {}}],
     "function_call": {"name": "f"},
     "reasoning_effort": "low",
-    "include_reasoning": False,
     "chat_template": "{{ messages }}",
     "documents": [{"title": "t", "text": "x"}],
     "mm_processor_kwargs": {"num_crops": 4},

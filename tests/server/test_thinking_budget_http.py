@@ -68,11 +68,44 @@ def test_chat_budget_entries_skip_the_forced_token(thinking_server):
         max_tokens=8, temperature=0.0, logprobs=True,
         extra_body={"ignore_eos": True, "thinking_token_budget": 3},
     )
-    assert response.choices[0].message.content == "abc" + END_THINK + "\n012"
+    # vLLM's qwen3 split: the thinking before the end string is `reasoning`, the rest content;
+    # the entries cover both (the forced end string has none).
+    message = response.choices[0].message
+    assert (message.model_extra["reasoning"], message.content) == ("abc", "\n012")
     content = response.choices[0].logprobs.content
     assert len(content) == 7 and all(c.token != END_THINK for c in content)
     forced_id = encode(server.model_dir, END_THINK)
     assert len(forced_id) == 1
+
+
+def chat_body(server, **extra) -> dict:
+    return {"model": server.model_dir.name, "messages": [{"role": "user", "content": "<think>"}],
+            "temperature": 0.0, "ignore_eos": True, "logprobs": True, **extra}
+
+
+@pytest.mark.parametrize("max_tokens", [8, 2])
+def test_streamed_reasoning_and_content_join_to_the_message(thinking_server, max_tokens):
+    """Deltas carry `reasoning` until the end string and `content` after it (the end string in
+    neither); joined, they equal the whole message, with every entry kept. Without an end
+    string all output is reasoning and content is null."""
+    server = thinking_server
+    fields = dict(max_tokens=max_tokens, thinking_token_budget=3)
+    whole = strict_json(post(server, "/v1/chat/completions",
+                             chat_body(server, **fields)).content)["choices"][0]
+    events = sse_events(post(server, "/v1/chat/completions",
+                             chat_body(server, stream=True, **fields)))
+    deltas = [e["choices"][0] for e in events if e["choices"]]
+    reasoning = "".join(d["delta"].get("reasoning", "") for d in deltas)
+    content = "".join(d["delta"].get("content") or "" for d in deltas)
+    entries = [c for d in deltas if d["logprobs"] for c in d["logprobs"]["content"]]
+    assert reasoning == whole["message"]["reasoning"]
+    assert (content or None) == whole["message"]["content"]
+    assert [e["token"] for e in entries] == [e["token"] for e in whole["logprobs"]["content"]]
+    if max_tokens == 2:
+        assert (whole["message"]["reasoning"], whole["message"]["content"]) == ("ab", None)
+    hidden = strict_json(post(server, "/v1/chat/completions", chat_body(
+        server, include_reasoning=False, **fields)).content)["choices"][0]["message"]
+    assert "reasoning" not in hidden and hidden["content"] == whole["message"]["content"]
 
 
 def test_budget_without_a_reasoning_configuration_is_refused(server):

@@ -55,9 +55,8 @@ class Refusal:
 
 STRUCTURED = "structured outputs are not supported by this server"
 TOOLS = "tool calling is not supported by this server"
-REASONING = ("reasoning controls are not supported by this server (a reasoning parser only "
-             "enforces thinking_token_budget; the output is not split into reasoning and "
-             "content)")
+REASONING = ("reasoning controls are not supported by this server (a reasoning parser splits "
+             "the output and enforces thinking_token_budget; it takes no effort setting)")
 
 REFUSED: dict[str, Refusal] = {
     # sampling and decoding features that are not implemented
@@ -91,7 +90,6 @@ REFUSED: dict[str, Refusal] = {
     "function_call": Refusal(TOOLS + " (function_call may only be 'none' or 'auto')",
                              _forces_calls),
     "reasoning_effort": Refusal(REASONING),
-    "include_reasoning": Refusal(REASONING + "; include_reasoning may only be true", _false),
     "chat_template": Refusal("a request-supplied chat_template is not supported"),
     "documents": Refusal("documents are not supported by this server"),
     "mm_processor_kwargs": Refusal("multimodal inputs are not supported by this server"),
@@ -113,7 +111,7 @@ COMMON_REFUSED = (
 COMPLETION_REFUSED = (*COMMON_REFUSED, "suffix", "prompt_embeds")
 CHAT_REFUSED = (
     *COMMON_REFUSED, "tools", "tool_choice", "functions", "function_call", "reasoning_effort",
-    "include_reasoning", "chat_template", "documents", "mm_processor_kwargs", "modalities",
+    "chat_template", "documents", "mm_processor_kwargs", "modalities",
     "audio", "web_search_options",
 )
 

@@ -1,0 +1,36 @@
+"""ReasoningSplit: vLLM's qwen3 / deepseek_r1 split of generated text into reasoning and
+content, the same whichever way the text arrives in pieces."""
+
+from __future__ import annotations
+
+import pytest
+
+from runtime.text.reasoning import ReasoningSplit, ReasoningStrings, split_reasoning
+
+THINK = ReasoningStrings("<think>", "</think>")
+
+
+@pytest.mark.parametrize(("text", "reasoning", "content"), [
+    ("<think>abc</think>\n012", "abc", "\n012"),
+    ("abc</think>done", "abc", "done"),  # the start string may be in the prompt
+    ("<think>still thinking", "still thinking", None),  # no end: all reasoning
+    ("</think>", "", None),
+    ("a</think>b</think>c", "a", "b</think>c"),  # only the first end string splits
+    ("<thin", "<thin", None),
+])
+def test_whole_text(text, reasoning, content):
+    assert split_reasoning(text, THINK) == (reasoning, content)
+
+
+@pytest.mark.parametrize("text", ["<think>abc</think>\n012", "xy</think>", "<think>no end <",
+                                  "ab</thi</think>c<think>d"])
+def test_any_pieces_join_to_the_whole_split(text):
+    whole = split_reasoning(text, THINK)
+    for cuts in ([i] for i in range(len(text) + 1)):
+        for step in (1, 2, 3):
+            split = ReasoningSplit(THINK)
+            pieces = [text[:cuts[0]]] + [text[i:i + step] for i in range(cuts[0], len(text), step)]
+            got = [split.feed(piece) for piece in pieces] + [split.feed("", final=True)]
+            reasoning = "".join(r for r, _ in got)
+            content = "".join(c for _, c in got) or None
+            assert (reasoning, content) == whole, (pieces, got)
