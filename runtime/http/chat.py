@@ -175,7 +175,7 @@ def _message(prep: PreparedChat, text: str) -> dict[str, Any]:
         return message
     echo = prep.echo or ""
     reasoning, content = split_reasoning(text[len(echo):], prep.reasoning)
-    message["content"] = echo + content if echo and content else (content or echo or None)
+    message["content"] = (echo + (content or "")) or None
     if prep.request.include_reasoning:
         message["reasoning"] = reasoning
     return message
