@@ -51,6 +51,9 @@ class PreparedChat:
     reasoning: ReasoningStrings | None = None
     """The delimiters that split the output into `reasoning` and `content` (a server with a
     reasoning parser), or None: all output is content."""
+    content_entries_only: bool = False
+    """Report entries only for tokens whose first character is content (the Responses API's
+    output text: reasoning and delimiters get none, as the contract asks)."""
 
 
 def _check_logprobs(req: ChatCompletionRequest) -> int | None:
@@ -108,11 +111,11 @@ def render(req: Any, messages: list[ChatMessage], assets: ModelAssets) -> str:
 
 def prepare_chat(
     req: ChatCompletionRequest, engine: EngineClient, assets: ModelAssets, *,
-    split_reasoning: bool = True,
+    content_entries_only: bool = False,
 ) -> PreparedChat:
-    """Everything refused before admission raises RequestError here (HTTP 400).
-    `split_reasoning`: a server with a reasoning parser splits the output into reasoning and
-    content (vLLM's `reasoning` field)."""
+    """Everything refused before admission raises RequestError here (HTTP 400). A server with a
+    reasoning parser splits the output into reasoning and content (vLLM's `reasoning` field);
+    `content_entries_only` then keeps the entries of content tokens only (Responses)."""
     _check_tool_usage(req)
     check_request(req)
     messages = parse_messages(req.messages)
@@ -162,9 +165,26 @@ def prepare_chat(
     if req.echo and messages[-1].role == role:
         echo = messages[-1].content or ""
     reasoning = engine.info.reasoning
-    strings = reasoning.strings if reasoning is not None and split_reasoning else None
+    strings = None if reasoning is None else reasoning.strings
     return PreparedChat(req, messages, jobs, role, echo, len(ids),
-                        wire_mode(req, top is not None), Totals(len(ids)), strings)
+                        wire_mode(req, top is not None), Totals(len(ids)), strings,
+                        content_entries_only and strings is not None)
+
+
+def _reported(prep: PreparedChat, text: str, positions: list[Position]) -> list[Position]:
+    """A whole choice's positions with entries (content tokens only when asked)."""
+    if not prep.content_entries_only:
+        return positions
+    split = ReasoningSplit(prep.reasoning)
+    split.feed(text[len(prep.echo or ""):], final=True)
+    return _content_positions(positions, split.content_start)
+
+
+def _content_positions(positions: list[Position], content_start: int | None) -> list[Position]:
+    """The positions whose token's first character is content (none before the end string)."""
+    if content_start is None:
+        return []
+    return [p for p in positions if p.text_offset >= content_start]
 
 
 def _message(prep: PreparedChat, text: str) -> dict[str, Any]:
@@ -210,7 +230,7 @@ async def chat(prep: PreparedChat, engine: EngineClient, assets: ModelAssets) ->
     choices = [{
         "index": out.index,
         "message": _message(prep, out.text),
-        "logprobs": _logprobs(prep, out.positions, assets),
+        "logprobs": _logprobs(prep, _reported(prep, out.text, out.positions), assets),
         "finish_reason": out.finish_reason,
         "stop_reason": out.stop_reason,
         **({"token_ids": out.token_ids} if prep.request.return_token_ids else {}),
@@ -245,10 +265,14 @@ def stream_chat(
 
     def choice(index: int, text: str, delta: Delta) -> dict[str, Any]:
         final = delta.finish_reason is not None
+        body = _delta(splits, prep.request.include_reasoning, index, text, final)
+        positions = delta.positions
+        if prep.content_entries_only:
+            positions = _content_positions(positions, splits[index].content_start)
         out = {
             "index": index,
-            "delta": _delta(splits, prep.request.include_reasoning, index, text, final),
-            "logprobs": _logprobs(prep, delta.positions, assets),
+            "delta": body,
+            "logprobs": _logprobs(prep, positions, assets),
             "finish_reason": delta.finish_reason,
         }
         if delta.finish_reason is not None:

@@ -133,9 +133,8 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
 def prepare_responses(req: ResponsesRequest, engine: EngineClient, assets: ModelAssets
                       ) -> PreparedResponses:
     try:
-        # (the output stays whole: the reasoning/content split of output-text entries is not
-        # done for the Responses API yet)
-        prepared = prepare_chat(chat_request(req), engine, assets, split_reasoning=False)
+        # Output text and its entries are the content's: reasoning, delimiters get none.
+        prepared = prepare_chat(chat_request(req), engine, assets, content_entries_only=True)
     except RequestError as exc:
         param = CHAT_TO_RESPONSES.get(exc.param)
         if param is None:
@@ -193,7 +192,7 @@ async def respond(prep: PreparedResponses, engine: EngineClient, assets: ModelAs
     choice = body["choices"][0]
     entries = (choice["logprobs"] or {}).get("content") or []
     status = _status(choice["finish_reason"])
-    part = _part(choice["message"]["content"], entries)
+    part = _part(choice["message"]["content"] or "", entries)
     return _response(prep, assets, status, [_message(prep, status, [part])])
 
 

@@ -94,29 +94,33 @@ class ReasoningSplit:
     def __init__(self, strings: ReasoningStrings) -> None:
         self.start, self.end = strings.start, strings.end
         self.held = ""
-        self.thinking = True
-        """No end string seen yet."""
+        """Text fed and not released yet (as fed)."""
+        self.consumed = 0
+        """Characters fed before `held`."""
+        self.content_start: int | None = None
+        """Where the content begins in the fed text (None: no end string yet)."""
 
     def feed(self, text: str, final: bool = False) -> tuple[str, str]:
         """(reasoning, content) released by `text`; `final` releases what is held."""
         self.held += text
-        if not self.thinking:
-            released, self.held = self.held, ""
-            return "", released
-        cut = self.held.find(self.end)
+        held, self.held = self.held, ""
+        if self.content_start is not None:
+            self.consumed += len(held)
+            return "", held
+        cut = held.find(self.end)
         if cut >= 0:
-            reasoning, content = self.held[:cut], self.held[cut + len(self.end):]
-            self.thinking, self.held = False, ""
-            return reasoning.replace(self.start, ""), content
-        self.held = self.held.replace(self.start, "")
-        keep = 0 if final else self._partial_delimiter()
-        released, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
-        return released, ""
+            self.content_start = self.consumed + cut + len(self.end)
+            self.consumed += len(held)
+            return held[:cut].replace(self.start, ""), held[cut + len(self.end):]
+        keep = 0 if final else self._partial_delimiter(held)
+        released, self.held = held[:len(held) - keep], held[len(held) - keep:]
+        self.consumed += len(released)
+        return released.replace(self.start, ""), ""
 
-    def _partial_delimiter(self) -> int:
-        """Length of the longest tail of the held text that begins a delimiter."""
-        for n in range(min(len(self.held), max(len(self.start), len(self.end)) - 1), 0, -1):
-            tail = self.held[-n:]
+    def _partial_delimiter(self, text: str) -> int:
+        """Length of the longest tail of `text` that begins a delimiter."""
+        for n in range(min(len(text), max(len(self.start), len(self.end)) - 1), 0, -1):
+            tail = text[-n:]
             if self.end.startswith(tail) or self.start.startswith(tail):
                 return n
         return 0

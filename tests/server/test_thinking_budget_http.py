@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from tests.scripted_checkpoint import END_THINK, encode, write_scripted
-from tests.server.helpers import launch, post, sse_events, strict_json
+from tests.scripted_checkpoint import END_THINK, default_successors, encode, write_scripted
+from tests.server.helpers import launch, post, response_events, sse_events, strict_json
 
 pytestmark = pytest.mark.slow
 
@@ -113,3 +113,44 @@ def test_budget_without_a_reasoning_configuration_is_refused(server):
                                                "thinking_token_budget": 2})
     assert refused.status_code == 400
     assert strict_json(refused.content)["error"]["param"] == "thinking_token_budget"
+
+
+@pytest.fixture(scope="module")
+def ending_server(tmp_path_factory):
+    """The scripted model with "c" -> "</think>": it ends its thinking itself ("abc</think>"
+    then "\n0123...")."""
+    root = tmp_path_factory.mktemp("ending")
+    model_dir = write_scripted(root / "model", {**default_successors(), "c": END_THINK})
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    config["chat_template"] = CHAT_TEMPLATE
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    server = launch("ending", model_dir, 1, ["--capacity", "2", "--reasoning-parser", "qwen3"],
+                    root)
+    try:
+        server.wait_healthy()
+        yield server
+    finally:
+        server.stop()
+
+
+def test_responses_entries_are_the_contents_only(ending_server):
+    """The contract: reasoning and delimiters get no output-text entries. Chat reports every
+    token (the sampled </think> too); the Responses API's output text is the content, and its
+    entries are the content tokens', streamed or not."""
+    server = ending_server
+    chat = strict_json(post(server, "/v1/chat/completions", chat_body(
+        server, max_tokens=8)).content)["choices"][0]
+    tokens = [e["token"] for e in chat["logprobs"]["content"]]
+    assert (chat["message"]["reasoning"], chat["message"]["content"]) == ("abc", "\n012")
+    assert tokens == ["a", "b", "c", END_THINK, "\n", "0", "1", "2"]
+    body = {"model": server.model_dir.name, "input": "<think>", "max_output_tokens": 8,
+            "temperature": 0.0, "include": ["message.output_text.logprobs"]}
+    whole = strict_json(post(server, "/v1/responses", body).content)
+    part = whole["output"][0]["content"][0]
+    assert part["text"] == chat["message"]["content"]
+    assert [e["token"] for e in part["logprobs"]] == tokens[tokens.index(END_THINK) + 1:]
+    events = response_events(post(server, "/v1/responses", {**body, "stream": True}))
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    assert "".join(d["delta"] for d in deltas) == part["text"]
+    assert [e["token"] for d in deltas for e in d["logprobs"]] == [
+        e["token"] for e in part["logprobs"]]

@@ -25,6 +25,8 @@ def test_whole_text(text, reasoning, content):
 @pytest.mark.parametrize("text", ["<think>abc</think>\n012", "xy</think>", "<think>no end <",
                                   "ab</thi</think>c<think>d"])
 def test_any_pieces_join_to_the_whole_split(text):
+    """Fed in pieces of any size and cut, the split joins to the whole text's, and the content
+    starts at the same place in the fed text (where Responses' entries may begin)."""
     whole = split_reasoning(text, THINK)
     for cuts in ([i] for i in range(len(text) + 1)):
         for step in (1, 2, 3):
@@ -34,3 +36,5 @@ def test_any_pieces_join_to_the_whole_split(text):
             reasoning = "".join(r for r, _ in got)
             content = "".join(c for _, c in got) or None
             assert (reasoning, content) == whole, (pieces, got)
+            end = text.find("</think>")
+            assert split.content_start == (None if end < 0 else end + len("</think>"))
