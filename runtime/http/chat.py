@@ -32,7 +32,7 @@ from runtime.http.protocol.params import (
 )
 from runtime.http.wire import Position, WireMode, chat_logprobs, request_prompt_logprobs
 from runtime.text.chat_template import ChatTemplateError
-from runtime.text.reasoning import ReasoningSplit, ReasoningStrings, split_reasoning
+from runtime.text.reasoning import ReasoningSplit, ReasoningStrings
 
 RESERVED_TEMPLATE_KEYS = {"messages", "add_generation_prompt"}
 
@@ -171,15 +171,6 @@ def prepare_chat(
                         content_entries_only and strings is not None)
 
 
-def _reported(prep: PreparedChat, text: str, positions: list[Position]) -> list[Position]:
-    """A whole choice's positions with entries (content tokens only when asked)."""
-    if not prep.content_entries_only:
-        return positions
-    split = ReasoningSplit(prep.reasoning)
-    split.feed(text[len(prep.echo or ""):], final=True)
-    return _content_positions(positions, split.content_start)
-
-
 def _content_positions(positions: list[Position], content_start: int | None) -> list[Position]:
     """The positions whose token's first character is content (none before the end string)."""
     if content_start is None:
@@ -187,18 +178,23 @@ def _content_positions(positions: list[Position], content_start: int | None) -> 
     return [p for p in positions if p.text_offset >= content_start]
 
 
-def _message(prep: PreparedChat, text: str) -> dict[str, Any]:
-    """The choice's message; with a reasoning parser, vLLM's split of the generated text
-    (`reasoning`, left out with include_reasoning false, and `content`, null when empty)."""
+def _choice_body(prep: PreparedChat, text: str, positions: list[Position]
+                 ) -> tuple[dict[str, Any], list[Position]]:
+    """A whole choice's message and the positions that get entries. With a reasoning parser,
+    vLLM's split of the generated text: `reasoning` (left out with include_reasoning false) and
+    `content` (null when empty); with content_entries_only, the content tokens' positions."""
     message: dict[str, Any] = {"role": prep.role, "content": text, "tool_calls": []}
     if prep.reasoning is None:
-        return message
+        return message, positions
     echo = prep.echo or ""
-    reasoning, content = split_reasoning(text[len(echo):], prep.reasoning)
-    message["content"] = (echo + (content or "")) or None
+    split = ReasoningSplit(prep.reasoning)
+    reasoning, content = split.feed(text[len(echo):], final=True)
+    message["content"] = (echo + content) or None
     if prep.request.include_reasoning:
         message["reasoning"] = reasoning
-    return message
+    if prep.content_entries_only:
+        positions = _content_positions(positions, split.content_start)
+    return message, positions
 
 
 def _delta(splits: dict[int, ReasoningSplit] | None, include_reasoning: bool, index: int,
@@ -227,14 +223,17 @@ async def chat(prep: PreparedChat, engine: EngineClient, assets: ModelAssets) ->
     totals = prep.totals
     prefixes = dict.fromkeys(range(len(prep.jobs)), prep.echo or "")
     outcomes = await collect(prep.jobs, engine, assets, totals, prefixes)
-    choices = [{
-        "index": out.index,
-        "message": _message(prep, out.text),
-        "logprobs": _logprobs(prep, _reported(prep, out.text, out.positions), assets),
-        "finish_reason": out.finish_reason,
-        "stop_reason": out.stop_reason,
-        **({"token_ids": out.token_ids} if prep.request.return_token_ids else {}),
-    } for out in outcomes]
+    choices = []
+    for out in outcomes:
+        message, positions = _choice_body(prep, out.text, out.positions)
+        choices.append({
+            "index": out.index,
+            "message": message,
+            "logprobs": _logprobs(prep, positions, assets),
+            "finish_reason": out.finish_reason,
+            "stop_reason": out.stop_reason,
+            **({"token_ids": out.token_ids} if prep.request.return_token_ids else {}),
+        })
     ids = {"prompt_token_ids": list(prep.jobs[0].prompt_ids)} if (
         prep.request.return_token_ids) else {}
     return {

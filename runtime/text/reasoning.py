@@ -124,10 +124,3 @@ class ReasoningSplit:
             if self.end.startswith(tail) or self.start.startswith(tail):
                 return n
         return 0
-
-
-def split_reasoning(text: str, strings: ReasoningStrings) -> tuple[str, str | None]:
-    """The whole generated text's (reasoning, content); content is None when the text has no
-    end string or nothing after it (vLLM's `content or None`)."""
-    reasoning, content = ReasoningSplit(strings).feed(text, final=True)
-    return reasoning, content or None

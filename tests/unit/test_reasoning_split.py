@@ -5,9 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.text.reasoning import ReasoningSplit, ReasoningStrings, split_reasoning
+from runtime.text.reasoning import ReasoningSplit, ReasoningStrings
 
 THINK = ReasoningStrings("<think>", "</think>")
+
+
+def split_reasoning(text: str, strings: ReasoningStrings) -> tuple[str, str | None]:
+    """The whole text's (reasoning, content), content None when empty (vLLM's `content or
+    None`)."""
+    reasoning, content = ReasoningSplit(strings).feed(text, final=True)
+    return reasoning, content or None
 
 
 @pytest.mark.parametrize(("text", "reasoning", "content"), [
