@@ -2,14 +2,16 @@
 
 The request becomes a chat request: `instructions` as a system message, then the input items
 (a string is one user message; message items keep their role, their text parts joined). The
-one assistant message comes back as a Response whose `output_text` part carries the logprob
+assistant message comes back as a Response whose `output_text` part carries the logprob
 entries ({token, logprob, bytes, top_logprobs}, chat's) when `include` asks for
-"message.output_text.logprobs", with `top_logprobs` alternatives (default 0). Streamed, the
-events are OpenAI's: response.created, response.in_progress, the item and part openings, one
-response.output_text.delta per chat chunk (its text and entries), then the done events and
-response.completed (or response.incomplete at max_output_tokens). The closing events repeat
-the whole part, so the stream keeps the part's text and entries until then: bounded by
-max_output_tokens, nothing else is retained.
+"message.output_text.logprobs", with `top_logprobs` alternatives (default 0). With a reasoning
+parser, the reasoning text comes first as a `reasoning` item (vLLM's), and the message holds
+the content and only the content tokens' entries (the contract). Streamed, the events are
+OpenAI's: response.created, response.in_progress, then per output item its opening events,
+one delta per chat chunk (response.reasoning_text.delta, or response.output_text.delta with
+the chunk's entries) and its done events, then response.completed (or response.incomplete
+at max_output_tokens). The closing events repeat the whole part, so the stream keeps the open
+item's text and entries until then: bounded by max_output_tokens, nothing else is retained.
 """
 
 from __future__ import annotations
@@ -147,14 +149,35 @@ def _part(text: str, entries: list) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": entries}
 
 
-def _item_id(prep: PreparedResponses) -> str:
-    return "msg_" + prep.id.removeprefix("resp_")
-
-
-def _message(prep: PreparedResponses, status: str, parts: list) -> dict[str, Any]:
-    return {"type": "message", "id": _item_id(prep), "status": status, "role": "assistant",
+def _message(item_id: str, status: str, parts: list) -> dict[str, Any]:
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant",
             "content": parts}
 
+
+def _reasoning_part(text: str) -> dict[str, Any]:
+    return {"type": "reasoning_text", "text": text}
+
+
+def _reasoning(item_id: str, status: str, parts: list) -> dict[str, Any]:
+    return {"type": "reasoning", "id": item_id, "status": status, "summary": [],
+            "content": parts}
+
+
+def _output(prep: PreparedResponses, status: str, reasoning: str | None, content: str,
+            entries: list) -> list[dict[str, Any]]:
+    """vLLM's output items: the reasoning (when there is any), then the message (when it has
+    text, or when nothing else would be output)."""
+    items = []
+    if reasoning:
+        items.append(_reasoning(_item_id(prep, "rs_"), "completed" if content else status,
+                                [_reasoning_part(reasoning)]))
+    if content or not items:
+        items.append(_message(_item_id(prep, "msg_"), status, [_part(content, entries)]))
+    return items
+
+
+def _item_id(prep: PreparedResponses, prefix: str) -> str:
+    return prefix + prep.id.removeprefix("resp_")
 
 def _response(prep: PreparedResponses, assets: ModelAssets, status: str, output: list
               ) -> dict[str, Any]:
@@ -173,7 +196,7 @@ def _response(prep: PreparedResponses, assets: ModelAssets, status: str, output:
         "top_p": 1.0 if src.top_p is None else src.top_p, "truncation": "disabled",
         "usage": {
             "input_tokens": usage["prompt_tokens"],
-            "input_tokens_details": {"cached_tokens": 0},
+            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
             "output_tokens": usage["completion_tokens"],
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": usage["total_tokens"],
@@ -192,45 +215,105 @@ async def respond(prep: PreparedResponses, engine: EngineClient, assets: ModelAs
     choice = body["choices"][0]
     entries = (choice["logprobs"] or {}).get("content") or []
     status = _status(choice["finish_reason"])
-    part = _part(choice["message"]["content"] or "", entries)
-    return _response(prep, assets, status, [_message(prep, status, [part])])
+    message = choice["message"]
+    output = _output(prep, status, message.get("reasoning"), message["content"] or "", entries)
+    return _response(prep, assets, status, output)
+
+
+class _StreamedItems:
+    """The output items of a stream, opened as their text arrives: a reasoning item while the
+    chat deltas carry `reasoning`, then the message. Each closing event repeats its item's
+    whole text, so an open item keeps its text (and entries) until it closes."""
+
+    def __init__(self, prep: PreparedResponses) -> None:
+        self.prep = prep
+        self.done: list[dict[str, Any]] = []
+        self.kind: str | None = None
+        self.texts: list[str] = []
+        self.entries: list = []
+
+    def _place(self) -> dict[str, Any]:
+        prefix = "rs_" if self.kind == "reasoning" else "msg_"
+        return {"item_id": _item_id(self.prep, prefix), "output_index": len(self.done),
+                "content_index": 0}
+
+    def add(self, kind: str, text: str, entries: list) -> list[tuple[str, dict[str, Any]]]:
+        """The events of one delta of `kind` ("reasoning" or "message")."""
+        events = [] if kind == self.kind else self._open(kind)
+        self.texts.append(text)
+        self.entries.extend(entries)
+        if kind == "reasoning":
+            return [*events, ("response.reasoning_text.delta", {**self._place(), "delta": text})]
+        return [*events, ("response.output_text.delta",
+                          {**self._place(), "delta": text, "logprobs": entries})]
+
+    def finish(self, status: str) -> list[tuple[str, dict[str, Any]]]:
+        """The closing events: the open item's, or an empty message when nothing was output."""
+        events = [] if self.done or self.kind else self._open("message")
+        return [*events, *self._close(status)]
+
+    def _open(self, kind: str) -> list[tuple[str, dict[str, Any]]]:
+        events = self._close("completed") if self.kind else []
+        self.kind, self.texts, self.entries = kind, [], []
+        place = self._place()
+        if kind == "reasoning":
+            item, part = _reasoning(place["item_id"], "in_progress", []), _reasoning_part("")
+        else:
+            item, part = _message(place["item_id"], "in_progress", []), _part("", [])
+        return [*events,
+                ("response.output_item.added", {"output_index": place["output_index"],
+                                                "item": item}),
+                ("response.content_part.added", {**place, "part": part})]
+
+    def _close(self, status: str) -> list[tuple[str, dict[str, Any]]]:
+        if self.kind is None:
+            return []
+        place, text = self._place(), "".join(self.texts)
+        if self.kind == "reasoning":
+            part = _reasoning_part(text)
+            item = _reasoning(place["item_id"], status, [part])
+            last = ("response.reasoning_text.done", {**place, "text": text})
+        else:
+            part = _part(text, self.entries)
+            item = _message(place["item_id"], status, [part])
+            last = ("response.output_text.done", {**place, "text": text,
+                                                  "logprobs": self.entries})
+        self.done.append(item)
+        self.kind = None
+        return [last, ("response.content_part.done", {**place, "part": part}),
+                ("response.output_item.done", {"output_index": place["output_index"],
+                                               "item": item})]
 
 
 async def stream_responses(prep: PreparedResponses, engine: EngineClient, assets: ModelAssets
                            ) -> AsyncIterator[dict[str, Any]]:
     """OpenAI's Responses events for one streamed request (see the module docstring)."""
     sequence = 0
-    item_id = _item_id(prep)
 
     def event(kind: str, **fields: Any) -> dict[str, Any]:
         nonlocal sequence
         sequence += 1
         return {"type": kind, "sequence_number": sequence - 1, **fields}
 
-    place = {"item_id": item_id, "output_index": 0, "content_index": 0}
     opening = _response(prep, assets, "in_progress", [])
     yield event("response.created", response=opening)
     yield event("response.in_progress", response=opening)
-    yield event("response.output_item.added", output_index=0,
-                item=_message(prep, "in_progress", []))
-    yield event("response.content_part.added", **place, part=_part("", []))
-    texts: list[str] = []
-    entries: list = []
+    items = _StreamedItems(prep)
     finish = None
     async for chunk in stream_chat(prep.chat, engine, assets):
         for choice in chunk.get("choices", ()):
-            text = choice.get("delta", {}).get("content") or ""
+            delta = choice.get("delta", {})
             new = ((choice.get("logprobs") or {}).get("content")) or []
             finish = choice.get("finish_reason") or finish
-            if text or new:
-                texts.append(text)
-                entries.extend(new)
-                yield event("response.output_text.delta", **place, delta=text, logprobs=new)
-    status, text = _status(finish), "".join(texts)
-    part = _part(text, entries)
-    yield event("response.output_text.done", **place, text=text, logprobs=entries)
-    yield event("response.content_part.done", **place, part=part)
-    item = _message(prep, status, [part])
-    yield event("response.output_item.done", output_index=0, item=item)
+            pending = []
+            if delta.get("reasoning"):
+                pending += items.add("reasoning", delta["reasoning"], [])
+            if delta.get("content") or new:
+                pending += items.add("message", delta.get("content") or "", new)
+            for kind, fields in pending:
+                yield event(kind, **fields)
+    status = _status(finish)
+    for kind, fields in items.finish(status):
+        yield event(kind, **fields)
     final = "response.incomplete" if status == "incomplete" else "response.completed"
-    yield event(final, response=_response(prep, assets, status, [item]))
+    yield event(final, response=_response(prep, assets, status, items.done))

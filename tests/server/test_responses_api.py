@@ -97,6 +97,20 @@ def test_stream_framing_is_openais(server):
                                                               "response.incomplete")
 
 
+def test_events_and_response_validate_against_openais_models(server):
+    """Every streamed event and the whole response, validated strictly by the openai package's
+    own pydantic models (the client itself builds them without validation)."""
+    from openai.types.responses import Response, ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    body = {"model": served_name(server), "input": "Once upon a time", "max_output_tokens": 4,
+            "temperature": 0.0, "top_logprobs": 2, "include": INCLUDE}
+    Response.model_validate(strict_json(post(server, "/v1/responses", body).content))
+    adapter = TypeAdapter(ResponseStreamEvent)
+    for event in response_events(post(server, "/v1/responses", {**body, "stream": True})):
+        adapter.validate_python(event)
+
+
 def test_without_include_no_entries(server):
     response = server.client().responses.create(model=served_name(server), input="Hi",
                                                 max_output_tokens=3)

@@ -146,7 +146,9 @@ def test_responses_entries_are_the_contents_only(ending_server):
     body = {"model": server.model_dir.name, "input": "<think>", "max_output_tokens": 8,
             "temperature": 0.0, "include": ["message.output_text.logprobs"]}
     whole = strict_json(post(server, "/v1/responses", body).content)
-    part = whole["output"][0]["content"][0]
+    reasoning, message = whole["output"]
+    assert reasoning["content"] == [{"type": "reasoning_text", "text": "abc"}]
+    part = message["content"][0]
     assert part["text"] == chat["message"]["content"]
     assert [e["token"] for e in part["logprobs"]] == tokens[tokens.index(END_THINK) + 1:]
     events = response_events(post(server, "/v1/responses", {**body, "stream": True}))
@@ -154,3 +156,60 @@ def test_responses_entries_are_the_contents_only(ending_server):
     assert "".join(d["delta"] for d in deltas) == part["text"]
     assert [e["token"] for d in deltas for e in d["logprobs"]] == [
         e["token"] for e in part["logprobs"]]
+
+
+def responses_stream_and_whole(server, **fields) -> tuple[list, dict]:
+    body = {"model": server.model_dir.name, "input": "<think>", "temperature": 0.0, **fields}
+    whole = strict_json(post(server, "/v1/responses", body).content)
+    events = response_events(post(server, "/v1/responses", {**body, "stream": True}))
+    return events, whole
+
+
+def without_ids(items: list[dict]) -> list[dict]:
+    return [{k: v for k, v in item.items() if k != "id"} for item in items]
+
+
+def test_responses_reasoning_item_then_message(ending_server):
+    """vLLM's Responses output with a reasoning parser: a reasoning item holding the reasoning
+    text, then the message; streamed as OpenAI's reasoning_text events on output 0, the
+    message's on output 1, and the completed response equals the non-streamed one. The openai
+    client's own models accept every event and the response."""
+    events, whole = responses_stream_and_whole(ending_server, max_output_tokens=8)
+    assert [item["type"] for item in whole["output"]] == ["reasoning", "message"]
+    assert whole["output"][0]["content"] == [{"type": "reasoning_text", "text": "abc"}]
+    assert whole["output"][1]["content"][0]["text"] == "\n012"
+    kinds = [e["type"] for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"]
+    assert events[2]["item"]["type"] == "reasoning"
+    assert events[3]["part"] == {"type": "reasoning_text", "text": ""}
+    reasoning = [e for e in events if e["type"] == "response.reasoning_text.delta"]
+    content = [e for e in events if e["type"] == "response.output_text.delta"]
+    assert "".join(e["delta"] for e in reasoning) == "abc"
+    assert {e["output_index"] for e in reasoning} == {0}
+    assert "".join(e["delta"] for e in content) == "\n012"
+    assert {e["output_index"] for e in content} == {1}
+    assert kinds.index("response.reasoning_text.done") < kinds.index(
+        "response.output_text.delta")
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    final = events[-1]["response"]
+    assert without_ids(done) == without_ids(final["output"]) == without_ids(whole["output"])
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    openai_types = pytest.importorskip("openai.types.responses")
+    from pydantic import TypeAdapter
+    adapter = TypeAdapter(openai_types.ResponseStreamEvent)
+    for event in events:
+        adapter.validate_python(event)
+    assert openai_types.Response.model_validate(whole).output_text == "\n012"
+
+
+def test_responses_reasoning_without_an_end_is_the_only_item(thinking_server):
+    """No end string within max_output_tokens: all output is reasoning, so the output is the
+    reasoning item alone (incomplete), as vLLM leaves out an empty message."""
+    events, whole = responses_stream_and_whole(thinking_server, max_output_tokens=2)
+    assert whole["status"] == "incomplete"
+    assert whole["output"] == [{"type": "reasoning", "id": whole["output"][0]["id"],
+                                "status": "incomplete", "summary": [],
+                                "content": [{"type": "reasoning_text", "text": "ab"}]}]
+    assert without_ids(events[-1]["response"]["output"]) == without_ids(whole["output"])
+    assert not [e for e in events if e["type"].startswith("response.output_text")]
