@@ -179,8 +179,8 @@ class LogprobCapabilities:
             raise ValueError(f"supports_token_ids requires k={EXPORT_K}, got k={self.k}")
         if self.prompt_capacity < 0:
             raise ValueError(f"prompt_capacity: expected >= 0, got {self.prompt_capacity}")
-        if self.prompt_capacity and not self.supports_token_ids:
-            raise ValueError("prompt scoring requires all five generation logprob buffers")
+        if self.prompt_capacity and self.k != EXPORT_K:
+            raise ValueError(f"prompt scoring requires K={EXPORT_K} generation logprob outputs")
 
     @property
     def allow_logprobs(self) -> bool:
@@ -326,11 +326,10 @@ def _check_prompt(decl: CoreDeclarations, k: int, supports_token_ids: bool) -> i
         raise _mismatch(targets, "int32[C] with C >= 1")
     rows = targets.shape[0]
     _check_exact(decl, PROMPT_LOGPROBS, "int32", (FRAMES, rows, PROMPT_ROW_WORDS))
-    if k != EXPORT_K or not supports_token_ids:
+    if k != EXPORT_K:
         raise DeclarationError(
             f"{PROMPT_LOGPROBS}: prompt scoring requires K={EXPORT_K} generation logprob "
-            f"outputs (all five buffers), declared K={k} "
-            f"{'with' if supports_token_ids else 'without'} the ID inputs"
+            f"outputs, declared K={k}"
         )
     for graph in decl.graphs:
         label = f"graph {graph.name!r} ({graph.kind})"

@@ -358,17 +358,25 @@ def test_prompt_targets_with_wrong_dtype_are_refused():
     )
 
 
-def test_prompt_scoring_with_natural_k_only_is_refused():
+def test_prompt_scoring_with_natural_k_below_20_is_refused():
     base = natural(12)
     decl = CoreDeclarations(base.buffers + scoring()[:2], base.graphs + scoring()[2:])
-    message = rejected(decl)
-    assert message.startswith("prompt_logprobs: prompt scoring requires K=20")
-    assert "declared K=5 without the ID inputs" in message
+    assert rejected(decl) == (
+        "prompt_logprobs: prompt scoring requires K=20 generation logprob outputs, declared K=5"
+    )
+
+
+def test_prompt_scoring_with_natural_k20_loads():
+    """The contract asks K=20 generation outputs of prompt scoring, not the ID inputs."""
+    base = natural(2 + 2 * 20)
+    decl = CoreDeclarations(base.buffers + scoring()[:2], base.graphs + scoring()[2:])
+    caps = validate(decl, CAPACITY, T)
+    assert (caps.k, caps.supports_token_ids, caps.prompt_capacity) == (20, False, 256)
 
 
 def test_prompt_scoring_without_generation_logprobs_is_refused():
     decl = CoreDeclarations((records(), *scoring()[:2]), scoring()[2:])
-    assert "declared K=0 without the ID inputs" in rejected(decl)
+    assert "declared K=0" in rejected(decl)
 
 
 def test_scored_graph_not_binding_targets_is_refused():
@@ -437,6 +445,7 @@ def test_capabilities_refuse_token_ids_below_k20():
         LogprobCapabilities(k=5, supports_token_ids=True)
 
 
-def test_capabilities_refuse_scoring_without_token_ids():
-    with pytest.raises(ValueError, match="prompt scoring requires all five"):
-        LogprobCapabilities(k=20, supports_token_ids=False, prompt_capacity=128)
+def test_capabilities_refuse_scoring_below_k20():
+    with pytest.raises(ValueError, match="prompt scoring requires K=20"):
+        LogprobCapabilities(k=12, supports_token_ids=False, prompt_capacity=128)
+    assert LogprobCapabilities(k=20, supports_token_ids=False, prompt_capacity=128).prompt_scoring
