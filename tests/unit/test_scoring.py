@@ -17,6 +17,7 @@ from kernels.reference import reference_logprobs, score_reference
 from kernels.scoring.driver import PreparedPromptScoring
 from kernels.scoring.steps import score_candidates, score_merge, score_stats, target_values
 from kernels.sortkeys import bits_to_float
+from ranks.step.scoring import scored_capacities
 
 
 def split(vocab: int, world: int, width: int | None = None) -> list[tuple[int, int, int]]:
@@ -140,3 +141,25 @@ def test_qwen_sized_vocabulary_at_tp4():
     logits = (torch.randn(3, 151_936, generator=gen) * 3).to(torch.bfloat16)
     targets = torch.tensor([5, 151_935, -1])
     check_rows(simulate(logits, targets, 4), logits, targets)
+
+
+@pytest.mark.parametrize(("chunk_limit", "ladder"), [
+    (1, (1,)),
+    (64, (64,)),
+    (128, (128,)),
+    (129, (128, 129)),
+    (256, (128, 256)),
+    (512, (128, 512)),
+    (513, (128, 512, 513)),
+    (2048, (128, 512, 2048)),
+    (8192, (128, 512, 2048, 8192)),
+])
+def test_scored_capacity_ladder(chunk_limit, ladder):
+    """The contract: capacities start at 128 and grow by factors of four below the chunk
+    limit, which is always the largest capacity (written out, not derived)."""
+    assert scored_capacities(chunk_limit) == ladder
+
+
+def test_scored_capacity_ladder_refuses_a_chunk_limit_below_one():
+    with pytest.raises(ValueError, match="chunk limit must be >= 1"):
+        scored_capacities(0)
