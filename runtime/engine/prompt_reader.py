@@ -3,8 +3,9 @@ preallocated host storage after the producing step, decode them, then release th
 
 Row j of a scored chunk starting at prompt position s scores the prompt token at s + j + 1
 (kernels/scoring.py has the row layout); the row at the prompt end (target -1) has no entry,
-and position 0 never has one. A row whose id is not the expected prompt token, or whose
-value is NaN or +inf, fails its request instead of losing an entry.
+and position 0 never has one. A row whose id is not the expected prompt token, whose value is
+NaN or +inf, or that lacks one of its min(top_n, vocabulary) alternatives fails its request
+instead of losing an entry.
 """
 
 from __future__ import annotations
@@ -45,18 +46,19 @@ class PromptReader:
         host.copy_(source)
         self.rows_copied += n
         self.bytes_copied += host.numel() * host.element_size()
-        return decode_prompt_rows(host.numpy(), work, top_n)
+        return decode_prompt_rows(host.numpy(), work, top_n, self.scorer.model.vocab_size)
 
 
 def decode_prompt_rows(
-    rows: np.ndarray, work: SlotWork, top_n: int
+    rows: np.ndarray, work: SlotWork, top_n: int, vocab_size: int
 ) -> tuple[PromptLogprob, ...]:
     ids = rows[:, PROMPT_TARGET_ID]
     values = np.ascontiguousarray(rows[:, PROMPT_TARGET_BITS]).view(np.float32)
     ranks = rows[:, PROMPT_RANK]
     pairs = rows[:, PROMPT_FIRST_PAIR:].reshape(-1, PROMPT_K, 2)
-    alt_ids = pairs[:, :top_n, 0]
-    alt_values = np.ascontiguousarray(pairs[:, :top_n, 1]).view(np.float32)
+    count = min(top_n, vocab_size)  # (a vocabulary below K leaves the last ids at -1)
+    alt_ids = pairs[:, :count, 0]
+    alt_values = np.ascontiguousarray(pairs[:, :count, 1]).view(np.float32)
     entries = []
     for j, target in enumerate(work.targets):
         if target < 0:
@@ -68,10 +70,12 @@ def decode_prompt_rows(
         value = float(values[j])
         if np.isnan(value) or value == np.inf:
             raise EngineError(f"{where}: non-finite logprob {value}")
-        live = alt_ids[j] >= 0
+        if count and not (alt_ids[j].min() >= 0 and alt_ids[j].max() < vocab_size):
+            raise EngineError(f"{where}: alternative ids {alt_ids[j].tolist()} outside the "
+                              f"vocabulary of {vocab_size}")
         alternatives = tuple(
-            TokenLogprob(t, v) for t, v in zip(alt_ids[j][live].tolist(),
-                                               alt_values[j][live].tolist(), strict=True)
+            TokenLogprob(t, v) for t, v in zip(alt_ids[j].tolist(), alt_values[j].tolist(),
+                                               strict=True)
         )
         if any(np.isnan(v) or v == np.inf for _, v in alternatives):
             raise EngineError(f"{where}: non-finite alternative logprob")

@@ -63,7 +63,7 @@ def rank_main(model_dir: str) -> dict:
             entries[owner] += [
                 (e.position, e.token_id, e.logprob, e.rank,
                  tuple(tuple(a) for a in e.alternatives))
-                for e in decode_prompt_rows(rows.numpy(), work, 20)
+                for e in decode_prompt_rows(rows.numpy(), work, 20, step.model.vocab_size)
             ]
         records = step.outputs.completion_records[plan.frame]
         for work in plan.work:
