@@ -92,7 +92,9 @@ class RankStep:
     def prepare(self, plan: StepPlan) -> StepInputs:
         width = self.outputs.completion_records.shape[-1]
         inputs = prepare_inputs(plan, self.slots, self.config, width, self.device)
-        self.upload = self.uploader.upload(inputs.lanes) if self.uploader else NO_UPLOAD
+        # A submission without sampling rows runs no graph with logprob outputs: no transfers.
+        sampling = self.uploader is not None and bool(inputs.rows)
+        self.upload = self.uploader.upload(inputs.lanes) if sampling else NO_UPLOAD
         return inputs
 
     def forward(self, inputs: StepInputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:

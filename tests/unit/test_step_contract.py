@@ -158,6 +158,22 @@ def test_lanes_without_the_flag_are_never_written(model_dir):
     assert torch.all(step.outputs.completion_logprobs[1] == SENTINEL)
 
 
+def test_a_submission_without_sampling_rows_uploads_nothing(model_dir):
+    """The contract: graphs without logprob outputs receive neither flags nor transfers; the
+    next sampling submission uploads the full vectors, clearing unused slots."""
+    step = load_rank(runtime(model_dir), None)
+    outputs = step.outputs
+    prefill = StepPlan(0, (SlotWork(2, 1, (9, 10, 11), 0, False, spec(1, ids=(4, 5))),))
+    for name in ("logprob_requested", "logprob_token_id_counts", "logprob_token_ids"):
+        getattr(outputs, name).fill_(SENTINEL)
+    step.run(prefill)
+    for name in ("logprob_requested", "logprob_token_id_counts", "logprob_token_ids"):
+        assert torch.all(getattr(outputs, name) == SENTINEL), name
+    step.run(two_slot_plan(submission=1))
+    assert outputs.logprob_requested.tolist() == [0, 1, 0, 1]
+    assert outputs.logprob_token_id_counts.tolist() == [0, 0, 0, 0]
+
+
 # -------------------------------------------------------------------------- no logprobs (2)
 def test_core_without_logprob_outputs_uploads_and_reduces_nothing(model_dir, monkeypatch):
     import kernels.sharded
