@@ -8,8 +8,9 @@ puts a large weight on successor[t] plus small seeded noise elsewhere: greedy de
 ``successor`` deterministically, and every logit row still has distinct, non-trivial values.
 
 The tokenizer is a real `tokenizers` byte-level BPE without merges (each lowercase letter,
-digit, space "Ġ" and newline "Ċ" is one token), with ``<eos>`` (special, EOS) and
-``<think>`` / ``</think>`` as added non-special tokens, so they appear in the text.
+digit, space "Ġ" and newline "Ċ" is one token), with ``<eos>`` (special, EOS), ``<sep>``
+(special, not EOS: skip_special_tokens leaves it out of the text) and ``<think>`` /
+``</think>`` as added non-special tokens, so they appear in the text.
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ import torch
 EOS = "<eos>"
 THINK = "<think>"
 END_THINK = "</think>"
+SEP = "<sep>"
 PIECES = [*string.ascii_lowercase, *string.digits, "Ġ", "Ċ"]
 """Base vocabulary pieces (byte-level: "Ġ" is a space, "Ċ" a newline)."""
-ADDED = [EOS, THINK, END_THINK]
+ADDED = [EOS, THINK, END_THINK, SEP]
 HIDDEN = 64
 MARGIN = 1.5
 """Head weight of the successor (logit MARGIN * sqrt(HIDDEN) = 12)."""
@@ -43,16 +45,17 @@ def build_tokenizer():
     tokenizer.add_special_tokens([AddedToken(EOS, special=True, normalized=False)])
     tokenizer.add_tokens([AddedToken(THINK, normalized=False, special=False),
                           AddedToken(END_THINK, normalized=False, special=False)])
+    tokenizer.add_special_tokens([AddedToken(SEP, special=True, normalized=False)])
     return tokenizer
 
 
 def default_successors() -> dict[str, str]:
     """Letters cycle a -> b -> ... -> z -> a; digits cycle; <think> -> a; </think> -> newline;
-    newline -> "0"; space -> "x"; <eos> -> <eos>."""
+    newline -> "0"; space -> "x"; <eos> -> <eos>; <sep> -> "x"."""
     letters, digits = string.ascii_lowercase, string.digits
     successors = {c: letters[(i + 1) % 26] for i, c in enumerate(letters)}
     successors.update({c: digits[(i + 1) % 10] for i, c in enumerate(digits)})
-    successors.update({THINK: "a", END_THINK: "Ċ", "Ċ": "0", "Ġ": "x", EOS: EOS})
+    successors.update({THINK: "a", END_THINK: "Ċ", "Ċ": "0", "Ġ": "x", EOS: EOS, SEP: "x"})
     return successors
 
 

@@ -33,6 +33,7 @@ from runtime.http.protocol.params import (
 from runtime.http.wire import Position, WireMode, chat_logprobs, request_prompt_logprobs
 from runtime.text.chat_template import ChatTemplateError
 from runtime.text.reasoning import ReasoningSplit, ReasoningStrings
+from runtime.text.token_bytes import TokenBytes
 
 RESERVED_TEMPLATE_KEYS = {"messages", "add_generation_prompt"}
 
@@ -52,8 +53,9 @@ class PreparedChat:
     """The delimiters that split the output into `reasoning` and `content` (a server with a
     reasoning parser), or None: all output is content."""
     content_entries_only: bool = False
-    """Report entries only for tokens whose first character is content (the Responses API's
-    output text: reasoning and delimiters get none, as the contract asks)."""
+    """Report entries only for tokens whose first text byte is content (the Responses API's
+    output text: reasoning, delimiters and tokens without text get none, as the contract
+    asks)."""
 
 
 def _check_logprobs(req: ChatCompletionRequest) -> int | None:
@@ -168,23 +170,30 @@ def prepare_chat(
     strings = None if reasoning is None else reasoning.strings
     return PreparedChat(req, messages, jobs, role, echo, len(ids),
                         wire_mode(req, top is not None), Totals(len(ids)), strings,
-                        content_entries_only and strings is not None)
+                        content_entries_only)
 
 
-def _content_positions(positions: list[Position], content_start: int | None) -> list[Position]:
-    """The positions whose token's first character is content (none before the end string)."""
+def _content_positions(prep: PreparedChat, positions: list[Position], content_start: int | None,
+                       token_bytes: TokenBytes) -> list[Position]:
+    """The positions whose token's first text byte is content: none before the reasoning end
+    string, and none for a token without text (a skipped special token, an empty piece)."""
     if content_start is None:
         return []
-    return [p for p in positions if p.text_offset >= content_start]
+    skip = prep.request.skip_special_tokens
+    return [p for p in positions if p.text_offset >= content_start
+            and token_bytes.bytes_of(p.token_id)
+            and not (skip and token_bytes.is_special(p.token_id))]
 
 
-def _choice_body(prep: PreparedChat, text: str, positions: list[Position]
-                 ) -> tuple[dict[str, Any], list[Position]]:
+def _choice_body(prep: PreparedChat, text: str, positions: list[Position],
+                 token_bytes: TokenBytes) -> tuple[dict[str, Any], list[Position]]:
     """A whole choice's message and the positions that get entries. With a reasoning parser,
     vLLM's split of the generated text: `reasoning` (left out with include_reasoning false) and
     `content` (null when empty); with content_entries_only, the content tokens' positions."""
     message: dict[str, Any] = {"role": prep.role, "content": text, "tool_calls": []}
     if prep.reasoning is None:
+        if prep.content_entries_only:
+            positions = _content_positions(prep, positions, 0, token_bytes)
         return message, positions
     echo = prep.echo or ""
     split = ReasoningSplit(prep.reasoning)
@@ -193,7 +202,7 @@ def _choice_body(prep: PreparedChat, text: str, positions: list[Position]
     if prep.request.include_reasoning:
         message["reasoning"] = reasoning
     if prep.content_entries_only:
-        positions = _content_positions(positions, split.content_start)
+        positions = _content_positions(prep, positions, split.content_start, token_bytes)
     return message, positions
 
 
@@ -225,7 +234,7 @@ async def chat(prep: PreparedChat, engine: EngineClient, assets: ModelAssets) ->
     outcomes = await collect(prep.jobs, engine, assets, totals, prefixes)
     choices = []
     for out in outcomes:
-        message, positions = _choice_body(prep, out.text, out.positions)
+        message, positions = _choice_body(prep, out.text, out.positions, assets.token_bytes)
         choices.append({
             "index": out.index,
             "message": message,
@@ -267,7 +276,8 @@ def stream_chat(
         body = _delta(splits, prep.request.include_reasoning, index, text, final)
         positions = delta.positions
         if prep.content_entries_only:
-            positions = _content_positions(positions, splits[index].content_start)
+            start = 0 if splits is None else splits[index].content_start
+            positions = _content_positions(prep, positions, start, assets.token_bytes)
         out = {
             "index": index,
             "delta": body,

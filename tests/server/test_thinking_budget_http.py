@@ -8,7 +8,13 @@ import json
 
 import pytest
 
-from tests.scripted_checkpoint import END_THINK, default_successors, encode, write_scripted
+from tests.scripted_checkpoint import (
+    END_THINK,
+    SEP,
+    default_successors,
+    encode,
+    write_scripted,
+)
 from tests.server.helpers import launch, post, response_events, sse_events, strict_json
 
 pytestmark = pytest.mark.slow
@@ -213,3 +219,43 @@ def test_responses_reasoning_without_an_end_is_the_only_item(thinking_server):
                                 "content": [{"type": "reasoning_text", "text": "ab"}]}]
     assert without_ids(events[-1]["response"]["output"]) == without_ids(whole["output"])
     assert not [e for e in events if e["type"].startswith("response.output_text")]
+
+
+@pytest.fixture(scope="module", params=["qwen3", None])
+def silent_server(tmp_path_factory, request):
+    """The scripted model ending its thinking ("abc</think>\n") and then emitting <sep>, a
+    special token that skip_special_tokens leaves out of the text, before "012...";
+    with and without a reasoning parser."""
+    root = tmp_path_factory.mktemp("silent")
+    model_dir = write_scripted(root / "model", {**default_successors(), "c": END_THINK,
+                                                "Ċ": SEP, SEP: "0"})
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    config["chat_template"] = CHAT_TEMPLATE
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    parser = ["--reasoning-parser", request.param] if request.param else []
+    server = launch("silent", model_dir, 1, ["--capacity", "2", *parser], root)
+    try:
+        server.wait_healthy()
+        yield server, request.param
+    finally:
+        server.stop()
+
+
+def test_responses_give_no_entry_to_a_token_without_text(silent_server):
+    """The contract: Responses selects a token only when its first text byte is content, so a
+    skipped special token gets no output-text entry (chat keeps its entry, as vLLM does)."""
+    server, parser = silent_server
+    chat = strict_json(post(server, "/v1/chat/completions", chat_body(
+        server, max_tokens=8)).content)["choices"][0]
+    tokens = [e["token"] for e in chat["logprobs"]["content"]]
+    assert tokens == ["a", "b", "c", END_THINK, "\n", SEP, "0", "1"]
+    body = {"model": server.model_dir.name, "input": "<think>", "max_output_tokens": 8,
+            "temperature": 0.0, "include": ["message.output_text.logprobs"]}
+    whole = strict_json(post(server, "/v1/responses", body).content)
+    part = whole["output"][-1]["content"][0]
+    assert part["text"] == ("\n01" if parser else "abc</think>\n01")
+    expected = ["\n", "0", "1"] if parser else ["a", "b", "c", END_THINK, "\n", "0", "1"]
+    assert [e["token"] for e in part["logprobs"]] == expected
+    events = response_events(post(server, "/v1/responses", {**body, "stream": True}))
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    assert [e["token"] for d in deltas for e in d["logprobs"]] == expected
