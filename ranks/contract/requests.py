@@ -24,6 +24,17 @@ class RequestError(ValueError):
         self.message = message
 
 
+def context_overflow(input_tokens: int, output_tokens: int, max_model_len: int) -> str:
+    """vLLM's words for a request that does not fit the context (clients parse them: "You
+    passed N input tokens", "context length is only C tokens")."""
+    return (
+        f"You passed {input_tokens} input tokens and requested {output_tokens} output tokens. "
+        f"However, the model's context length is only {max_model_len} tokens, resulting in a "
+        f"maximum input length of {max(max_model_len - output_tokens, 0)} tokens. Please reduce "
+        f"the length of the input prompt. (parameter=input_tokens, value={input_tokens})"
+    )
+
+
 def check_prompt_logprobs(value: int | None, k: int, enabled: bool, vocab_size: int) -> None:
     """prompt_logprobs: None, or 0..K on a core that scores prompts (--prompt-logprobs)."""
     if value is None:

@@ -17,6 +17,7 @@ from ranks.contract.requests import (
     check_min_tokens,
     check_prompt_logprobs,
     check_token_ids,
+    context_overflow,
 )
 from ranks.plan import StepPlan
 from ranks.step import RankStep
@@ -100,11 +101,8 @@ class Engine:
             raise RequestError("prompt", "the prompt must contain at least one token")
         check_token_ids("prompt", prompt_ids, info.vocab_size)
         if len(prompt_ids) >= info.max_model_len:
-            raise RequestError(
-                "prompt",
-                f"{len(prompt_ids)} prompt tokens leave no room in the maximum context length "
-                f"of {info.max_model_len} tokens",
-            )
+            raise RequestError("prompt", context_overflow(len(prompt_ids), params.max_tokens,
+                                                          info.max_model_len))
         check_logprob_request(
             params.logprobs, params.logprob_token_ids, info.vocab_size, info.max_logprobs,
             info.supports_token_ids,

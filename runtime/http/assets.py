@@ -89,9 +89,10 @@ class ModelAssets:
         if longest is not None and len(text) > (max_model_len - 1) * longest:
             raise RequestError(
                 param,
-                f"{len(text)} characters are more than {max_model_len - 1} tokens of this "
-                f"tokenizer can hold (its longest token is {longest} characters), so the text "
-                f"leaves no room in the maximum context length of {max_model_len} tokens",
+                f"You passed {len(text)} input characters. However, the model's context length "
+                f"is only {max_model_len} tokens (at most {(max_model_len - 1) * longest} "
+                f"characters with this tokenizer, whose longest token has {longest}). Please "
+                f"reduce the length of the input prompt.",
             )
 
     def word_ids(self, text: str) -> list[int]:

@@ -215,3 +215,36 @@ def test_seed_minus_one_is_unseeded(server):
 
     assert len(texts(7)) == 1
     assert len(texts(-1)) > 1
+
+
+def _max_model_len(server) -> int:
+    return strict_json(httpx.get(server.url + "/v1/models").content)["data"][0]["max_model_len"]
+
+
+@pytest.mark.parametrize(("route", "fields", "param"), [
+    ("/v1/completions", {"prompt": [5] * 3, "max_tokens": 10**6}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "max_completion_tokens": 10**6},
+     "max_completion_tokens"),
+    ("/v1/completions", {"prompt": "LONG", "max_tokens": 4}, "prompt"),
+    ("/v1/completions", {"prompt": "LONG"}, "prompt"),
+])
+def test_context_overflow_in_vllm_words(server, route, fields, param):
+    """The sentence clients parse to shrink a request (agents, LiteLLM-style proxies): "You
+    passed N input tokens and requested M output tokens. However, the model's context length
+    is only C tokens"; the param still names the field to change."""
+    limit = _max_model_len(server)
+    if fields.get("prompt") == "LONG":
+        fields = {**fields, "prompt": [5] * (limit + 3)}
+    response = post(server, route, {"model": served_name(server), **fields})
+    assert response.status_code == 400, response.text
+    error = strict_json(response.content)["error"]
+    assert error["param"] == param
+    message = error["message"]
+    if param == "prompt":
+        requested = fields.get("max_tokens", 0)
+        assert f"You passed {limit + 3} input tokens and requested {requested} output tokens." \
+            in message
+    else:
+        assert f"'{param}' is too large: {10**6}." in message
+        assert "You passed " in message and f"requested {10**6} output tokens" in message
+    assert f"However, the model's context length is only {limit} tokens" in message

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-from ranks.contract.requests import RequestError
+from ranks.contract.requests import RequestError, context_overflow
 from runtime.engine.client import SamplingParams
 from runtime.http.protocol.models import (
     MAX_CHOICES,
@@ -155,11 +155,8 @@ def resolve_max_tokens(
     one: `default` (clipped to the room left), else all of the room left."""
     room = max_model_len - prompt_len
     if room < 1:
-        raise RequestError(
-            prompt_param,
-            f"{prompt_len} prompt tokens leave no room in the maximum context length of "
-            f"{max_model_len} tokens",
-        )
+        raise RequestError(prompt_param, context_overflow(prompt_len, requested or 0,
+                                                          max_model_len))
     if requested is None:
         return room if default is None else min(default, room)
     if requested < (0 if allow_zero else 1):
@@ -167,11 +164,8 @@ def resolve_max_tokens(
             param, f"{param} must be at least {0 if allow_zero else 1}, got {requested}."
         )
     if requested > room:
-        raise RequestError(
-            param,
-            f"this model's maximum context length is {max_model_len} tokens; the prompt has "
-            f"{prompt_len} tokens, leaving room for at most {room}, but {requested} were requested",
-        )
+        raise RequestError(param, f"'{param}' is too large: {requested}. "
+                                  + context_overflow(prompt_len, requested, max_model_len))
     return requested
 
 
