@@ -260,13 +260,17 @@ def stream_chat(
     prep: PreparedChat, engine: EngineClient, assets: ModelAssets
 ) -> AsyncIterator[dict[str, Any]]:
     """Chunk objects (the caller encodes them as SSE, adds errors and [DONE])."""
+    return_ids = bool(prep.request.return_token_ids)
     opening = []
-    for index in range(len(prep.jobs)):
+    for index, job in enumerate(prep.jobs):
+        # vLLM sends prompt_token_ids on a choice's first chunk: the role chunk.
+        ids = {"prompt_token_ids": list(job.prompt_ids)} if return_ids else {}
         delta = {"role": prep.role, "content": ""}
-        opening.append({"index": index, "delta": delta, "logprobs": None, "finish_reason": None})
+        opening.append(({"index": index, "delta": delta, "logprobs": None,
+                         "finish_reason": None}, ids))
         if prep.echo:
-            opening.append({"index": index, "delta": {"content": prep.echo}, "logprobs": None,
-                            "finish_reason": None})
+            opening.append(({"index": index, "delta": {"content": prep.echo}, "logprobs": None,
+                             "finish_reason": None}, {}))
 
     splits = None if prep.reasoning is None else {
         index: ReasoningSplit(prep.reasoning) for index in range(len(prep.jobs))}
@@ -290,23 +294,16 @@ def stream_chat(
             out["token_ids"] = delta.token_ids
         return out
 
-    return_ids = bool(prep.request.return_token_ids)
-    started: set[int] = set()
-
     def extra(index: int, delta: Delta) -> dict[str, Any]:
-        fields: dict[str, Any] = {}
-        if return_ids and index not in started:
-            started.add(index)
-            fields["prompt_token_ids"] = list(prep.jobs[index].prompt_ids)
-        if delta.prompt:
-            scores = request_prompt_logprobs(prep.request, delta.prompt, assets.token_bytes)
-            fields["prompt_logprobs"] = scores
-        return fields
+        if not delta.prompt:
+            return {}
+        scores = request_prompt_logprobs(prep.request, delta.prompt, assets.token_bytes)
+        return {"prompt_logprobs": scores}
 
     return stream_chunks(
         prep.jobs, engine, assets, id_prefix="chatcmpl", obj="chat.completion.chunk",
         options=prep.request.stream_options, totals=prep.totals,
         prompt_tokens=dict.fromkeys(range(len(prep.jobs)), prep.prompt_tokens),
         choice=choice, opening=opening,
-        extra=extra if prep.request.prompt_logprobs is not None or return_ids else None,
+        extra=extra if prep.request.prompt_logprobs is not None else None,
     )

@@ -90,13 +90,13 @@ async def stream_chunks(
     totals: Totals,
     prompt_tokens: Mapping[int, int],
     choice: Callable[[int, str, Delta], dict[str, Any]],
-    opening: Sequence[dict[str, Any]] = (),
+    opening: Sequence[tuple[dict[str, Any], dict[str, Any]]] = (),
     prefixes: Mapping[int, str] | None = None,
     extra: Callable[[int, Delta], dict[str, Any]] | None = None,
 ) -> AsyncIterator[dict[str, Any]]:
-    """Chunk objects: the `opening` choices, then one per non-empty delta (its text led by the
-    choice's prefix, once), then the usage chunk when asked for. `extra(index, delta)` adds
-    top-level fields to a delta's chunk (chat's `prompt_logprobs`)."""
+    """Chunk objects: the `opening` (choice, top-level fields) pairs, then one per non-empty
+    delta (its text led by the choice's prefix, once), then the usage chunk when asked for.
+    `extra(index, delta)` adds top-level fields to a delta's chunk (chat's `prompt_logprobs`)."""
     head = envelope(id_prefix, obj, assets)
     include_usage = bool(options and options.include_usage)
     continuous = include_usage and bool(options and options.continuous_usage_stats)
@@ -112,8 +112,8 @@ async def stream_chunks(
                             "total_tokens": prompt + done}
         return out
 
-    for body in opening:
-        yield chunk(body, body["index"])
+    for body, more in opening:
+        yield chunk(body, body["index"], more)
     indices = [job.index for job in jobs]
     async for k, delta in merge(_streams(jobs, engine, assets)):
         index = indices[k]

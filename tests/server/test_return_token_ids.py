@@ -76,5 +76,7 @@ def test_chat_returns_prompt_and_generated_ids(server):
     events = sse_events(post(server, "/v1/chat/completions", {**chat, "stream": True}))
     firsts = [e for e in events if "prompt_token_ids" in e]
     assert len(firsts) == 1 and firsts[0]["prompt_token_ids"] == whole["prompt_token_ids"]
+    # On the role chunk, the first of the stream, as vLLM sends it.
+    assert firsts[0] is events[0] and events[0]["choices"][0]["delta"]["role"] == "assistant"
     streamed = [t for e in events for c in e["choices"] for t in c.get("token_ids", [])]
     assert streamed == ids
