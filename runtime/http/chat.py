@@ -100,6 +100,9 @@ def render(req: Any, messages: list[ChatMessage], assets: ModelAssets) -> str:
         )
     kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items()
               if k not in RESERVED_TEMPLATE_KEYS and k != "continue_final_message"}
+    effort = getattr(req, "reasoning_effort", None)
+    if effort is not None:
+        kwargs.setdefault("reasoning_effort", effort)
     try:
         return template.render(
             [dict(message.fields) for message in messages],

@@ -17,6 +17,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 from runtime.http.protocol.models import (
+    EFFORTS,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -193,7 +194,7 @@ def _tighten(schemas: dict[str, Any], vocab: int, k: int, max_model_len: int,
         "function_call": {"enum": [None, "none", "auto"]},
         "modalities": {"anyOf": [{"type": "null"}, {"const": ["text"]}]},
         **{name: {"type": "null"} for name in (
-            "reasoning_effort", "chat_template", "documents", "mm_processor_kwargs", "audio",
+            "chat_template", "documents", "mm_processor_kwargs", "audio",
             "web_search_options")},
     })
     # continue_final_message needs add_generation_prompt false (it defaults to true)
@@ -210,7 +211,11 @@ def _tighten(schemas: dict[str, Any], vocab: int, k: int, max_model_len: int,
         "top_logprobs": counts, "max_output_tokens": _nullable({**room, "minimum": 1}),
         "tools": {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]},
         "previous_response_id": {"type": "null"},
-        "background": {"enum": [None, False]}, "reasoning": {"type": "null"},
+        "background": {"enum": [None, False]},
+        "reasoning": _nullable({"type": "object", "properties": {
+            "effort": {"enum": [None, *EFFORTS]},
+            "summary": {"enum": [None, "auto", "concise", "detailed"]},
+            "generate_summary": {"enum": [None, "auto", "concise", "detailed"]}}}),
         "text": _nullable({"type": "object", "properties": {"format": _nullable({
             "type": "object", "required": ["type"], "properties": {"type": {"const": "text"}}})}}),
     })

@@ -27,7 +27,7 @@ from ranks.contract.requests import RequestError
 from runtime.engine.client import EngineClient
 from runtime.http.assets import ModelAssets
 from runtime.http.chat import PreparedChat, chat, prepare_chat, stream_chat
-from runtime.http.protocol.models import ChatCompletionRequest, ResponsesRequest
+from runtime.http.protocol.models import EFFORTS, ChatCompletionRequest, ResponsesRequest
 from runtime.http.responses import now
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -82,6 +82,8 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
         return [*messages, {"role": "user", "content": req.input}]
     for i, item in enumerate(req.input):
         kind = item.get("type", "message")
+        if kind == "reasoning":  # (an earlier turn's reasoning is not replayed)
+            continue
         if kind != "message":
             raise RequestError("input", f"input[{i}]: items of type {kind!r} are not supported")
         messages.append({"role": item.get("role"), "content": _text(item.get("content"),
@@ -107,8 +109,11 @@ def _refusals(req: ResponsesRequest) -> None:
                                                    "stored by this server")
     if req.background:
         raise RequestError("background", "background: background responses are not supported")
-    if req.reasoning is not None:
-        raise RequestError("reasoning", "reasoning: reasoning controls are not supported")
+    reasoning = req.reasoning
+    if reasoning is not None and (not isinstance(reasoning, dict)
+                                  or reasoning.get("effort") not in (None, *EFFORTS)):
+        raise RequestError("reasoning", f"reasoning: expected an object whose effort is one of "
+                                        f"{', '.join(EFFORTS)} or null, got {reasoning!r}")
     fmt = (req.text or {}).get("format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
         raise RequestError("text", "text.format: only the text format is supported")
@@ -121,7 +126,8 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     body = {"model": req.model, "messages": _messages(req), "stream": req.stream,
             "max_tokens": req.max_output_tokens, "temperature": req.temperature,
             "top_p": req.top_p, "top_k": req.top_k, "seed": req.seed, "logprobs": wants,
-            "top_logprobs": (req.top_logprobs or 0) if wants else None}
+            "top_logprobs": (req.top_logprobs or 0) if wants else None,
+            "reasoning_effort": (req.reasoning or {}).get("effort")}
     try:
         return ChatCompletionRequest.model_validate(
             {k: v for k, v in body.items() if v is not None})
@@ -189,7 +195,8 @@ def _response(prep: PreparedResponses, assets: ModelAssets, status: str, output:
         else None,
         "instructions": src.instructions, "max_output_tokens": src.max_output_tokens,
         "metadata": src.metadata or {}, "model": assets.served_model_name, "output": output,
-        "parallel_tool_calls": True, "previous_response_id": None, "reasoning": None,
+        "parallel_tool_calls": True, "previous_response_id": None,
+        "reasoning": _reasoning_echo(src.reasoning),
         "store": False, "temperature": 1.0 if src.temperature is None else src.temperature,
         "text": {"format": {"type": "text"}}, "tool_choice": "auto", "tools": [],
         "top_logprobs": src.top_logprobs or 0,
@@ -203,6 +210,13 @@ def _response(prep: PreparedResponses, assets: ModelAssets, status: str, output:
         },
         "user": src.user,
     }
+
+
+def _reasoning_echo(reasoning: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The request's reasoning settings as the Response reports them (no summary is made)."""
+    if reasoning is None:
+        return None
+    return {key: reasoning.get(key) for key in ("effort", "summary", "generate_summary")}
 
 
 def _status(finish_reason: str | None) -> str:

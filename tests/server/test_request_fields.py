@@ -122,7 +122,6 @@ REFUSED_VALUES = {
     "tool_choice": "required",
     "functions": [{"name": "f", "parameters": {}}],
     "function_call": {"name": "f"},
-    "reasoning_effort": "low",
     "chat_template": "{{ messages }}",
     "documents": [{"title": "t", "text": "x"}],
     "mm_processor_kwargs": {"num_crops": 4},

@@ -19,7 +19,9 @@ from tests.server.helpers import launch, post, response_events, sse_events, stri
 
 pytestmark = pytest.mark.slow
 
-CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+CHAT_TEMPLATE = ("{% if reasoning_effort is defined %}{{ reasoning_effort }}{% endif %}"
+                 "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+"""The messages' contents, after the reasoning effort when the request gives one."""
 
 
 @pytest.fixture(scope="module")
@@ -259,3 +261,33 @@ def test_responses_give_no_entry_to_a_token_without_text(silent_server):
     events = response_events(post(server, "/v1/responses", {**body, "stream": True}))
     deltas = [e for e in events if e["type"] == "response.output_text.delta"]
     assert [e["token"] for d in deltas for e in d["logprobs"]] == expected
+
+
+def test_reasoning_effort_reaches_the_chat_template(ending_server):
+    """Chat's reasoning_effort and the Responses API's reasoning.effort are the template's
+    `reasoning_effort` (this template writes it before the messages: "low" is 3 more prompt
+    tokens); a Responses reasoning input item (an earlier turn's) is skipped; the Response
+    reports the settings; an unknown effort is refused naming the field."""
+    server = ending_server
+    plain = strict_json(post(server, "/v1/chat/completions", chat_body(
+        server, max_tokens=2)).content)
+    low = strict_json(post(server, "/v1/chat/completions", chat_body(
+        server, max_tokens=2, reasoning_effort="low")).content)
+    assert low["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"] + 3
+    body = {"model": server.model_dir.name, "max_output_tokens": 2, "temperature": 0.0}
+    history = [{"type": "message", "role": "user",
+                "content": [{"type": "input_text", "text": "<think>"}]},
+               {"type": "reasoning", "id": "rs_1", "summary": [], "status": "completed"}]
+    whole = strict_json(post(server, "/v1/responses", {
+        **body, "input": history, "reasoning": {"effort": "low"}}).content)
+    assert whole["usage"]["input_tokens"] == low["usage"]["prompt_tokens"]
+    assert whole["reasoning"] == {"effort": "low", "summary": None, "generate_summary": None}
+    for route, fields, param in [
+        ("/v1/chat/completions", chat_body(server, reasoning_effort="extreme"),
+         "reasoning_effort"),
+        ("/v1/responses", {**body, "input": "<think>", "reasoning": {"effort": "extreme"}},
+         "reasoning"),
+    ]:
+        refused = post(server, route, fields)
+        assert refused.status_code == 400, refused.text
+        assert strict_json(refused.content)["error"]["param"] == param

@@ -17,7 +17,7 @@ are in docs/api.md.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
@@ -38,6 +38,11 @@ MAX_CHOICES = 256
 
 TokenId = StrictInt
 """A token id: a JSON integer. Booleans and floats (`false`, `1.0`) are refused, not coerced."""
+
+
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high"]
+"""OpenAI's reasoning effort values (chat `reasoning_effort`, Responses `reasoning.effort`)."""
+EFFORTS: tuple[str, ...] = get_args(ReasoningEffort)
 
 
 class OpenAIModel(BaseModel):
@@ -176,7 +181,8 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    reasoning_effort: Any = None
+    reasoning_effort: ReasoningEffort | None = None
+    """Given to the chat template as `reasoning_effort` (templates that read it honour it)."""
     include_reasoning: bool = True
     chat_template: Any = None
     documents: Any = None

@@ -55,9 +55,6 @@ class Refusal:
 
 STRUCTURED = "structured outputs are not supported by this server"
 TOOLS = "tool calling is not supported by this server"
-REASONING = ("reasoning controls are not supported by this server (a reasoning parser splits "
-             "the output and enforces thinking_token_budget; it takes no effort setting)")
-
 REFUSED: dict[str, Refusal] = {
     # sampling and decoding features that are not implemented
     "use_beam_search": Refusal("beam search is not supported by this server", _truthy),
@@ -89,7 +86,6 @@ REFUSED: dict[str, Refusal] = {
     "functions": Refusal(TOOLS, _truthy),
     "function_call": Refusal(TOOLS + " (function_call may only be 'none' or 'auto')",
                              _forces_calls),
-    "reasoning_effort": Refusal(REASONING),
     "chat_template": Refusal("a request-supplied chat_template is not supported"),
     "documents": Refusal("documents are not supported by this server"),
     "mm_processor_kwargs": Refusal("multimodal inputs are not supported by this server"),
@@ -110,7 +106,7 @@ COMMON_REFUSED = (
 )
 COMPLETION_REFUSED = (*COMMON_REFUSED, "suffix", "prompt_embeds")
 CHAT_REFUSED = (
-    *COMMON_REFUSED, "tools", "tool_choice", "functions", "function_call", "reasoning_effort",
+    *COMMON_REFUSED, "tools", "tool_choice", "functions", "function_call",
     "chat_template", "documents", "mm_processor_kwargs", "modalities",
     "audio", "web_search_options",
 )
