@@ -24,20 +24,27 @@ CHAT_TEMPLATE = ("{% if reasoning_effort is defined %}{{ reasoning_effort }}{% e
 """The messages' contents, after the reasoning effort when the request gives one."""
 
 
-@pytest.fixture(scope="module")
-def thinking_server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("thinking")
-    model_dir = write_scripted(root / "model")
+def serve_scripted(tmp_path_factory, name: str, successors: dict[str, str] | None = None,
+                   parser: str | None = "qwen3"):
+    """A server on the scripted checkpoint with CHAT_TEMPLATE (a generator: yields it, stops
+    it)."""
+    root = tmp_path_factory.mktemp(name)
+    model_dir = write_scripted(root / "model", {**default_successors(), **(successors or {})})
     config = json.loads((model_dir / "tokenizer_config.json").read_text())
     config["chat_template"] = CHAT_TEMPLATE
     (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
-    server = launch("thinking", model_dir, 1, ["--capacity", "2", "--reasoning-parser", "qwen3"],
-                    root)
+    flags = ["--reasoning-parser", parser] if parser else []
+    server = launch(name, model_dir, 1, ["--capacity", "2", *flags], root)
     try:
         server.wait_healthy()
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def thinking_server(tmp_path_factory):
+    yield from serve_scripted(tmp_path_factory, "thinking")
 
 
 def body(server, **extra) -> dict:
@@ -127,18 +134,7 @@ def test_budget_without_a_reasoning_configuration_is_refused(server):
 def ending_server(tmp_path_factory):
     """The scripted model with "c" -> "</think>": it ends its thinking itself ("abc</think>"
     then "\n0123...")."""
-    root = tmp_path_factory.mktemp("ending")
-    model_dir = write_scripted(root / "model", {**default_successors(), "c": END_THINK})
-    config = json.loads((model_dir / "tokenizer_config.json").read_text())
-    config["chat_template"] = CHAT_TEMPLATE
-    (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
-    server = launch("ending", model_dir, 1, ["--capacity", "2", "--reasoning-parser", "qwen3"],
-                    root)
-    try:
-        server.wait_healthy()
-        yield server
-    finally:
-        server.stop()
+    yield from serve_scripted(tmp_path_factory, "ending", {"c": END_THINK})
 
 
 def test_responses_entries_are_the_contents_only(ending_server):
@@ -228,19 +224,9 @@ def silent_server(tmp_path_factory, request):
     """The scripted model ending its thinking ("abc</think>\n") and then emitting <sep>, a
     special token that skip_special_tokens leaves out of the text, before "012...";
     with and without a reasoning parser."""
-    root = tmp_path_factory.mktemp("silent")
-    model_dir = write_scripted(root / "model", {**default_successors(), "c": END_THINK,
-                                                "Ċ": SEP, SEP: "0"})
-    config = json.loads((model_dir / "tokenizer_config.json").read_text())
-    config["chat_template"] = CHAT_TEMPLATE
-    (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
-    parser = ["--reasoning-parser", request.param] if request.param else []
-    server = launch("silent", model_dir, 1, ["--capacity", "2", *parser], root)
-    try:
-        server.wait_healthy()
+    for server in serve_scripted(tmp_path_factory, "silent",
+                                 {"c": END_THINK, "Ċ": SEP, SEP: "0"}, request.param):
         yield server, request.param
-    finally:
-        server.stop()
 
 
 def test_responses_give_no_entry_to_a_token_without_text(silent_server):
