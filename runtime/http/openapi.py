@@ -18,6 +18,7 @@ from pydantic import BaseModel
 
 from runtime.http.protocol.models import (
     EFFORTS,
+    SUMMARIES,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -214,8 +215,8 @@ def _tighten(schemas: dict[str, Any], vocab: int, k: int, max_model_len: int,
         "background": {"enum": [None, False]},
         "reasoning": _nullable({"type": "object", "properties": {
             "effort": {"enum": [None, *EFFORTS]},
-            "summary": {"enum": [None, "auto", "concise", "detailed"]},
-            "generate_summary": {"enum": [None, "auto", "concise", "detailed"]}}}),
+            "summary": {"enum": [None, *SUMMARIES]},
+            "generate_summary": {"enum": [None, *SUMMARIES]}}}),
         "text": _nullable({"type": "object", "properties": {"format": _nullable({
             "type": "object", "required": ["type"], "properties": {"type": {"const": "text"}}})}}),
     })

@@ -27,7 +27,12 @@ from ranks.contract.requests import RequestError
 from runtime.engine.client import EngineClient
 from runtime.http.assets import ModelAssets
 from runtime.http.chat import PreparedChat, chat, prepare_chat, stream_chat
-from runtime.http.protocol.models import EFFORTS, ChatCompletionRequest, ResponsesRequest
+from runtime.http.protocol.models import (
+    EFFORTS,
+    SUMMARIES,
+    ChatCompletionRequest,
+    ResponsesRequest,
+)
 from runtime.http.responses import now
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -93,6 +98,7 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
     return messages
 
 
+SUMMARY_KEYS = ("summary", "generate_summary")
 TOP_LOGPROBS_LIMIT = 20
 """OpenAI's bound on top_logprobs, checked with or without the logprobs include."""
 
@@ -110,10 +116,12 @@ def _refusals(req: ResponsesRequest) -> None:
     if req.background:
         raise RequestError("background", "background: background responses are not supported")
     reasoning = req.reasoning
-    if reasoning is not None and (not isinstance(reasoning, dict)
-                                  or reasoning.get("effort") not in (None, *EFFORTS)):
+    if reasoning is not None and (
+            not isinstance(reasoning, dict) or reasoning.get("effort") not in (None, *EFFORTS)
+            or any(reasoning.get(key) not in (None, *SUMMARIES) for key in SUMMARY_KEYS)):
         raise RequestError("reasoning", f"reasoning: expected an object whose effort is one of "
-                                        f"{', '.join(EFFORTS)} or null, got {reasoning!r}")
+                                        f"{', '.join(EFFORTS)} and whose summary is one of "
+                                        f"{', '.join(SUMMARIES)} (or null), got {reasoning!r}")
     fmt = (req.text or {}).get("format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
         raise RequestError("text", "text.format: only the text format is supported")

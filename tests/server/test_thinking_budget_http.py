@@ -273,6 +273,8 @@ def test_reasoning_effort_reaches_the_chat_template(ending_server):
          "reasoning_effort"),
         ("/v1/responses", {**body, "input": "<think>", "reasoning": {"effort": "extreme"}},
          "reasoning"),
+        ("/v1/responses", {**body, "input": "<think>", "reasoning": {"summary": "long"}},
+         "reasoning"),
     ]:
         refused = post(server, route, fields)
         assert refused.status_code == 400, refused.text

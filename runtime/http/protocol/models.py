@@ -43,6 +43,8 @@ TokenId = StrictInt
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high"]
 """OpenAI's reasoning effort values (chat `reasoning_effort`, Responses `reasoning.effort`)."""
 EFFORTS: tuple[str, ...] = get_args(ReasoningEffort)
+SUMMARIES = ("auto", "concise", "detailed")
+"""Responses `reasoning.summary` values (accepted; no summary is made)."""
 
 
 class OpenAIModel(BaseModel):
