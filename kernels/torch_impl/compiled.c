@@ -2,7 +2,7 @@
 
    Every FP32 value here is the one the torch launches (kernels/torch_impl/tiles.py and
    lean.py) produce: exp and log are MKL's vmsExp / vmsLn in the mode torch's vml.h passes,
-   sums follow torch's cascade_sum order for the CPU's Vectorized<float> width, and every
+   sums follow torch's cascade_sum order for its sum kernel's vector width, and every
    other step is one IEEE operation. compiled.py checks that on this machine before use.
 */
 #include <math.h>

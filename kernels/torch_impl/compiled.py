@@ -12,9 +12,9 @@ one tile of FP32 scratch (16 KiB at 4,096 lanes; no slab, no [rows, vocabulary] 
 2. Shift by the tile maximum (by 0 when it is -inf), then exp through the same MKL routine
    torch's ``exp_`` calls (``vmsExp``, high-accuracy mode, lane by lane independent).
 3. Sum the tile in torch's order: ``cascade_sum``'s contiguous inner reduction (vectors of
-   the CPU's ``Vectorized<float>`` width, four interleaved accumulators, four cascade levels,
-   scalar tail, then the vector's lanes in order); under a vector's width, its scalar
-   ``row_sum``.
+   the sum kernel's width, ``_vector_width``; four interleaved accumulators, four cascade
+   levels, scalar tail, then the vector's lanes in order); under a vector's width, its
+   scalar ``row_sum``.
 4. Rows too narrow for launch 3's chunk prefilter also keep their CANDIDATES largest raw
    values (ties broken arbitrarily) and the largest value left out, as launch 3's
    candidates.
@@ -74,8 +74,18 @@ candidate)."""
 
 
 def _vector_width() -> int | None:
-    """Floats per ``Vectorized<float>`` at torch's dispatched CPU capability."""
-    return {"AVX2": 8, "AVX512": 16}.get(torch.backends.cpu.get_cpu_capability())
+    """Floats per vector in torch's CPU sum kernel, read off one sum: None off AVX2/AVX512.
+
+    Not the capability's ``Vectorized<float>`` width: torch registers its sum kernel with
+    REGISTER_DISPATCH, which gives an AVX512 capability the AVX2 build (8 lanes), as seen on
+    a Sapphire Rapids CPU. Lanes 0 and 8 are 2^24 and -2^24, lane 1 is 1: two 8-lane vectors
+    add lane-wise first (0, 1, ...) and sum to 1; one 16-lane vector sums its lanes in
+    order, where 2^24 + 1 rounds back to 2^24, and gives 0."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return None
+    x = torch.zeros(16, dtype=torch.float32)
+    x[0], x[1], x[8] = 2.0**24, 1.0, -(2.0**24)
+    return {1.0: 8, 0.0: 16}.get(float(x.sum()))
 
 
 def _mkl(name: str) -> int | None:

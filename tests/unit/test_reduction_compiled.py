@@ -57,16 +57,32 @@ def logits_of(kind: str, rows: int, width: int, seed: int, dtype: torch.dtype) -
 
 
 def test_compiled_path_is_on_where_it_can_be() -> None:
-    """On an AVX2 x86 machine with a C compiler and a torch build with MKL (where the summation
-    order was checked against torch), the probe passes: the fast path is not silently off (the
-    benchmarks measure it). Elsewhere the probe decides; a mismatch only costs speed."""
+    """On an AVX2 or AVX512 x86 machine (AMD EPYC and Intel Sapphire Rapids seen) with a C
+    compiler and a torch build with MKL, the probe passes: the fast path is not silently off
+    (the benchmarks measure it). Elsewhere the probe decides; a mismatch only costs speed."""
     capability = torch.backends.cpu.get_cpu_capability()
     if (platform.machine().lower() not in ("x86_64", "amd64") or shutil.which(
-            os.environ.get("CC") or "cc") is None or capability != "AVX2"
+            os.environ.get("CC") or "cc") is None or capability not in ("AVX2", "AVX512")
             or compiled._mkl("vmsExp") is None
             or os.environ.get("HELIOS_NATIVE_REDUCTION") == "0"):
         pytest.skip("the compiled path cannot apply here")
     assert compiled.available()
+
+
+def test_the_vector_width_is_the_one_torch_sums_with() -> None:
+    """The width is read off torch's sum, not the capability's vector width (an AVX512
+    capability still sums in 8-lane vectors): over one row of two vectors' lanes, torch
+    adds the vectors lane-wise and then the lanes in order (float32 numpy arithmetic)."""
+    width = compiled._vector_width()
+    if width is None:
+        pytest.skip("torch's CPU capability is neither AVX2 nor AVX512")
+    rows = torch.rand(500, 2 * width, generator=torch.Generator().manual_seed(5)) * 1000
+    for row, total in zip(rows.numpy(), rows.sum(-1).numpy(), strict=True):
+        lanes = row[:width] + row[width:]
+        want = np.float32(0)
+        for lane in lanes:
+            want = np.float32(want + lane)
+        assert want == total
 
 
 @needs_compiled
