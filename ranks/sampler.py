@@ -10,7 +10,8 @@ rows take the argmax here; then temperature, min-p, top-k, top-p (its mass is ov
 and top-k kept), and a Gumbel-max whose Philox noise is keyed by (seed, position, global id),
 so a seeded row samples the same token at every TP degree. The raw logits are never
 modified: all work happens in a scratch buffer, which ``processed`` exposes for target
-verification. NaN logits count as -inf.
+verification. NaN logits count as -inf. When every row is greedy and unprocessed, a compiled
+argmax reads the raw rows instead (kernels/greedy: same rule, no scratch copy).
 
 Exchanges (all fixed-width int32 all-gathers, skipped for a size-1 group):
 - greedy and temperature-only rows: only the final pick, 3 words per row.
@@ -28,6 +29,8 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 
 from collectives.exchange import WordExchange
+from kernels.greedy import native as greedy_native
+from kernels.greedy.native import native_argmax
 from kernels.noise import philox_native
 from ranks.sampler_filters import (
     FILTER_WORDS,
@@ -41,6 +44,7 @@ from ranks.sampler_filters import (
     probability_weights,
     radix_thresholds,
     relative_probs,
+    score_keys,
     value_keys,
 )
 from ranks.sampler_gumbel import gumbel_best
@@ -78,8 +82,9 @@ class ShardedSampler:
         self.scratch = torch.empty(max_rows, local_width, dtype=torch.float32, device=self.device)
         self.filter_exchange = WordExchange(group, max_rows, FILTER_WORDS, self.device)
         self.pick_exchange = WordExchange(group, max_rows, PICK_WORDS, self.device)
-        if self.device.type == "cpu":
-            philox_native.available()  # compiled (or found in its cache) now, not mid-serving
+        if self.device.type == "cpu":  # compiled (or found in their cache) now, not mid-serving
+            philox_native.available()
+            greedy_native.available()
 
     def sample(
         self,
@@ -89,7 +94,12 @@ class ShardedSampler:
         output_ids: Sequence[Sequence[int]],
     ) -> torch.Tensor:
         """Global token ids int64 [rows], identical on every rank of the group."""
-        x = self.processed(logits, rows, prompt_ids, output_ids)
+        self._check(logits, rows, prompt_ids, output_ids)
+        if all(r.greedy and r.unprocessed for r in rows):
+            picked = self._plain_greedy(logits)
+            if picked is not None:
+                return picked
+        x = self._transform(logits, rows, prompt_ids, output_ids)
         n = len(rows)
         greedy = [i for i, r in enumerate(rows) if r.greedy]
         seeded = [i for i, r in enumerate(rows) if not r.greedy]
@@ -121,6 +131,30 @@ class ShardedSampler:
         """The scratch rows [rows, local_valid] after every transformation (filtered lanes are
         -inf; greedy rows are neither scaled nor filtered). A view of the scratch buffer,
         valid until the next call. Collective: every rank of the group must call it."""
+        self._check(logits, rows, prompt_ids, output_ids)
+        return self._transform(logits, rows, prompt_ids, output_ids)
+
+    def _plain_greedy(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """Every row greedy and unprocessed: the compiled argmax of the raw rows (NaN as -inf,
+        as in the scratch), with no scratch copy; None where it does not apply (the torch
+        path). A shard's best score is its raw value, widened as the scratch widens it."""
+        raw = logits[:, : self.local_valid]
+        lane = native_argmax(raw) if self.local_valid else None
+        if lane is None:
+            return None
+        if self.pick_exchange.world == 1:
+            return lane + self.vocab_start
+        score = raw.gather(1, lane.unsqueeze(1)).squeeze(1).to(torch.float64)
+        score = torch.where(score.isnan(), NEG_INF, score)
+        return pick_global(score_keys(score), lane + self.vocab_start, self.pick_exchange)
+
+    def _check(
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[RowSampling],
+        prompt_ids: Sequence[Sequence[int]],
+        output_ids: Sequence[Sequence[int]],
+    ) -> None:
         n = len(rows)
         if logits.dim() != 2 or logits.shape[0] != n or logits.shape[1] != self.local_width:
             raise ValueError(
@@ -133,6 +167,15 @@ class ShardedSampler:
         for i, r in enumerate(rows):
             if r.max_token_id() >= self.vocab_size:
                 raise ValueError(f"rows[{i}]: token id {r.max_token_id()} outside vocabulary")
+
+    def _transform(
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[RowSampling],
+        prompt_ids: Sequence[Sequence[int]],
+        output_ids: Sequence[Sequence[int]],
+    ) -> torch.Tensor:
+        n = len(rows)
         x = self.scratch[:n, : self.local_valid]
         source = logits[:, : self.local_valid]
         if source.dtype == x.dtype:  # (the copy and the NaN rule in one pass)

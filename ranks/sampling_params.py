@@ -123,6 +123,13 @@ class RowSampling:
             or self.repetition_penalty != 1
         )
 
+    @property
+    def unprocessed(self) -> bool:
+        """Whether no logits processor changes the row (no allowed or blocked ids, bad words,
+        logit bias or penalties)."""
+        return not (self.allowed_token_ids is not None or self.blocked_ids or self.bad_words
+                    or self.logit_bias or self.penalized)
+
     def top_k_active(self, vocab_size: int) -> bool:
         return 0 < self.top_k < vocab_size
 

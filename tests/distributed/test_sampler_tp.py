@@ -16,6 +16,7 @@ STEPS = 6
 TIMEOUT_S = 120.0
 PAD_VALUE = 1e30
 ROWS = 18
+NEG_INF = float("-inf")
 
 pytestmark = pytest.mark.slow
 
@@ -72,6 +73,22 @@ def scenario(step: int) -> tuple[torch.Tensor, list[RowSampling], list[list[int]
     return logits, rows, prompt, output
 
 
+def plain_greedy_logits() -> torch.Tensor:
+    """Rows that every sampler path takes greedily without processors (the compiled argmax
+    where it is built): the maximum on three shards, -0.0 before +0.0, only -inf, NaN lanes
+    beside the maximum, only NaN, +inf on two shards."""
+    x = torch.randn(7, VOCAB, generator=torch.Generator().manual_seed(3)) * 3
+    x[1, [290, 151, 226]] = 50.0
+    x[2] = NEG_INF
+    x[2, [200, 160]] = torch.tensor([0.0, -0.0])
+    x[3] = NEG_INF
+    x[4, [3, 155]] = float("nan")
+    x[4, 299] = 60.0
+    x[5] = float("nan")
+    x[6, [250, 140]] = float("inf")
+    return x
+
+
 def run_steps(sampler: ShardedSampler, start: int, width: int, valid: int) -> dict:
     ids, processed, intact = [], [], True
     for step in range(STEPS):
@@ -85,11 +102,16 @@ def run_steps(sampler: ShardedSampler, start: int, width: int, valid: int) -> di
     cheap = [RowSampling(seed=5, position=0, temperature=t) for t in (0.0, 1.0, 0.5)]
     sent_before, filter_calls = sampler.pick_exchange.bytes_sent, sampler.filter_exchange.calls
     sampler.sample(torch.zeros(3, width), cheap, [[]] * 3, [[]] * 3)
+    cheap_bytes = sampler.pick_exchange.bytes_sent - sent_before
+    plain = torch.full((7, width), PAD_VALUE)
+    plain[:, :valid] = plain_greedy_logits()[:, start : start + valid]
+    greedy = [RowSampling(seed=i, position=0, temperature=0.0) for i in range(7)]
     return {
+        "greedy": sampler.sample(plain, greedy, [[]] * 7, [[]] * 7),
         "ids": ids,
         "processed": processed,
         "intact": intact,
-        "cheap_bytes": sampler.pick_exchange.bytes_sent - sent_before,
+        "cheap_bytes": cheap_bytes,
         "cheap_filter_calls": sampler.filter_exchange.calls - filter_calls,
     }
 
@@ -116,6 +138,13 @@ def test_tp1_scenario_is_not_trivial(tp1: dict):
     assert len({tuple(ids.tolist()) for ids in tp1["ids"]}) == STEPS
 
 
+def test_plain_greedy_rows_take_the_argmax_with_nan_as_minus_inf(tp1: dict):
+    x = plain_greedy_logits()
+    want = torch.argmax(torch.where(x.isnan(), NEG_INF, x), dim=1)
+    assert tp1["greedy"].tolist() == want.tolist()
+    assert want.tolist()[1:] == [151, 160, 0, 299, 0, 140]
+
+
 def test_tp1_matches_the_oracle(tp1: dict):
     for step in range(STEPS):
         full, rows, prompt, output = scenario(step)
@@ -135,5 +164,6 @@ def test_sharded_sampler_matches_tp1(world: int, tp1: dict):
             assert result["ids"][step].tolist() == tp1["ids"][step].tolist(), (rank, step)
             expected = tp1["processed"][step][:, start : start + valid]
             assert torch.equal(result["processed"][step], expected), (rank, step)
+        assert result["greedy"].tolist() == tp1["greedy"].tolist(), rank
         assert result["cheap_filter_calls"] == 0
         assert result["cheap_bytes"] == 3 * 3 * 4

@@ -1,0 +1,63 @@
+"""The greedy pick of raw logit rows in compiled code (kernels/greedy/argmax.c).
+
+``native_argmax(logits)`` returns int64 [rows]: ``torch.argmax(nan_to_num(logits, nan=-inf),
+dim=1)``, the sampler's greedy rule, for FP32 or BF16 rows on the CPU, reading each row once
+and writing no scratch copy (the torch path converts the rows into the sampler's FP32 scratch,
+then takes its argmax: two passes and a write over [rows, vocabulary]). The integer answer is
+exact, not close: maxima and equality are the only float operations. None (callers keep the
+torch path) off x86-64, without a C compiler, on a failed build, for other devices or dtypes,
+or with ``HELIOS_NATIVE_GREEDY=0``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from pathlib import Path
+
+import torch
+
+from kernels.native import X86, built_once, load_library, torch_openmp
+
+_SOURCE = (Path(__file__).parent / "argmax.c").read_text()
+_FLAGS = ("-O3", "-fPIC", "-shared", "-mavx2")
+_SWITCH = "HELIOS_NATIVE_GREEDY"
+_LOCK = threading.Lock()
+_STATE: dict[str, object] = {}
+_ELEMENTS = {torch.float32: 4, torch.bfloat16: 2}
+
+
+def _build() -> ctypes.CDLL | None:
+    lib = None
+    if torch_openmp():  # (rows fan out on torch's OpenMP threads)
+        lib = load_library("greedy", _SOURCE, (*_FLAGS, "-fopenmp"), _SWITCH, machines=X86,
+                           quiet=True)
+    if lib is None:
+        lib = load_library("greedy", _SOURCE, _FLAGS, _SWITCH, machines=X86)
+    if lib is None:
+        return None
+    i64 = ctypes.c_int64
+    lib.greedy_argmax.restype = None
+    lib.greedy_argmax.argtypes = [ctypes.c_void_p, i64, i64, i64, i64, i64, ctypes.c_void_p]
+    return lib
+
+
+def available() -> bool:
+    return built_once(_STATE, _LOCK, _build) is not None
+
+
+def native_argmax(logits: torch.Tensor) -> torch.Tensor | None:
+    """First lane of each row's largest value (NaN as -inf; lane 0 for a row of -inf and NaN
+    only), int64 [rows]; None where the compiled path does not apply."""
+    lib = built_once(_STATE, _LOCK, _build)
+    if (lib is None or logits.device.type != "cpu" or logits.dim() != 2
+            or logits.dtype not in _ELEMENTS or logits.stride(1) != 1):
+        return None
+    rows, lanes = logits.shape
+    out = torch.empty(rows, dtype=torch.int64)
+    if rows and lanes:
+        lib.greedy_argmax(logits.data_ptr(), _ELEMENTS[logits.dtype], logits.stride(0), rows,
+                          lanes, torch.get_num_threads(), out.data_ptr())
+    else:
+        out.zero_()
+    return out

@@ -1,0 +1,90 @@
+"""The compiled greedy pick (kernels/greedy) against torch.argmax over the NaN-as--inf rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.greedy import native
+from ranks.sampler import ShardedSampler
+from ranks.sampling_params import RowSampling
+
+NEG_INF = float("-inf")
+TILE = 2048  # (argmax.c's tile: the cases below sit on its edges)
+
+needs_native = pytest.mark.skipif(not native.available(), reason="no compiled greedy pick here")
+
+
+def oracle(x: torch.Tensor) -> torch.Tensor:
+    x = x.float()
+    return torch.argmax(torch.where(x.isnan(), NEG_INF, x), dim=1)
+
+
+def planted(rows: int, width: int, seed: int) -> torch.Tensor:
+    """Row 0 random; the others plant the maximum twice in one tile and in two tiles, at the
+    last lane of a short last tile, -0.0 before +0.0, only -inf, +inf twice, NaN before the
+    maximum, only NaN, and a NaN in every lane but one."""
+    x = torch.randn(rows, width, generator=torch.Generator().manual_seed(seed)) * 4
+    plants = [
+        lambda r: r.index_fill_(0, torch.tensor([width - 1, width // 2]), 50.0),
+        lambda r: r.index_fill_(0, torch.tensor([(TILE + 5) % width, (TILE + 1) % width]), 50.0),
+        lambda r: r.index_fill_(0, torch.tensor([width - 1]), 50.0),
+        lambda r: r.fill_(NEG_INF).index_copy_(
+            0, torch.tensor([width - 1, width // 3]), torch.tensor([0.0, -0.0])),
+        lambda r: r.fill_(NEG_INF),
+        lambda r: r.index_fill_(0, torch.tensor([width - 2, width // 2]), float("inf")),
+        lambda r: r.index_fill_(0, torch.tensor([0, width // 2]), float("nan")),
+        lambda r: r.fill_(float("nan")),
+        lambda r: r.fill_(float("nan")).index_fill_(0, torch.tensor([width - 1]), -3.0),
+    ]
+    for row, plant in zip(range(1, rows), plants, strict=False):
+        plant(x[row])
+    return x
+
+
+@needs_native
+@pytest.mark.parametrize("width", [1, 7, 31, 423, TILE - 1, TILE, TILE + 1, 32_000, 151_936])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_pick_is_torch_argmax_with_nan_as_minus_inf(width, dtype) -> None:
+    x = planted(10, width + 3, width).to(dtype)[:, 2 : width + 2]  # strided rows, odd offset
+    assert torch.equal(native.native_argmax(x), oracle(x))
+    assert torch.equal(native.native_argmax(x[:1]), oracle(x[:1]))
+
+
+@needs_native
+def test_rows_split_across_threads_pick_what_one_thread_picks() -> None:
+    x = planted(10, 40_000, 9)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        two = native.native_argmax(x)
+        torch.set_num_threads(1)
+        one = native.native_argmax(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(two, one) and torch.equal(one, oracle(x))
+
+
+def test_it_declines_what_it_cannot_read() -> None:
+    x = torch.randn(3, 64)
+    assert native.native_argmax(x.to(torch.float16)) is None
+    assert native.native_argmax(x.t()) is None  # (lanes not contiguous)
+    assert native.native_argmax(x[0]) is None
+
+
+@needs_native
+def test_the_sampler_takes_it_only_for_unprocessed_greedy_rows(monkeypatch) -> None:
+    """With the compiled pick replaced by a marker, unprocessed greedy batches return the
+    marker and any processor or sampled row takes the scratch path (the real tokens)."""
+    x = planted(4, 3000, 4)
+    sampler = ShardedSampler(None, 0, 3000, 3000, 3000, 4)
+    marker = torch.tensor([7, 7, 7, 7])
+    monkeypatch.setattr("ranks.sampler.native_argmax", lambda raw: marker)
+    plain = [RowSampling(seed=0, position=0, temperature=0.0)] * 4
+    assert sampler.sample(x, plain, [[]] * 4, [[]] * 4).tolist() == [7] * 4
+    for change in ({"logit_bias": {5: 1.0}}, {"repetition_penalty": 1.1},
+                   {"allowed_token_ids": (1, 2)}, {"bad_words": ((9,),)}, {"temperature": 0.5},
+                   {"min_tokens": 3, "min_tokens_ids": (2,)}):
+        rows = [*plain[:3], RowSampling(seed=0, position=0, **({"temperature": 0.0} | change))]
+        picked = sampler.sample(x, rows, [[1]] * 4, [[1]] * 4).tolist()
+        assert picked[:3] == oracle(x[:3]).tolist(), change
