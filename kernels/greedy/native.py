@@ -5,8 +5,8 @@ dim=1)``, the sampler's greedy rule, for FP32 or BF16 rows on the CPU, reading e
 and writing no scratch copy (the torch path converts the rows into the sampler's FP32 scratch,
 then takes its argmax: two passes and a write over [rows, vocabulary]). The integer answer is
 exact, not close: maxima and equality are the only float operations. None (callers keep the
-torch path) off x86-64, without a C compiler, on a failed build, for other devices or dtypes,
-or with ``HELIOS_NATIVE_GREEDY=0``.
+torch path) off x86-64 CPUs with AVX2, without a C compiler, on a failed build, for other
+devices or dtypes, or with ``HELIOS_NATIVE_GREEDY=0``.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ _ELEMENTS = {torch.float32: 4, torch.bfloat16: 2}
 
 
 def _build() -> ctypes.CDLL | None:
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return None  # (built with -mavx2: it would stop on an illegal instruction)
     lib = None
     if torch_openmp():  # (rows fan out on torch's OpenMP threads)
         lib = load_library("greedy", _SOURCE, (*_FLAGS, "-fopenmp"), _SWITCH, machines=X86,
