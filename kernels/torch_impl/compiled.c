@@ -5,6 +5,7 @@
    sums follow torch's cascade_sum order for its sum kernel's vector width, and every
    other step is one IEEE operation. compiled.py checks that on this machine before use.
 */
+#include <immintrin.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -223,6 +224,25 @@ static void offer_chunk(Picks *p, const char *row, int64_t elem, float chunk_max
     }
 }
 
+/* The largest of v[0..n) that is not NaN (-inf when none), eight lanes at a time:
+   _mm256_max_ps(lane, acc) keeps acc for a NaN lane, as `v > best ? v : best` does. Of a
+   -0.0/+0.0 tie it may keep the other zero than a scalar loop would; every reader of these
+   maxima takes -0.0 as +0.0 (torch's amax, which the probe compares with, is vectorized too). */
+static float max_of(const float *v, int64_t n)
+{
+    __m256 a0 = _mm256_set1_ps(-INFINITY), a1 = a0;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        a0 = _mm256_max_ps(_mm256_loadu_ps(v + i), a0);
+        a1 = _mm256_max_ps(_mm256_loadu_ps(v + i + 8), a1);
+    }
+    float lanes[8], best = -INFINITY;
+    _mm256_storeu_ps(lanes, _mm256_max_ps(a1, a0));
+    for (int k = 0; k < 8; k++) best = lanes[k] > best ? lanes[k] : best;
+    for (; i < n; i++) best = v[i] > best ? v[i] : best;
+    return best;
+}
+
 /* The k largest of x[0..n) into raw/lanes[0, k) (k <= 64; lanes are indices into x) in one
    pass of a min-heap, an x equal to the root staying out; returns the largest value left out
    (-inf when none). Fewer than k values leave the heap partly filled. NaN never enters: the
@@ -244,7 +264,16 @@ static float heap_select(const float *x, int64_t n, int64_t k, float *raw, int64
         }
         raw[at] = v, lanes[at] = i;
     }
+    __m256 out8 = _mm256_set1_ps(-INFINITY); /* (the left-out maximum of whole blocks) */
     for (; i < n; i++) { /* the others replace the root when above it: sift down */
+        while (i + 8 <= n) { /* eight at a time while none of them is above the root */
+            const __m256 v8 = _mm256_loadu_ps(x + i);
+            if (_mm256_movemask_ps(_mm256_cmp_ps(v8, _mm256_set1_ps(raw[0]), _CMP_GT_OQ)))
+                break;
+            out8 = _mm256_max_ps(v8, out8); /* (a NaN lane keeps out8) */
+            i += 8;
+        }
+        if (i == n) break;
         const float v = x[i];
         if (!(v > raw[0])) {
             if (v > left) left = v;
@@ -262,7 +291,8 @@ static float heap_select(const float *x, int64_t n, int64_t k, float *raw, int64
         }
         raw[at] = v, lanes[at] = i;
     }
-    return left;
+    const float blocks = max_of((const float *)&out8, 8);
+    return blocks > left ? blocks : left;
 }
 
 #define FEW_CHUNK_LANES (2 * 64 * 16 + 16)
@@ -374,8 +404,7 @@ static void NAME(const TYPE *x, int64_t lanes, int64_t width, float *chunk, floa
             nan |= v != v;                                                                 \
         }                                                                                  \
     }                                                                                      \
-    float best = -INFINITY;                                                                \
-    for (int64_t j = 0; j < width; j++) best = chunk[j] > best ? chunk[j] : best;          \
+    float best = max_of(chunk, width);                                                     \
     for (int64_t i = 16 * width; i < lanes; i++) {                                         \
         const float v = LOAD(x[i]);                                                        \
         best = v > best ? v : best;                                                        \
