@@ -48,6 +48,8 @@ def _build() -> ctypes.CDLL | None:
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_float,
                    ctypes.c_void_p]
+    lib.philox_vector_level.restype = ctypes.c_int
+    lib.philox_vector_level.argtypes = [ctypes.c_int]
     fn = lib.gumbel_candidates
     fn.restype = None
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
@@ -62,6 +64,20 @@ def _lib() -> ctypes.CDLL | None:
 
 def available() -> bool:
     return _lib() is not None
+
+
+VECTOR_LEVELS = ("scalar", "avx2", "avx512")
+"""philox.c's vector levels, in order: each takes the lanes the one after it leaves."""
+
+
+def vector_level(cap: str = "avx512") -> str | None:
+    """Caps the bits' vector level at `cap` (at most what this CPU has) and returns the level
+    in use; None without the native library. Every level writes the same bits (tests take
+    each one)."""
+    lib = _lib()
+    if lib is None:
+        return None
+    return VECTOR_LEVELS[lib.philox_vector_level(VECTOR_LEVELS.index(cap))]
 
 
 def native_bits(token_ids: torch.Tensor, position: int, k0: int, k1: int,

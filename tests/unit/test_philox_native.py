@@ -49,6 +49,26 @@ def test_native_bits_equal_the_torch_path(n, monkeypatch):
 
 
 @needs_native
+@pytest.mark.parametrize("cap", native.VECTOR_LEVELS)
+def test_every_vector_level_writes_the_random123_bits(cap):
+    """Lengths around the AVX-512 loop's 32 lanes and the AVX2 loop's 8: each level takes
+    what it can and leaves the rest to the next one down."""
+    gen = torch.Generator().manual_seed(3)
+    try:
+        level = native.vector_level(cap)
+        for n in (1, 7, 8, 9, 31, 32, 33, 40, 47, 64, 71, 1031):
+            ids = torch.randint(0, 2**31, (n,), generator=gen)
+            for seed, position in [(2**64 - 1, 7), (123456789123, 2**32 - 1)]:
+                got = philox_bits(ids, position, *seed_words(seed))
+                assert [int(v) for v in got] == [
+                    scalar_bits(seed, position, int(i)) for i in ids
+                ], (level, n)
+    finally:
+        native.vector_level()
+    assert level in native.VECTOR_LEVELS[: native.VECTOR_LEVELS.index(cap) + 1]
+
+
+@needs_native
 @pytest.mark.parametrize("n", [1, 7, 4099])
 def test_native_bits_with_a_key_per_lane_equal_the_torch_path(n, monkeypatch):
     """The sparse Gumbel-max draws lanes of several rows at once: a seed and position per
