@@ -73,6 +73,22 @@ def torch_openmp() -> bool:
     return any("/torch/lib/libgomp" in line for line in maps.splitlines())
 
 
+VML_MODE = 0x2 | 0x140000 | 0x100
+"""VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE: the mode torch's vml.h passes to MKL's vector
+math (vmsExp, vmdExp, ...), so a routine called with it returns torch's values."""
+
+
+def mkl_routine(name: str) -> int | None:
+    """Address of an MKL routine inside this torch build (None without MKL)."""
+    import torch  # (only the libraries that call MKL need it)
+
+    path = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+    try:
+        return ctypes.cast(getattr(ctypes.CDLL(path), name), ctypes.c_void_p).value
+    except (OSError, AttributeError):
+        return None
+
+
 def built_once(state: dict, lock: threading.Lock,
                build: Callable[[], ctypes.CDLL | None]) -> ctypes.CDLL | None:
     """state["lib"], built by `build` on first use (None included: a failed build is not

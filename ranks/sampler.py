@@ -41,11 +41,10 @@ from ranks.sampler_filters import (
     key_values,
     max_and_topk,
     pick_global,
-    probability_weights,
+    radix_lanes,
     radix_thresholds,
     relative_probs,
     score_keys,
-    value_keys,
 )
 from ranks.sampler_gumbel import gumbel_best
 from ranks.sampling_params import SEED_MAX, RowSampling
@@ -236,15 +235,9 @@ class ShardedSampler:
             self._remove(x, filtered, lambda b: b < kept.unsqueeze(1))
 
         def radix_cut(which: list[int], block: torch.Tensor, top_p: bool) -> torch.Tensor:
-            keys = value_keys(block)
-            if top_p:
-                weights = probability_weights(block, row_max(which), v)
-                targets = self._float64([rows[i].top_p for i in which])
-            else:
-                weights = torch.ones_like(keys)
-                targets = self._float64([rows[i].top_k for i in which])
-            cut = radix_thresholds(keys, weights, targets, top_p, self.filter_exchange)
-            return keys < cut.unsqueeze(1)
+            lanes = radix_lanes(block, row_max(which) if top_p else None, v)
+            targets = self._float64([rows[i].top_p if top_p else rows[i].top_k for i in which])
+            return lanes.below(radix_thresholds(lanes, targets, top_p, self.filter_exchange))
 
         large = [i for i in filtered if rows[i].top_k_active(v) and rows[i].top_k > TOPK_WIDTH]
         if large:

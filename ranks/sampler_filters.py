@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from collectives.exchange import WordExchange
+from kernels.radix.native import RadixLanes
 from kernels.sortkeys import keys_to_words, ordered_high, ordered_high_to_float, words_to_keys
 
 TOPK_WIDTH = 256
@@ -89,33 +90,77 @@ def max_and_topk(
     return merged[:, 0], kth
 
 
+class TorchRadixLanes:
+    """A block's lanes of positive weight for radix_thresholds, flattened: their rows, keys and
+    weights (int64 tensors on the block's device). keys: int64 [rows, width] in [0, 2**32);
+    weights: int64 >= 0 of the same shape."""
+
+    def __init__(self, keys: torch.Tensor, weights: torch.Tensor) -> None:
+        self.block_keys = keys
+        # Lanes of weight zero never change W, so they are dropped.
+        self.row, lane = torch.nonzero(weights > 0, as_tuple=True)
+        flat = self.row * keys.shape[1] + lane
+        self.keys, self.weights = (t.reshape(-1).index_select(0, flat) for t in (keys, weights))
+        self.rows = keys.shape[0]
+
+    def histogram(self, shift: int, bits: int,
+                  previous: tuple[int, int, torch.Tensor] | None) -> torch.Tensor:
+        """int64 [rows, 2**bits]: the weight in each bucket of bits [shift, shift + bits) of
+        the lanes left, after dropping those outside previous = (shift, bits, chosen bucket
+        per row) of the round before."""
+        if previous is not None:
+            keep_shift, keep_bits, chosen = previous
+            bucket = (self.keys >> keep_shift) & ((1 << keep_bits) - 1)
+            inside = torch.nonzero(bucket == chosen.index_select(0, self.row)).squeeze(1)
+            self.row, self.keys, self.weights = (
+                t.index_select(0, inside) for t in (self.row, self.keys, self.weights))
+        buckets = 1 << bits
+        bucket = (self.keys >> shift) & (buckets - 1)
+        hist = torch.zeros(self.rows * buckets, dtype=torch.int64, device=self.keys.device)
+        return hist.scatter_add_(0, self.row * buckets + bucket, self.weights).view(-1, buckets)
+
+    def below(self, cut: torch.Tensor) -> torch.Tensor:
+        """bool [rows, width]: lanes whose key is below their row's cut."""
+        return self.block_keys < cut.unsqueeze(1)
+
+
+def radix_lanes(x: torch.Tensor, row_max: torch.Tensor | None,
+                vocab_size: int) -> TorchRadixLanes | RadixLanes:
+    """The lanes of rows x (the sampler's FP32 scratch) for radix_thresholds: unit weights
+    when row_max is None (the k-th largest value), else probability weights (the top-p
+    boundary). Compiled code holds them on the CPU where it applies (kernels/radix)."""
+    scale = probability_scale(vocab_size)
+    lanes = RadixLanes.start(x, row_max, scale)
+    if lanes is not None:
+        return lanes
+    keys = value_keys(x)
+    if row_max is None:
+        return TorchRadixLanes(keys, torch.ones_like(keys))
+    return TorchRadixLanes(keys, probability_weights(x, row_max, vocab_size))
+
+
 def radix_thresholds(
-    keys: torch.Tensor,
-    weights: torch.Tensor,
+    lanes: TorchRadixLanes | RadixLanes,
     targets: torch.Tensor,
     relative: bool,
     exchange: WordExchange,
 ) -> torch.Tensor:
     """Per row, the largest key v with W(v) >= target, W(v) = global weight of keys >= v.
 
-    keys: int64 [rows, width] in [0, 2**32); weights: int64 >= 0, summing below 2**62 over
-    the vocabulary; targets: float64 [rows], multiplied by the total weight when ``relative``.
-    Unit weights give the k-th largest value; probability weights give the top-p boundary.
-    Five exchanges of 128 int64 bucket sums each; integer sums make it layout-independent.
+    lanes: radix_lanes of the rows (weights summing below 2**62 over the vocabulary);
+    targets: float64 [rows], multiplied by the total weight when ``relative``. Unit weights
+    give the k-th largest value; probability weights give the top-p boundary. Five exchanges
+    of 128 int64 bucket sums each; integer sums make it layout-independent. After each round
+    only the lanes inside the chosen bucket matter (the ones above are summed into
+    ``above``).
     """
-    n = keys.shape[0]
-    # Lanes of weight zero never change W, so they are dropped; after each round only the
-    # lanes inside the chosen bucket matter (the ones above are summed into ``above``).
-    row, lane = torch.nonzero(weights > 0, as_tuple=True)
-    flat = row * keys.shape[1] + lane
-    keys, weights = (t.reshape(-1).index_select(0, flat) for t in (keys, weights))
-    prefix = torch.zeros(n, dtype=torch.int64, device=keys.device)
+    n = targets.shape[0]
+    prefix = torch.zeros(n, dtype=torch.int64, device=targets.device)
     above = torch.zeros_like(prefix)
+    previous = None
     for shift, bits in RADIX_ROUNDS:
         buckets = 1 << bits
-        bucket = (keys >> shift) & (buckets - 1)
-        hist = torch.zeros(n * buckets, dtype=torch.int64, device=keys.device)
-        hist = hist.scatter_add_(0, row * buckets + bucket, weights).view(n, buckets)
+        hist = lanes.histogram(shift, bits, previous).to(targets.device)
         local = _padded(keys_to_words(hist), FILTER_WORDS, 0)
         hist = words_to_keys(exchange.gather(local, rows=n)[:, :, : 2 * buckets]).sum(0)
         if relative and shift == RADIX_ROUNDS[0][0]:
@@ -125,15 +170,18 @@ def radix_thresholds(
         chosen = (ok.sum(1) - 1).clamp(min=0)
         above = above + suffix.gather(1, (chosen + 1).unsqueeze(1)).squeeze(1)
         prefix = (prefix << bits) | chosen
-        inside = torch.nonzero(bucket == chosen.index_select(0, row)).squeeze(1)
-        row, keys, weights = (t.index_select(0, inside) for t in (row, keys, weights))
+        previous = (shift, bits, chosen)
     return prefix
+
+
+def probability_scale(vocab_size: int) -> float:
+    """2**(62 - ceil(log2 V)): fixed-point probabilities of a row sum below 2**62."""
+    return 2.0 ** (62 - max(1, (vocab_size - 1).bit_length()))
 
 
 def probability_weights(x: torch.Tensor, row_max: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """exp(x - max) in fixed point with 62 - ceil(log2 V) fraction bits (sum < 2**62)."""
-    scale = 2.0 ** (62 - max(1, (vocab_size - 1).bit_length()))
-    return (relative_probs(x, row_max) * scale).floor_().to(torch.int64)
+    return (relative_probs(x, row_max) * probability_scale(vocab_size)).floor_().to(torch.int64)
 
 
 def relative_probs(x: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import threading
 from collections import OrderedDict
 from pathlib import Path
@@ -48,7 +47,7 @@ import torch
 
 from kernels.layout import MAX_TOKEN_IDS, PAYLOAD_WORDS
 from kernels.layout import TILE_CANDIDATES as TOP
-from kernels.native import X86, built_once, load_library, torch_openmp
+from kernels.native import VML_MODE, X86, built_once, load_library, mkl_routine, torch_openmp
 from kernels.torch_impl.tiles import CHUNK_LANES, TileStats, normalization, tile_stats
 
 _LOG = logging.getLogger(__name__)
@@ -57,8 +56,6 @@ _LOG = logging.getLogger(__name__)
 _SOURCE = (Path(__file__).parent / "compiled.c").read_text()
 _FLAGS = ("-O3", "-fPIC", "-shared", "-ffp-contract=off", "-mavx2", "-pthread")
 _SWITCH = "HELIOS_NATIVE_REDUCTION"
-VML_MODE = 0x2 | 0x140000 | 0x100
-"""VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE: the mode torch's vml.h passes to vmsExp."""
 
 PARALLEL_LANES = 1 << 18
 """Calls over at least this many lanes split their rows across torch's intra-op threads."""
@@ -88,17 +85,8 @@ def _vector_width() -> int | None:
     return {1.0: 8, 0.0: 16}.get(float(x.sum()))
 
 
-def _mkl(name: str) -> int | None:
-    """Address of an MKL vector routine inside this torch build (None without MKL)."""
-    path = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
-    try:
-        return ctypes.cast(getattr(ctypes.CDLL(path), name), ctypes.c_void_p).value
-    except (OSError, AttributeError):
-        return None
-
-
 def _build() -> ctypes.CDLL | None:
-    width, exp, log = _vector_width(), _mkl("vmsExp"), _mkl("vmsLn")
+    width, exp, log = _vector_width(), mkl_routine("vmsExp"), mkl_routine("vmsLn")
     if width is None or exp is None or log is None:
         return None
     lib = None
@@ -141,8 +129,9 @@ def _build() -> ctypes.CDLL | None:
 def configure(lib: ctypes.CDLL, width: int) -> None:
     """Hands the library torch's MKL exp and log, the MKL thread controls (None: MKL threads
     as configured) and the vector width its sums take."""
-    lib.configure(_mkl("vmsExp"), _mkl("vmsLn"), _mkl("MKL_Set_Num_Threads_Local"),
-                  _mkl("MKL_Get_Max_Threads"), VML_MODE, width)
+    lib.configure(mkl_routine("vmsExp"), mkl_routine("vmsLn"),
+                  mkl_routine("MKL_Set_Num_Threads_Local"), mkl_routine("MKL_Get_Max_Threads"),
+                  VML_MODE, width)
 
 
 def _lib() -> ctypes.CDLL | None:

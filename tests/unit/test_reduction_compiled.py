@@ -18,6 +18,7 @@ import torch
 
 import kernels.torch_impl.lean as lean
 from kernels.api import pack_token_ids, reduce_logprobs
+from kernels.native import mkl_routine
 from kernels.rows import RowRequest
 from kernels.torch_impl import compiled
 from kernels.torch_impl.backend import reduce_torch, reduce_torch_repeated
@@ -63,7 +64,7 @@ def test_compiled_path_is_on_where_it_can_be() -> None:
     capability = torch.backends.cpu.get_cpu_capability()
     if (platform.machine().lower() not in ("x86_64", "amd64") or shutil.which(
             os.environ.get("CC") or "cc") is None or capability not in ("AVX2", "AVX512")
-            or compiled._mkl("vmsExp") is None
+            or mkl_routine("vmsExp") is None
             or os.environ.get("HELIOS_NATIVE_REDUCTION") == "0"):
         pytest.skip("the compiled path cannot apply here")
     assert compiled.available()

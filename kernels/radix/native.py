@@ -1,0 +1,131 @@
+"""The sampler's radix select over CPU rows in compiled code (kernels/radix/radix.c).
+
+``RadixLanes.start(x, row_max, scale)`` takes a block of FP32 rows and keeps, per row, the
+lanes of positive weight as (key, weight) pairs; ``histogram`` runs one round (drop the lanes
+outside the bucket the previous round chose, then sum weights per bucket) and ``below`` marks
+the lanes under each row's cut. Keys, weights and sums are those of the torch path
+(ranks/sampler_filters.py TorchRadixLanes), exactly: the weights' exp is the MKL routine
+torch.exp calls. None from ``start`` (callers keep the torch path) without MKL in this torch
+build, without a C compiler, for other devices, dtypes or layouts, for rows whose maximum is
+not finite, or with ``HELIOS_NATIVE_RADIX=0``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import threading
+from pathlib import Path
+
+import torch
+
+from kernels.native import VML_MODE, built_once, load_library, mkl_routine, torch_openmp
+
+_SOURCE = (Path(__file__).parent / "radix.c").read_text()
+_FLAGS = ("-O3", "-fPIC", "-shared", "-ffp-contract=off", "-lm")
+_SWITCH = "HELIOS_NATIVE_RADIX"
+_LOCK = threading.Lock()
+_STATE: dict[str, object] = {}
+
+
+class _Buffers(threading.local):
+    """Per-thread keys and weights, reused: fresh large tensors page-fault on every call."""
+
+    def __init__(self) -> None:
+        self.keys = torch.empty(0, dtype=torch.int32)
+        self.weights = torch.empty(0, dtype=torch.int64)
+
+    def take(self, lanes: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.keys.numel() < lanes:
+            self.keys = torch.empty(lanes, dtype=torch.int32)
+            self.weights = torch.empty(lanes, dtype=torch.int64)
+        return self.keys, self.weights
+
+
+_BUFFERS = _Buffers()
+
+
+def _build() -> ctypes.CDLL | None:
+    routines = [mkl_routine(name) for name in
+                ("vmdExp", "MKL_Set_Num_Threads_Local", "MKL_Get_Max_Threads")]
+    if routines[0] is None:
+        return None
+    lib = None
+    if torch_openmp():  # (rows fan out on torch's OpenMP threads)
+        lib = load_library("radix", _SOURCE, (*_FLAGS, "-fopenmp"), _SWITCH, quiet=True)
+    if lib is None:
+        lib = load_library("radix", _SOURCE, _FLAGS, _SWITCH)
+    if lib is None:
+        return None
+    i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib.radix_start.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_double, ptr,
+                                ctypes.c_longlong, ptr, ptr, ptr, ptr, ptr, i64]
+    lib.radix_round.argtypes = [ptr, ptr, ptr, i64, i64, c_int, c_int, ptr, c_int, c_int,
+                                ptr, i64]
+    lib.radix_below.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64]
+    for fn in (lib.radix_start, lib.radix_round, lib.radix_below):
+        fn.restype = None
+    lib.routines = routines
+    return lib
+
+
+def available() -> bool:
+    return built_once(_STATE, _LOCK, _build) is not None
+
+
+class RadixLanes:
+    """One block's lanes of positive weight, held in compiled code between rounds."""
+
+    def __init__(self, lib: ctypes.CDLL, x: torch.Tensor, keys: torch.Tensor,
+                 weights: torch.Tensor, counts: torch.Tensor) -> None:
+        self.lib, self.x, self.keys, self.weights, self.counts = lib, x, keys, weights, counts
+
+    @classmethod
+    def start(cls, x: torch.Tensor, row_max: torch.Tensor | None,
+              scale: float) -> RadixLanes | None:
+        """x: FP32 [rows, width] on the CPU with unit lane stride. row_max None: unit
+        weights; else probability weights floor(exp(x - row_max) * scale)."""
+        lib = built_once(_STATE, _LOCK, _build)
+        if (lib is None or x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2
+                or x.stride(1) != 1 or not x.numel()):
+            return None
+        maxima = None
+        if row_max is not None:
+            maxima = row_max.to(device="cpu", dtype=torch.float64).contiguous()
+            if not all(math.isfinite(m) for m in maxima.tolist()):
+                return None
+        rows, width = x.shape
+        keys, weights = _BUFFERS.take(rows * width)
+        counts = torch.empty(rows, dtype=torch.int64)
+        exp, set_local, get_max = lib.routines
+        lib.radix_start(x.data_ptr(), x.stride(0), rows, width,
+                        None if maxima is None else maxima.data_ptr(), scale,
+                        None if maxima is None else exp, VML_MODE, set_local, get_max,
+                        keys.data_ptr(), weights.data_ptr(), counts.data_ptr(),
+                        torch.get_num_threads())
+        return cls(lib, x, keys, weights, counts)
+
+    def histogram(self, shift: int, bits: int,
+                  previous: tuple[int, int, torch.Tensor] | None) -> torch.Tensor:
+        """int64 [rows, 2**bits]: the weight in each bucket of bits [shift, shift + bits) of
+        the lanes left, after dropping those outside previous = (shift, bits, chosen bucket
+        per row) of the round before."""
+        rows, width = self.x.shape
+        hist = torch.empty(rows, 1 << bits, dtype=torch.int64)
+        keep_shift, keep_bits, chosen = previous if previous is not None else (0, 0, None)
+        if chosen is not None:
+            chosen = chosen.to(device="cpu", dtype=torch.int64).contiguous()
+        self.lib.radix_round(self.keys.data_ptr(), self.weights.data_ptr(),
+                             self.counts.data_ptr(), rows, width, keep_shift, keep_bits,
+                             None if chosen is None else chosen.data_ptr(), shift, bits,
+                             hist.data_ptr(), torch.get_num_threads())
+        return hist
+
+    def below(self, cut: torch.Tensor) -> torch.Tensor:
+        """bool [rows, width]: lanes whose key is below their row's cut."""
+        rows, width = self.x.shape
+        cut = cut.to(device="cpu", dtype=torch.int64).contiguous()
+        out = torch.empty(rows, width, dtype=torch.bool)
+        self.lib.radix_below(self.x.data_ptr(), self.x.stride(0), rows, width, cut.data_ptr(),
+                             out.data_ptr(), torch.get_num_threads())
+        return out

@@ -1,0 +1,139 @@
+/* The sampler's radix select over CPU rows, in compiled code (kernels/radix/native.py binds
+   it; ranks/sampler_filters.py holds the rounds, their exchanges and the torch path).
+
+   Every value here is the one the torch path computes:
+   - key of a lane = value_keys(x): the FP32 value's order-preserving 32-bit pattern (-0.0 as
+     +0.0), as an unsigned number in [0, 2**32).
+   - weight = 1 for every lane (top-k), or probability_weights: floor(p * scale) with p = 1
+     where float64(x) equals the row maximum, else exp(float64(x) - maximum) through MKL's
+     vmdExp in the mode torch's vml.h passes (the routine torch.exp calls for float64, so the
+     same value); scale is a power of two, so the product and the floor are exact.
+   - a round's histogram sums int64 weights per bucket: exact, so any order gives the torch
+     path's sums.
+   Per row the lanes of positive weight are kept as (key, weight) pairs, and each round first
+   drops the lanes outside the bucket the previous round chose (a stable compaction), then
+   sums the rest into the buckets of its own bits. Rows fan out on OpenMP threads. */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef void (*vml_d)(int n, const double *a, double *r, long long mode);
+typedef int (*threads_t)(int n);
+typedef int (*max_threads_t)(void);
+
+#define TILE 1024
+
+/* Branch-free (signs are random: a branch would mispredict every other lane): -0.0 becomes
+   +0.0, a negative pattern flips its 31 low bits, then the sign bit flips (+ 2**31). */
+static inline uint32_t value_key(float v)
+{
+    uint32_t b;
+    memcpy(&b, &v, sizeof b);
+    b &= -(uint32_t)(v != 0.0f);
+    return b ^ ((uint32_t)((int32_t)b >> 31) >> 1) ^ 0x80000000u;
+}
+
+/* The per-row loops are built for AVX2 and for the baseline (GCC's target clones, picked by
+   the CPU at load time): the same IEEE operations either way. */
+#if defined(__x86_64__)
+#define CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define CLONES
+#endif
+
+/* Keys and weights of one row's lanes of positive weight; returns how many. */
+CLONES static int64_t start_row(const float *row, int64_t width, double maximum, double scale,
+                         vml_d vexp, long long mode, uint32_t *keys, int64_t *weights)
+{
+    if (!vexp) {
+        for (int64_t i = 0; i < width; i++) {
+            keys[i] = value_key(row[i]);
+            weights[i] = 1;
+        }
+        return width;
+    }
+    double shifted[TILE], p[TILE];
+    int64_t kept = 0;
+    for (int64_t t = 0; t < width; t += TILE) {
+        const int n = (int)(width - t < TILE ? width - t : TILE);
+        for (int i = 0; i < n; i++) shifted[i] = (double)row[t + i] - maximum;
+        vexp(n, shifted, p, mode);
+        for (int i = 0; i < n; i++) {
+            const double x = (double)row[t + i];
+            const double w = floor((x == maximum ? 1.0 : p[i]) * scale);
+            keys[kept] = value_key(row[t + i]); /* (kept only when w > 0: no branch) */
+            weights[kept] = (int64_t)w;
+            kept += w > 0;
+        }
+    }
+    return kept;
+}
+
+/* vexp NULL: unit weights (row_max and scale unused). Rows of keys and weights are `width`
+   apart. The thread's MKL threads are set to one around the row (as in the compiled
+   reduction: a tile's vmdExp must not fan out while the rows already do). */
+void radix_start(const float *x, int64_t row_stride, int64_t n_rows, int64_t width,
+                 const double *row_max, double scale, void *vexp, long long mode,
+                 void *local_threads, void *max_threads, uint32_t *keys, int64_t *weights,
+                 int64_t *counts, int64_t threads)
+{
+    const threads_t set_local = (threads_t)local_threads;
+    const max_threads_t get_max = (max_threads_t)max_threads;
+    const int toggle = vexp && set_local && (!get_max || get_max() > 1);
+#pragma omp parallel for num_threads((int)threads) schedule(static)
+    for (int64_t r = 0; r < n_rows; r++) {
+        const int previous = toggle ? set_local(1) : 0;
+        counts[r] = start_row(x + r * row_stride, width, vexp ? row_max[r] : 0.0, scale,
+                              (vml_d)vexp, mode, keys + r * width, weights + r * width);
+        if (toggle) set_local(previous);
+    }
+}
+
+/* One row of a round: drop the lanes outside `bucket` of the previous round's bits (bucket
+   < 0: none), then sum into h; returns the lanes left. */
+CLONES static int64_t round_row(uint32_t *k, int64_t *w, int64_t n, int keep_shift,
+                                int keep_bits, int64_t bucket, int shift, int bits, int64_t *h)
+{
+    if (bucket >= 0) {
+        const uint32_t mask = (1u << keep_bits) - 1, want = (uint32_t)bucket;
+        int64_t kept = 0;
+        for (int64_t i = 0; i < n; i++) {
+            const uint32_t key = k[i];
+            const int64_t weight = w[i];
+            k[kept] = key; /* (written always, kept only when inside: no branch) */
+            w[kept] = weight;
+            kept += ((key >> keep_shift) & mask) == want;
+        }
+        n = kept;
+    }
+    memset(h, 0, sizeof(int64_t) << bits);
+    const uint32_t mask = (1u << bits) - 1;
+    for (int64_t i = 0; i < n; i++) h[(k[i] >> shift) & mask] += w[i];
+    return n;
+}
+
+/* chosen NULL: the first round (nothing to drop). hist: int64 [n_rows, 2**bits]. */
+void radix_round(uint32_t *keys, int64_t *weights, int64_t *counts, int64_t n_rows,
+                 int64_t width, int keep_shift, int keep_bits, const int64_t *chosen,
+                 int shift, int bits, int64_t *hist, int64_t threads)
+{
+#pragma omp parallel for num_threads((int)threads) schedule(static)
+    for (int64_t r = 0; r < n_rows; r++)
+        counts[r] = round_row(keys + r * width, weights + r * width, counts[r], keep_shift,
+                              keep_bits, chosen ? chosen[r] : -1, shift, bits,
+                              hist + (r << bits));
+}
+
+CLONES static void below_row(const float *row, int64_t width, int64_t cut, uint8_t *out)
+{
+    for (int64_t i = 0; i < width; i++) out[i] = (int64_t)value_key(row[i]) < cut;
+}
+
+/* out[r, i] = value_keys(x[r, i]) < cut[r] (bytes 0/1, torch.bool's layout). */
+void radix_below(const float *x, int64_t row_stride, int64_t n_rows, int64_t width,
+                 const int64_t *cut, uint8_t *out, int64_t threads)
+{
+#pragma omp parallel for num_threads((int)threads) schedule(static)
+    for (int64_t r = 0; r < n_rows; r++)
+        below_row(x + r * row_stride, width, cut[r], out + r * width);
+}

@@ -1,0 +1,117 @@
+"""The compiled radix lanes (kernels/radix) against the torch lanes of ranks/sampler_filters:
+the same histograms round by round, the same cuts and masks, the same sampled tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels.radix.native as native
+from collectives.exchange import WordExchange
+from kernels.radix.native import RadixLanes
+from ranks.sampler import ShardedSampler
+from ranks.sampler_filters import (
+    FILTER_WORDS,
+    RADIX_ROUNDS,
+    TorchRadixLanes,
+    probability_scale,
+    probability_weights,
+    radix_thresholds,
+    value_keys,
+)
+from ranks.sampling_params import RowSampling
+
+needs_native = pytest.mark.skipif(not native.available(), reason="no C compiler or no MKL")
+
+
+def awkward_rows(rows: int, width: int, seed: int) -> torch.Tensor:
+    """FP32 rows with what the keys and weights must get right: both zeros, -inf lanes, ties
+    with the row maximum, a subnormal, values far below the maximum (weight 0) and values
+    just above the fixed point's last bit."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, width, generator=gen) * 4
+    pick = torch.randint(0, width, (rows, 12), generator=gen)
+    x.scatter_(1, pick[:, :2], 0.0)
+    x.scatter_(1, pick[:, 2:4], -0.0)
+    x.scatter_(1, pick[:, 4:6], float("-inf"))
+    x.scatter_(1, pick[:, 6:7], 1e-40)
+    x.scatter_(1, pick[:, 7:8], -80.0)
+    top = x.amax(1, keepdim=True)
+    x.scatter_(1, pick[:, 8:10], top.expand(-1, 2))
+    x.scatter_(1, pick[:, 10:12], (top - 30.0).expand(-1, 2))
+    return x
+
+
+def torch_lanes(x: torch.Tensor, row_max: torch.Tensor | None, vocab: int) -> TorchRadixLanes:
+    keys = value_keys(x)
+    if row_max is None:
+        return TorchRadixLanes(keys, torch.ones_like(keys))
+    return TorchRadixLanes(keys, probability_weights(x, row_max, vocab))
+
+
+@needs_native
+@pytest.mark.parametrize("rows,width", [(1, 423), (3, 1031), (5, 4096), (2, 151_936)])
+@pytest.mark.parametrize("unit", [False, True])
+def test_every_round_sums_what_the_torch_lanes_sum(rows, width, unit):
+    x = awkward_rows(rows, width, seed=rows * width)
+    vocab = width + 7
+    row_max = None if unit else x.amax(1)
+    ours = RadixLanes.start(x, row_max, probability_scale(vocab))
+    theirs = torch_lanes(x, row_max, vocab)
+    gen = torch.Generator().manual_seed(width)
+    previous = None
+    for shift, bits in RADIX_ROUNDS:
+        got = ours.histogram(shift, bits, previous)
+        want = theirs.histogram(shift, bits, previous)
+        assert torch.equal(got, want), (shift, bits)
+        # The next round keeps a bucket that holds lanes (or, for some rows, an empty one).
+        occupied = [torch.nonzero(h).flatten() for h in want]
+        chosen = torch.tensor([
+            int(o[torch.randint(0, len(o), (1,), generator=gen)]) if len(o) and r % 3 else 0
+            for r, o in enumerate(occupied)])
+        previous = (shift, bits, chosen)
+
+
+@needs_native
+@pytest.mark.parametrize("unit", [False, True])
+def test_cuts_and_masks_equal_the_torch_path(unit):
+    x = awkward_rows(6, 3001, seed=11)
+    vocab = 3001
+    row_max = None if unit else x.amax(1)
+    exchange = WordExchange(None, 6, FILTER_WORDS)
+    targets = torch.tensor([1.0, 2.0, 37.0, 300.0, 2999.0, 5000.0] if unit
+                           else [0.05, 0.3, 0.5, 0.9, 0.999, 1e-9], dtype=torch.float64)
+    ours = RadixLanes.start(x, row_max, probability_scale(vocab))
+    theirs = torch_lanes(x, row_max, vocab)
+    cut = radix_thresholds(ours, targets, not unit, exchange)
+    assert torch.equal(cut, radix_thresholds(theirs, targets, not unit, exchange))
+    mask = ours.below(cut)
+    assert torch.equal(mask, theirs.below(cut))
+    assert 0 < int(mask.sum()) < mask.numel()
+
+
+def test_start_declines_what_it_cannot_take():
+    x = torch.randn(2, 50)
+    scale = probability_scale(50)
+    assert RadixLanes.start(x.double(), None, scale) is None
+    assert RadixLanes.start(x.t(), None, scale) is None
+    assert RadixLanes.start(x, torch.tensor([1.0, float("inf")]), scale) is None
+    assert RadixLanes.start(x[:, :0], None, scale) is None
+
+
+@needs_native
+@pytest.mark.parametrize("params", [
+    dict(top_p=0.9), dict(top_p=0.3, temperature=1.7), dict(top_k=700, temperature=0.6),
+    dict(top_k=300, top_p=0.5, min_p=0.01), dict(top_p=0.95, repetition_penalty=1.3),
+])
+def test_sampled_tokens_do_not_depend_on_the_path(params, monkeypatch):
+    vocab, n = 5003, 6
+    logits = awkward_rows(n, vocab, seed=5)
+    rows = [RowSampling(seed=40 + i, position=p, **params) for i in range(n) for p in range(3)]
+    sampler = ShardedSampler(None, 0, vocab, vocab, vocab, max_rows=len(rows))
+    batch = logits.repeat_interleave(3, dim=0)
+    prompts = [[1, 2, 3]] * len(rows)
+    outputs = [[int(batch[i].argmax()), 7] for i in range(len(rows))]
+    got = sampler.sample(batch, rows, prompts, outputs)
+    monkeypatch.setitem(native._STATE, "lib", None)
+    assert torch.equal(got, sampler.sample(batch, rows, prompts, outputs))
