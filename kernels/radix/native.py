@@ -1,7 +1,7 @@
 """The sampler's radix select over CPU rows in compiled code (kernels/radix/radix.c).
 
-``RadixLanes.start(x, row_max, scale)`` takes a block of FP32 rows and keeps, per row, the
-lanes of positive weight as (key, weight) pairs; ``histogram`` runs one round (drop the lanes
+``RadixLanes.start(x, row_max, scale)`` takes a block of FP32 rows and keeps, per row, its
+lanes as (key, weight) pairs; ``histogram`` runs one round (drop the lanes
 outside the bucket the previous round chose, then sum weights per bucket) and ``below`` marks
 the lanes under each row's cut. Keys, weights and sums are those of the torch path
 (ranks/sampler_filters.py TorchRadixLanes), exactly: the weights' exp is the MKL routine
@@ -26,6 +26,10 @@ _FLAGS = ("-O3", "-fPIC", "-shared", "-ffp-contract=off", "-lm")
 _SWITCH = "HELIOS_NATIVE_RADIX"
 _LOCK = threading.Lock()
 _STATE: dict[str, object] = {}
+
+
+MAX_BITS = 7
+"""Bits per round that radix.c's histograms hold (128 buckets)."""
 
 
 class _Buffers(threading.local):
@@ -74,7 +78,7 @@ def available() -> bool:
 
 
 class RadixLanes:
-    """One block's lanes of positive weight, held in compiled code between rounds."""
+    """One block's lanes, held in compiled code between rounds."""
 
     def __init__(self, lib: ctypes.CDLL, x: torch.Tensor, keys: torch.Tensor,
                  weights: torch.Tensor, counts: torch.Tensor) -> None:
@@ -110,6 +114,9 @@ class RadixLanes:
         """int64 [rows, 2**bits]: the weight in each bucket of bits [shift, shift + bits) of
         the lanes left, after dropping those outside previous = (shift, bits, chosen bucket
         per row) of the round before."""
+        if not 0 < bits <= MAX_BITS or not 0 <= shift <= 32 - bits:
+            raise ValueError(f"radix round: bits {bits} at shift {shift} outside 1..{MAX_BITS}"
+                             " bits of a 32-bit key")
         rows, width = self.x.shape
         hist = torch.empty(rows, 1 << bits, dtype=torch.int64)
         keep_shift, keep_bits, chosen = previous if previous is not None else (0, 0, None)

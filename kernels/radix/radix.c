@@ -10,7 +10,7 @@
      same value); scale is a power of two, so the product and the floor are exact.
    - a round's histogram sums int64 weights per bucket: exact, so any order gives the torch
      path's sums.
-   Per row the lanes of positive weight are kept as (key, weight) pairs, and each round first
+   Per row the lanes are kept as (key, weight) pairs, and each round first
    drops the lanes outside the bucket the previous round chose (a stable compaction), then
    sums the rest into the buckets of its own bits. Rows fan out on OpenMP threads. */
 #include <math.h>
@@ -41,32 +41,35 @@ static inline uint32_t value_key(float v)
 #define CLONES
 #endif
 
-/* Keys and weights of one row's lanes of positive weight; returns how many. */
-CLONES static int64_t start_row(const float *row, int64_t width, double maximum, double scale,
-                         vml_d vexp, long long mode, uint32_t *keys, int64_t *weights)
+/* Keys and weights of every lane of one row (a lane of weight 0 adds nothing to any sum, so
+   it needs no dropping here; the rounds' compactions drop it with the other lanes outside
+   their bucket). No branch and no data-dependent store, so the loops vectorize. */
+CLONES static void start_row(const float *row, int64_t width, double maximum, double scale,
+                             vml_d vexp, long long mode, uint32_t *keys, int64_t *weights)
 {
+    for (int64_t i = 0; i < width; i++) keys[i] = value_key(row[i]);
     if (!vexp) {
-        for (int64_t i = 0; i < width; i++) {
-            keys[i] = value_key(row[i]);
-            weights[i] = 1;
-        }
-        return width;
+        for (int64_t i = 0; i < width; i++) weights[i] = 1;
+        return;
     }
     double shifted[TILE], p[TILE];
-    int64_t kept = 0;
     for (int64_t t = 0; t < width; t += TILE) {
         const int n = (int)(width - t < TILE ? width - t : TILE);
         for (int i = 0; i < n; i++) shifted[i] = (double)row[t + i] - maximum;
         vexp(n, shifted, p, mode);
-        for (int i = 0; i < n; i++) {
-            const double x = (double)row[t + i];
-            const double w = floor((x == maximum ? 1.0 : p[i]) * scale);
-            keys[kept] = value_key(row[t + i]); /* (kept only when w > 0: no branch) */
-            weights[kept] = (int64_t)w;
-            kept += w > 0;
+        for (int i = 0; i < n; i++)
+            p[i] = floor(((double)row[t + i] == maximum ? 1.0 : p[i]) * scale);
+        if (scale < 0x1p52) {
+            /* p is an integer in [0, 2**52): adding 2**52 puts it in the low mantissa bits
+               exactly, which is (int64_t)p without a scalar conversion. */
+            for (int i = 0; i < n; i++) {
+                union { double d; int64_t i; } u = { .d = p[i] + 0x1p52 };
+                weights[t + i] = u.i - 0x4330000000000000ll;
+            }
+        } else { /* (vocabularies of at most 1,024 ids: a larger scale) */
+            for (int i = 0; i < n; i++) weights[t + i] = (int64_t)p[i];
         }
     }
-    return kept;
 }
 
 /* vexp NULL: unit weights (row_max and scale unused). Rows of keys and weights are `width`
@@ -83,8 +86,9 @@ void radix_start(const float *x, int64_t row_stride, int64_t n_rows, int64_t wid
 #pragma omp parallel for num_threads((int)threads) schedule(static)
     for (int64_t r = 0; r < n_rows; r++) {
         const int previous = toggle ? set_local(1) : 0;
-        counts[r] = start_row(x + r * row_stride, width, vexp ? row_max[r] : 0.0, scale,
-                              (vml_d)vexp, mode, keys + r * width, weights + r * width);
+        start_row(x + r * row_stride, width, vexp ? row_max[r] : 0.0, scale, (vml_d)vexp, mode,
+                  keys + r * width, weights + r * width);
+        counts[r] = width;
         if (toggle) set_local(previous);
     }
 }
@@ -106,9 +110,17 @@ CLONES static int64_t round_row(uint32_t *k, int64_t *w, int64_t n, int keep_shi
         }
         n = kept;
     }
-    memset(h, 0, sizeof(int64_t) << bits);
+    /* Four partial histograms: most lanes share a bucket or two, and one histogram would
+       chain every add behind the previous store to the same slot. */
+    int64_t part[4][128];
+    const int64_t buckets = (int64_t)1 << bits;
     const uint32_t mask = (1u << bits) - 1;
-    for (int64_t i = 0; i < n; i++) h[(k[i] >> shift) & mask] += w[i];
+    memset(part, 0, sizeof part);
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4)
+        for (int j = 0; j < 4; j++) part[j][(k[i + j] >> shift) & mask] += w[i + j];
+    for (; i < n; i++) part[0][(k[i] >> shift) & mask] += w[i];
+    for (int64_t b = 0; b < buckets; b++) h[b] = part[0][b] + part[1][b] + part[2][b] + part[3][b];
     return n;
 }
 

@@ -90,6 +90,13 @@ def test_cuts_and_masks_equal_the_torch_path(unit):
     assert 0 < int(mask.sum()) < mask.numel()
 
 
+@needs_native
+def test_a_round_wider_than_the_histograms_is_refused():
+    lanes = RadixLanes.start(torch.randn(2, 50), None, 1.0)
+    with pytest.raises(ValueError, match="bits 8"):
+        lanes.histogram(0, 8, None)
+
+
 def test_start_declines_what_it_cannot_take():
     x = torch.randn(2, 50)
     scale = probability_scale(50)
