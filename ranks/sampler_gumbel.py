@@ -23,7 +23,7 @@ from kernels.noise.philox import (
     seed_words,
     uniform_of,
 )
-from kernels.noise.philox_native import native_candidates
+from kernels.noise.philox_native import native_candidates, native_cutoff_lanes
 from ranks.sampler_filters import NO_ID, empty_best, score_keys
 
 ROW_NOISE_MIN_WIDTH = 16384
@@ -72,18 +72,29 @@ def gumbel_best(
         _dense_rows(x, dense, seeds, positions, vocab_start, xmax, best, best_id)
     if len(dense) == n:
         return best, best_id
-    rows = None
-    if dense:
-        rows = torch.tensor(sorted(set(range(n)) - set(dense)), device=x.device)
-        x, low = x.index_select(0, rows), low.index_select(0, rows)
-    row, lane = torch.nonzero(x >= low.unsqueeze(1), as_tuple=True)
+    row, lane = _sparse_lanes(x, dense, low)
     if row.numel():
         values = x[row, lane].to(torch.float64)
-        if rows is not None:
-            row = rows.index_select(0, row)
         ids = lane + vocab_start
         _settle(best, best_id, row, ids, values + gumbel_noise(seeds[row], positions[row], ids))
     return best, best_id
+
+
+def _sparse_lanes(x: torch.Tensor, dense: list[int],
+                  low: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, lane) of the lanes at or above their row's cutoff in the rows not in `dense`
+    (compiled code on CPU, else torch.nonzero)."""
+    taken = set(dense)
+    sparse = [i for i in range(x.shape[0]) if i not in taken]
+    found = native_cutoff_lanes(x, sparse, low)
+    if found is not None:
+        return found
+    if not dense:
+        return torch.nonzero(x >= low.unsqueeze(1), as_tuple=True)
+    rows = torch.tensor(sparse, device=x.device)
+    row, lane = torch.nonzero(x.index_select(0, rows) >= low.index_select(0, rows).unsqueeze(1),
+                              as_tuple=True)
+    return rows.index_select(0, row), lane
 
 
 def _settle(best: torch.Tensor, best_id: torch.Tensor, row: torch.Tensor, ids: torch.Tensor,

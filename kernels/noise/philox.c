@@ -356,3 +356,90 @@ void gumbel_candidates(const float *x, int64_t row_stride, const int64_t *rows, 
         counts[r] = found;
     }
 }
+
+/* ---- The lanes of sparse rows that can still win (ranks/sampler_gumbel.py) ------------------
+
+   A row whose lanes mostly sit far below its maximum (filtered to -inf by top-k, top-p or
+   min-p, or spread wide) keeps only the lanes at or above its FP32 cutoff `low`; the caller
+   draws their noise. Two passes over the rows: counts, then (after the caller sized the
+   output) the lanes in row-major order, as torch.nonzero(x >= low) lists them. A NaN lane or
+   cutoff compares false, as in torch. */
+static int64_t count_row(const float *row, int64_t width, float low)
+{
+    int64_t count = 0;
+    for (int64_t i = 0; i < width; i++) count += row[i] >= low;
+    return count;
+}
+
+#if defined(__x86_64__)
+__attribute__((target("avx2"))) static int64_t count_row_avx2(const float *row, int64_t width,
+                                                              float low)
+{
+    return count_row(row, width, low);
+}
+#endif
+
+void cutoff_counts(const float *x, int64_t row_stride, const int64_t *rows, int64_t n_rows,
+                   int64_t width, const float *low, int64_t *counts, int64_t threads)
+{
+#pragma omp parallel for num_threads((int)threads) schedule(static)
+    for (int64_t r = 0; r < n_rows; r++) {
+        const float *row = x + rows[r] * row_stride;
+#if defined(__x86_64__)
+        if (has_avx2()) {
+            counts[r] = count_row_avx2(row, width, low[r]);
+            continue;
+        }
+#endif
+        counts[r] = count_row(row, width, low[r]);
+    }
+}
+
+/* The lanes from `from` on with row[i] >= low, into lanes[k...]; returns the new k. The AVX2 build tests 8
+   lanes at once (_CMP_GE_OQ: false for NaN, as the scalar >=) and visits only set bits. */
+static int64_t fill_row(const float *row, int64_t from, int64_t width, float low, int64_t k,
+                        int64_t *lanes)
+{
+    for (int64_t i = from; i < width; i++)
+        if (row[i] >= low) lanes[k++] = i;
+    return k;
+}
+
+#if defined(__x86_64__)
+__attribute__((target("avx2"))) static int64_t fill_row_avx2(const float *row, int64_t width,
+                                                             float low, int64_t k,
+                                                             int64_t *lanes)
+{
+    const __m256 t = _mm256_set1_ps(low);
+    int64_t i = 0;
+    for (; i + 8 <= width; i += 8) {
+        unsigned mask = (unsigned)_mm256_movemask_ps(
+            _mm256_cmp_ps(_mm256_loadu_ps(row + i), t, _CMP_GE_OQ));
+        while (mask) {
+            lanes[k++] = i + __builtin_ctz(mask);
+            mask &= mask - 1;
+        }
+    }
+    return fill_row(row, i, width, low, k, lanes);
+}
+#endif
+
+/* Row r's lanes go to lane_out[offsets[r] ...], its row index rows[r] beside each. */
+void cutoff_lanes(const float *x, int64_t row_stride, const int64_t *rows, int64_t n_rows,
+                  int64_t width, const float *low, const int64_t *offsets, int64_t *row_out,
+                  int64_t *lane_out, int64_t threads)
+{
+#pragma omp parallel for num_threads((int)threads) schedule(static)
+    for (int64_t r = 0; r < n_rows; r++) {
+        const float *row = x + rows[r] * row_stride;
+        const int64_t start = offsets[r];
+        int64_t end;
+#if defined(__x86_64__)
+        if (has_avx2())
+            end = fill_row_avx2(row, width, low[r], start, lane_out);
+        else
+#endif
+            end = fill_row(row, 0, width, low[r], start, lane_out);
+        for (int64_t k = start; k < end; k++) row_out[k] = rows[r];
+    }
+}

@@ -55,6 +55,10 @@ def _build() -> ctypes.CDLL | None:
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     fn.argtypes = [ptr, i64, ptr, i64, i64, i64, ptr, ptr, ptr, f32, f32, ptr, ptr, ptr, i64,
                    ptr, ptr, ptr, i64]
+    lib.cutoff_counts.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, i64]
+    lib.cutoff_counts.restype = None
+    lib.cutoff_lanes.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, i64]
+    lib.cutoff_lanes.restype = None
     return lib
 
 
@@ -174,3 +178,31 @@ def native_candidates(x: torch.Tensor, rows: list[int], seeds: list[int], positi
         slots += range(k * CANDIDATE_CAP, k * CANDIDATE_CAP + count)
     index = torch.tensor(slots, dtype=torch.int64)
     return left, owners, lanes.index_select(0, index), bits.index_select(0, index)
+
+
+def native_cutoff_lanes(x: torch.Tensor, rows: list[int], low: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(row, lane) int64 of every lane of rows `rows` of x (FP32 [n, width], CPU, unit lane
+    stride) with x >= low[row] (low: FP32 [n]), in row-major order: torch.nonzero(x[rows] >=
+    low[rows, None]) with the rows' own indices. None when not applicable (nothing done)."""
+    if (x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2
+            or x.stride(1) != 1 or not rows or low.device.type != "cpu"
+            or low.dtype != torch.float32):
+        return None
+    lib = _lib()
+    if lib is None:
+        return None
+    n_rows, width, threads = len(rows), x.shape[1], torch.get_num_threads()
+    index = torch.tensor(rows, dtype=torch.int64)
+    cutoffs = low.index_select(0, index).contiguous()
+    counts = torch.empty(n_rows, dtype=torch.int64)
+    lib.cutoff_counts(x.data_ptr(), x.stride(0), index.data_ptr(), n_rows, width,
+                      cutoffs.data_ptr(), counts.data_ptr(), threads)
+    offsets = counts.cumsum(0) - counts
+    total = int(counts.sum())
+    row, lane = torch.empty(total, dtype=torch.int64), torch.empty(total, dtype=torch.int64)
+    if total:
+        lib.cutoff_lanes(x.data_ptr(), x.stride(0), index.data_ptr(), n_rows, width,
+                         cutoffs.data_ptr(), offsets.data_ptr(), row.data_ptr(),
+                         lane.data_ptr(), threads)
+    return row, lane

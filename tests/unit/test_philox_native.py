@@ -131,3 +131,33 @@ def test_philox_bits_falls_back_for_tensor_keys():
     keys = seed_words(torch.full((100,), 77))
     got = philox.philox_bits(ids, torch.full((100,), 3), *keys)
     assert torch.equal(got, philox.philox_bits(ids, 3, *seed_words(77)))
+
+
+@needs_native
+@pytest.mark.parametrize("width", [1, 7, 8, 9, 423, 4099])
+def test_cutoff_lanes_are_torch_nonzero_of_the_rows_taken(width):
+    """Lanes equal to the cutoff count, NaN lanes and a NaN cutoff never do, a -inf cutoff
+    takes every lane that is not NaN; only the rows asked for, in row-major order."""
+    gen = torch.Generator().manual_seed(width)
+    x = torch.randn(6, width + 5, generator=gen)[:, :width]  # (rows `width + 5` apart)
+    x[1, :: 3] = float("nan")
+    x[2, :: 2] = float("-inf")
+    low = torch.tensor([0.5, 0.0, float("-inf"), float("nan"), 9.0, float(x[5, 0])])
+    rows = [0, 1, 2, 3, 5]
+    row, lane = native.native_cutoff_lanes(x, rows, low)
+    index = torch.tensor(rows)
+    want_row, want_lane = torch.nonzero(
+        x.index_select(0, index) >= low.index_select(0, index).unsqueeze(1), as_tuple=True)
+    assert torch.equal(row, index.index_select(0, want_row))
+    assert torch.equal(lane, want_lane)
+    assert 0 in lane[row == 5].tolist()
+
+
+@needs_native
+def test_cutoff_lanes_decline_what_they_cannot_take():
+    x = torch.randn(2, 10)
+    low = torch.zeros(2)
+    assert native.native_cutoff_lanes(x.double(), [0], low) is None
+    assert native.native_cutoff_lanes(x.t(), [0], low) is None
+    assert native.native_cutoff_lanes(x, [], low) is None
+    assert native.native_cutoff_lanes(x, [0], low.double()) is None
