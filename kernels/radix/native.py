@@ -32,14 +32,21 @@ MAX_BITS = 7
 """Bits per round that radix.c's histograms hold (128 buckets)."""
 
 
+KEPT_LANES = 1 << 22
+"""Lanes whose buffers (12 bytes each: 48 MiB) a thread keeps between calls."""
+
+
 class _Buffers(threading.local):
-    """Per-thread keys and weights, reused: fresh large tensors page-fault on every call."""
+    """Per-thread keys and weights, reused up to KEPT_LANES (fresh large tensors page-fault on
+    every call; larger blocks, such as 256 rows of 151,936 ids, get buffers of their own)."""
 
     def __init__(self) -> None:
         self.keys = torch.empty(0, dtype=torch.int32)
         self.weights = torch.empty(0, dtype=torch.int64)
 
     def take(self, lanes: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if lanes > KEPT_LANES:
+            return torch.empty(lanes, dtype=torch.int32), torch.empty(lanes, dtype=torch.int64)
         if self.keys.numel() < lanes:
             self.keys = torch.empty(lanes, dtype=torch.int32)
             self.weights = torch.empty(lanes, dtype=torch.int64)
@@ -88,7 +95,8 @@ class RadixLanes:
     def start(cls, x: torch.Tensor, row_max: torch.Tensor | None,
               scale: float) -> RadixLanes | None:
         """x: FP32 [rows, width] on the CPU with unit lane stride. row_max None: unit
-        weights; else probability weights floor(exp(x - row_max) * scale)."""
+        weights; else probability weights floor(exp(x - row_max) * scale). The lanes live in
+        the thread's buffers: valid until the thread's next start."""
         lib = built_once(_STATE, _LOCK, _build)
         if (lib is None or x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2
                 or x.stride(1) != 1 or not x.numel()):

@@ -122,3 +122,14 @@ def test_sampled_tokens_do_not_depend_on_the_path(params, monkeypatch):
     got = sampler.sample(batch, rows, prompts, outputs)
     monkeypatch.setitem(native._STATE, "lib", None)
     assert torch.equal(got, sampler.sample(batch, rows, prompts, outputs))
+
+
+@needs_native
+def test_blocks_past_the_kept_size_get_buffers_of_their_own(monkeypatch):
+    monkeypatch.setattr(native, "KEPT_LANES", 100)
+    monkeypatch.setattr(native, "_BUFFERS", native._Buffers())
+    small = RadixLanes.start(torch.randn(2, 50), None, 1.0)
+    large = RadixLanes.start(torch.randn(3, 50), None, 1.0)
+    assert native._BUFFERS.keys.numel() == 100
+    assert small.keys.data_ptr() == native._BUFFERS.keys.data_ptr()
+    assert large.keys.data_ptr() != small.keys.data_ptr()
