@@ -11,6 +11,7 @@ import asyncio
 import threading
 from collections.abc import AsyncIterator, Callable
 
+from kernels.native import release_openmp_workers
 from ranks.contract.requests import (
     RequestError,
     check_logprob_request,
@@ -72,6 +73,10 @@ class Engine:
 
     # ----------------------------------------------------------------- public API
     def start(self) -> Engine:
+        """Starts the step thread. The calling thread (which built the model) gives up its
+        OpenMP workers: from here on the step thread runs the torch work, and a second idle
+        pool would slow every parallel region of the step (kernels/native.py)."""
+        release_openmp_workers()
         self._thread.start()
         return self
 

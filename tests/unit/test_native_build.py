@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import shutil
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -101,3 +105,28 @@ def test_both_thread_fan_outs_give_the_torch_launches(monkeypatch, openmp) -> No
     want = tile_stats(x, torch.from_numpy(rows), 9000, 4096)
     for name, a, b in zip(TileStats._fields, got, want, strict=True):
         assert torch.equal(a.view(torch.int32), b.view(torch.int32)), name
+
+
+RELEASE_SCRIPT = """
+import os, time, torch
+from kernels.native import release_openmp_workers, torch_openmp
+torch.set_num_threads(2)
+torch.exp(torch.randn(1 << 22))  # a parallel region: libgomp starts this thread's worker
+before = len(os.listdir("/proc/self/task"))
+released = release_openmp_workers()
+time.sleep(0.5)
+print(torch_openmp(), released, before, len(os.listdir("/proc/self/task")))
+torch.exp(torch.randn(1 << 22))  # and a later region still runs
+"""
+
+
+def test_releasing_the_openmp_workers_ends_the_threads_libgomp_started() -> None:
+    """Engine.start calls it on the thread that loaded the model; its worker threads exit."""
+    out = subprocess.run([sys.executable, "-c", RELEASE_SCRIPT], capture_output=True,
+                         text=True, timeout=120, check=True, cwd=Path(__file__).parents[2],
+                         env={**os.environ, "OMP_NUM_THREADS": "2"}).stdout.split()
+    openmp, released, before, after = out[0] == "True", out[1] == "True", int(out[2]), int(out[3])
+    if not openmp:
+        pytest.skip("this torch build does not use libgomp")
+    assert released
+    assert after == before - 1
