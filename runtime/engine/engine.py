@@ -40,7 +40,7 @@ from runtime.engine.scheduler import (
     check_thinking_budget,
     request_spec,
 )
-from runtime.engine.sink import Sink
+from runtime.engine.sink import WAKEUPS, Sink
 
 
 class Engine:
@@ -241,6 +241,10 @@ class Engine:
     def _run(self, plan: StepPlan, carried: list[Request]) -> None:
         self.broadcast(plan)
         self.step.run(plan)
+        with WAKEUPS.batch():  # (one wake-up per event loop for the whole step)
+            self._deliver(plan, carried)
+
+    def _deliver(self, plan: StepPlan, carried: list[Request]) -> None:
         if plan.scored is not None:
             self._deliver_scores(plan, {r.slot: r for r in carried}[plan.scored.slot])
         sampled = {w.slot for w in plan.work if w.samples}

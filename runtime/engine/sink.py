@@ -5,8 +5,44 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from runtime.engine.client import EngineError, Finished
+
+
+class Wakeups(threading.local):
+    """Consumers' wake-ups, deferred on one thread inside ``batch()`` to its end: then one
+    call_soon_threadsafe per event loop wakes every sink that got events, instead of one per
+    sink (each is a write to the loop's self-pipe: ~10% of the step thread with 16 streams).
+    Outside a batch, and on every other thread, a sink is woken at once."""
+
+    def __init__(self) -> None:
+        self.pending: dict[asyncio.AbstractEventLoop, list[Sink]] | None = None
+
+    @contextmanager
+    def batch(self) -> Iterator[None]:
+        self.pending = {}
+        try:
+            yield
+        finally:
+            pending, self.pending = self.pending, None
+            for loop, sinks in pending.items():
+                loop.call_soon_threadsafe(_wake_all, sinks)
+
+    def wake(self, sink: Sink) -> None:
+        if self.pending is None:
+            sink.loop.call_soon_threadsafe(sink._wake)
+        else:
+            self.pending.setdefault(sink.loop, []).append(sink)
+
+
+WAKEUPS = Wakeups()
+
+
+def _wake_all(sinks: list[Sink]) -> None:
+    for sink in sinks:
+        sink._wake()
 
 
 class Sink:
@@ -52,7 +88,7 @@ class Sink:
             wake = bool(queued) and self.loop is not None and not self.waking
             self.waking = self.waking or wake
         if wake:
-            self.loop.call_soon_threadsafe(self._wake)
+            WAKEUPS.wake(self)
         return queued
 
     def _wake(self) -> None:
