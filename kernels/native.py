@@ -73,6 +73,18 @@ def torch_openmp() -> bool:
     return any("/torch/lib/libgomp" in line for line in maps.splitlines())
 
 
+PARALLEL_LANES = 1 << 18
+"""Calls over at least this many lanes split their rows across torch's intra-op threads; a
+smaller call costs less than waking the threads (an OpenMP region is ~10-20 us here)."""
+
+
+def parallel_threads(lanes: int) -> int:
+    """Threads for a compiled call over `lanes` lanes: torch's intra-op threads, or 1."""
+    import torch  # (as in mkl_routine)
+
+    return torch.get_num_threads() if lanes >= PARALLEL_LANES else 1
+
+
 def release_openmp_workers() -> bool:
     """Lets the calling thread's OpenMP workers go (libgomp's omp_pause_resource_all, soft);
     True when libgomp took the pause, False where torch does not use libgomp.

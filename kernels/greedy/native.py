@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.native import X86, built_once, load_library, torch_openmp
+from kernels.native import X86, built_once, load_library, parallel_threads, torch_openmp
 
 _SOURCE = (Path(__file__).parent / "argmax.c").read_text()
 _FLAGS = ("-O3", "-fPIC", "-shared", "-mavx2")
@@ -59,7 +59,7 @@ def native_argmax(logits: torch.Tensor) -> torch.Tensor | None:
     out = torch.empty(rows, dtype=torch.int64)
     if rows and lanes:
         lib.greedy_argmax(logits.data_ptr(), _ELEMENTS[logits.dtype], logits.stride(0), rows,
-                          lanes, torch.get_num_threads(), out.data_ptr())
+                          lanes, parallel_threads(rows * lanes), out.data_ptr())
     else:
         out.zero_()
     return out

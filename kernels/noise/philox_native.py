@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.native import built_once, load_library, torch_openmp
+from kernels.native import built_once, load_library, parallel_threads, torch_openmp
 
 _SOURCE = (Path(__file__).parent / "philox.c").read_text()
 _FLAGS = ("-O3", "-fPIC", "-shared", "-ffp-contract=off", "-fopenmp-simd", "-lm")
@@ -192,7 +192,8 @@ def native_cutoff_lanes(x: torch.Tensor, rows: list[int], low: torch.Tensor
     lib = _lib()
     if lib is None:
         return None
-    n_rows, width, threads = len(rows), x.shape[1], torch.get_num_threads()
+    n_rows, width = len(rows), x.shape[1]
+    threads = parallel_threads(n_rows * width)
     index = torch.tensor(rows, dtype=torch.int64)
     cutoffs = low.index_select(0, index).contiguous()
     counts = torch.empty(n_rows, dtype=torch.int64)

@@ -19,7 +19,14 @@ from pathlib import Path
 
 import torch
 
-from kernels.native import VML_MODE, built_once, load_library, mkl_routine, torch_openmp
+from kernels.native import (
+    VML_MODE,
+    built_once,
+    load_library,
+    mkl_routine,
+    parallel_threads,
+    torch_openmp,
+)
 
 _SOURCE = (Path(__file__).parent / "radix.c").read_text()
 _FLAGS = ("-O3", "-fPIC", "-shared", "-ffp-contract=off", "-lm")
@@ -114,7 +121,7 @@ class RadixLanes:
                         None if maxima is None else maxima.data_ptr(), scale,
                         None if maxima is None else exp, VML_MODE, set_local, get_max,
                         keys.data_ptr(), weights.data_ptr(), counts.data_ptr(),
-                        torch.get_num_threads())
+                        parallel_threads(rows * width))
         return cls(lib, x, keys, weights, counts)
 
     def histogram(self, shift: int, bits: int,
@@ -133,7 +140,7 @@ class RadixLanes:
         self.lib.radix_round(self.keys.data_ptr(), self.weights.data_ptr(),
                              self.counts.data_ptr(), rows, width, keep_shift, keep_bits,
                              None if chosen is None else chosen.data_ptr(), shift, bits,
-                             hist.data_ptr(), torch.get_num_threads())
+                             hist.data_ptr(), parallel_threads(rows * width))
         return hist
 
     def below(self, cut: torch.Tensor) -> torch.Tensor:
@@ -142,5 +149,5 @@ class RadixLanes:
         cut = cut.to(device="cpu", dtype=torch.int64).contiguous()
         out = torch.empty(rows, width, dtype=torch.bool)
         self.lib.radix_below(self.x.data_ptr(), self.x.stride(0), rows, width, cut.data_ptr(),
-                             out.data_ptr(), torch.get_num_threads())
+                             out.data_ptr(), parallel_threads(rows * width))
         return out

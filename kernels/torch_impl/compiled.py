@@ -47,7 +47,15 @@ import torch
 
 from kernels.layout import MAX_TOKEN_IDS, PAYLOAD_WORDS
 from kernels.layout import TILE_CANDIDATES as TOP
-from kernels.native import VML_MODE, X86, built_once, load_library, mkl_routine, torch_openmp
+from kernels.native import (
+    PARALLEL_LANES,
+    VML_MODE,
+    X86,
+    built_once,
+    load_library,
+    mkl_routine,
+    torch_openmp,
+)
 from kernels.torch_impl.tiles import CHUNK_LANES, TileStats, normalization, tile_stats
 
 _LOG = logging.getLogger(__name__)
@@ -57,8 +65,6 @@ _SOURCE = (Path(__file__).parent / "compiled.c").read_text()
 _FLAGS = ("-O3", "-fPIC", "-shared", "-ffp-contract=off", "-mavx2", "-pthread")
 _SWITCH = "HELIOS_NATIVE_REDUCTION"
 
-PARALLEL_LANES = 1 << 18
-"""Calls over at least this many lanes split their rows across torch's intra-op threads."""
 
 _LOCK = threading.Lock()
 _STATE: dict[str, object] = {}

@@ -161,3 +161,18 @@ def test_cutoff_lanes_decline_what_they_cannot_take():
     assert native.native_cutoff_lanes(x.t(), [0], low) is None
     assert native.native_cutoff_lanes(x, [], low) is None
     assert native.native_cutoff_lanes(x, [0], low.double()) is None
+
+
+@needs_native
+def test_cutoff_lanes_split_across_threads_equal_one_thread():
+    x = torch.randn(4, 100_000, generator=torch.Generator().manual_seed(8))
+    low = torch.tensor([2.0, 3.0, float("-inf"), 1.0])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        two = native.native_cutoff_lanes(x, [0, 1, 3], low)
+        torch.set_num_threads(1)
+        one = native.native_cutoff_lanes(x, [0, 1, 3], low)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(two, one, strict=True))

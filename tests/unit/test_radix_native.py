@@ -133,3 +133,22 @@ def test_blocks_past_the_kept_size_get_buffers_of_their_own(monkeypatch):
     assert native._BUFFERS.keys.numel() == 100
     assert small.keys.data_ptr() == native._BUFFERS.keys.data_ptr()
     assert large.keys.data_ptr() != small.keys.data_ptr()
+
+
+@needs_native
+def test_rows_split_across_threads_cut_where_one_thread_cuts():
+    x = awkward_rows(4, 100_003, seed=4)
+    exchange = WordExchange(None, 4, FILTER_WORDS)
+    targets = torch.tensor([0.5, 0.9, 0.99, 1e-6], dtype=torch.float64)
+    threads = torch.get_num_threads()
+    cuts = []
+    try:
+        for count in (2, 1):
+            torch.set_num_threads(count)
+            lanes = RadixLanes.start(x, x.amax(1), probability_scale(100_003))
+            cuts.append(radix_thresholds(lanes, targets, True, exchange))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(cuts[0], cuts[1])
+    assert torch.equal(cuts[0], radix_thresholds(torch_lanes(x, x.amax(1), 100_003), targets,
+                                                 True, exchange))
