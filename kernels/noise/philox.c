@@ -182,11 +182,99 @@ void philox_bits(const int64_t *ids, int64_t n, uint32_t pos, uint32_t k0, uint3
     scalar_bits(ids, vector_bits(ids, n, pos, k0, k1, out), n, pos, k0, k1, out);
 }
 
-/* One key and position per lane (the sparse Gumbel-max path: lanes of several rows). */
+/* One key and position per lane (the sparse Gumbel-max path: lanes of several rows). The
+   vector loops keep the per-lane keys in 64-bit slots like the state words: a 64-bit add of
+   W0 gives the 32-bit sum in the low half (the carry goes to the high half, which nothing
+   reads), so the key schedule is one add per round. */
+#if defined(__x86_64__)
+__attribute__((target("avx512f")))
+static int64_t avx512_bits_lanes(const int64_t *ids, const int64_t *pos, const int64_t *k0,
+                                 const int64_t *k1, int64_t n, int64_t *out)
+{
+    const __m512i m0 = _mm512_set1_epi64(M0), m1 = _mm512_set1_epi64(M1);
+    const __m512i w0 = _mm512_set1_epi64(W0), w1 = _mm512_set1_epi64(W1);
+    const __m512i low = _mm512_set1_epi64(0xFFFFFFFFll);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m512i x0[2], x1[2], x2[2], x3[2], a[2], b[2];
+        for (int v = 0; v < 2; v++) {
+            x0[v] = _mm512_loadu_si512((const void *)(ids + i + 8 * v));
+            x1[v] = _mm512_loadu_si512((const void *)(pos + i + 8 * v));
+            a[v] = _mm512_loadu_si512((const void *)(k0 + i + 8 * v));
+            b[v] = _mm512_loadu_si512((const void *)(k1 + i + 8 * v));
+            x2[v] = x3[v] = _mm512_setzero_si512();
+        }
+        for (int r = 0; r < 10; r++) {
+            for (int v = 0; v < 2; v++) {
+                __m512i p0 = _mm512_mul_epu32(x0[v], m0), p1 = _mm512_mul_epu32(x2[v], m1);
+                x0[v] = _mm512_ternarylogic_epi64(_mm512_srli_epi64(p1, 32), x1[v], a[v], 0x96);
+                x2[v] = _mm512_ternarylogic_epi64(_mm512_srli_epi64(p0, 32), x3[v], b[v], 0x96);
+                x1[v] = p1;
+                x3[v] = p0;
+                a[v] = _mm512_add_epi64(a[v], w0);
+                b[v] = _mm512_add_epi64(b[v], w1);
+            }
+        }
+        for (int v = 0; v < 2; v++) {
+            __m512i m = _mm512_or_si512(_mm512_slli_epi64(_mm512_and_si512(x0[v], low), 20),
+                                        _mm512_srli_epi64(_mm512_and_si512(x1[v], low), 12));
+            _mm512_storeu_si512((void *)(out + i + 8 * v), m);
+        }
+    }
+    return i;
+}
+
+__attribute__((target("avx2")))
+static int64_t avx2_bits_lanes(const int64_t *ids, const int64_t *pos, const int64_t *k0,
+                               const int64_t *k1, int64_t n, int64_t *out)
+{
+    const __m256i m0 = _mm256_set1_epi64x(M0), m1 = _mm256_set1_epi64x(M1);
+    const __m256i w0 = _mm256_set1_epi64x(W0), w1 = _mm256_set1_epi64x(W1);
+    const __m256i low = _mm256_set1_epi64x(0xFFFFFFFFll);
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        __m256i x0 = _mm256_loadu_si256((const __m256i *)(ids + i));
+        __m256i x1 = _mm256_loadu_si256((const __m256i *)(pos + i));
+        __m256i a = _mm256_loadu_si256((const __m256i *)(k0 + i));
+        __m256i b = _mm256_loadu_si256((const __m256i *)(k1 + i));
+        __m256i x2 = _mm256_setzero_si256(), x3 = x2;
+        for (int r = 0; r < 10; r++) {
+            __m256i p0 = _mm256_mul_epu32(x0, m0), p1 = _mm256_mul_epu32(x2, m1);
+            x0 = _mm256_xor_si256(_mm256_xor_si256(_mm256_srli_epi64(p1, 32), x1), a);
+            x2 = _mm256_xor_si256(_mm256_xor_si256(_mm256_srli_epi64(p0, 32), x3), b);
+            x1 = p1;
+            x3 = p0;
+            a = _mm256_add_epi64(a, w0);
+            b = _mm256_add_epi64(b, w1);
+        }
+        x0 = _mm256_or_si256(_mm256_slli_epi64(_mm256_and_si256(x0, low), 20),
+                             _mm256_srli_epi64(_mm256_and_si256(x1, low), 12));
+        _mm256_storeu_si256((__m256i *)(out + i), x0);
+    }
+    return i;
+}
+
+static int64_t vector_bits_lanes(const int64_t *ids, const int64_t *pos, const int64_t *k0,
+                                 const int64_t *k1, int64_t n, int64_t *out)
+{
+    if (!has_avx2()) return 0;
+    int64_t done = vector_level >= 2 ? avx512_bits_lanes(ids, pos, k0, k1, n, out) : 0;
+    return done + avx2_bits_lanes(ids + done, pos + done, k0 + done, k1 + done, n - done,
+                                  out + done);
+}
+#else
+static int64_t vector_bits_lanes(const int64_t *ids, const int64_t *pos, const int64_t *k0,
+                                 const int64_t *k1, int64_t n, int64_t *out)
+{
+    (void)ids, (void)pos, (void)k0, (void)k1, (void)n, (void)out;
+    return 0;
+}
+#endif
+
 void philox_bits_lanes(const int64_t *ids, const int64_t *pos, const int64_t *k0,
                        const int64_t *k1, int64_t n, int64_t *out)
 {
-    for (int64_t i = 0; i < n; i++)
+    for (int64_t i = vector_bits_lanes(ids, pos, k0, k1, n, out); i < n; i++)
         scalar_bits(ids + i, 0, 1, (uint32_t)pos[i], (uint32_t)k0[i], (uint32_t)k1[i], out + i);
 }
 

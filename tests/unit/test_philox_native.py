@@ -56,13 +56,21 @@ def test_every_vector_level_writes_the_random123_bits(cap):
     gen = torch.Generator().manual_seed(3)
     try:
         level = native.vector_level(cap)
-        for n in (1, 7, 8, 9, 31, 32, 33, 40, 47, 64, 71, 1031):
+        for n in (1, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 40, 47, 64, 71, 1031):
             ids = torch.randint(0, 2**31, (n,), generator=gen)
             for seed, position in [(2**64 - 1, 7), (123456789123, 2**32 - 1)]:
                 got = philox_bits(ids, position, *seed_words(seed))
                 assert [int(v) for v in got] == [
                     scalar_bits(seed, position, int(i)) for i in ids
                 ], (level, n)
+            # and with a key and position per lane (the sparse path)
+            seeds = torch.randint(-(2**62), 2**62, (n,), generator=gen)
+            positions = torch.randint(-5, 2**33, (n,), generator=gen)
+            got = philox_bits(ids, positions, *seed_words(seeds))
+            assert [int(v) for v in got] == [
+                scalar_bits(int(s), int(p) & M32, int(i))
+                for s, p, i in zip(seeds, positions, ids, strict=True)
+            ], (level, n)
     finally:
         native.vector_level()
     assert level in native.VECTOR_LEVELS[: native.VECTOR_LEVELS.index(cap) + 1]
