@@ -1,5 +1,5 @@
 """Philox bits and the Gumbel-max candidate search of CPU rows in compiled code
-(kernels/noise/philox.c), when a C compiler is at hand.
+(kernels/noise/philox.c and gumbel.c, built as one library), when a C compiler is at hand.
 
 ``native_bits(ids, position, k0, k1, out)`` writes the same int64 m = (w0 << 20) | (w1 >> 12)
 as ``kernels.noise.philox.philox_bits`` (integer arithmetic only, so the bits are identical, not
@@ -22,7 +22,8 @@ import torch
 
 from kernels.native import built_once, load_library, parallel_threads, torch_openmp
 
-_SOURCE = (Path(__file__).parent / "philox.c").read_text()
+_SOURCE = "\n".join((Path(__file__).parent / name).read_text()
+                    for name in ("philox.c", "gumbel.c"))
 _FLAGS = ("-O3", "-fPIC", "-shared", "-ffp-contract=off", "-fopenmp-simd", "-lm")
 _ENV_SWITCH = "HELIOS_NATIVE_PHILOX"
 _LOCK = threading.Lock()
@@ -143,7 +144,7 @@ def native_candidates(x: torch.Tensor, rows: list[int], seeds: list[int], positi
                       ) -> tuple[list[int], list[int], torch.Tensor, torch.Tensor] | None:
     """The lanes of rows `rows` of x (float32 [n, width], CPU, unit lane stride; each row's
     maximum finite and of size <= 1e6; ids below 2**31) that can still win the row's
-    Gumbel-max with its seed and position, and their bits (philox.c's gumbel_candidates says
+    Gumbel-max with its seed and position, and their bits (gumbel.c's gumbel_candidates says
     how they are found; c0 and c1 are gumbel_bounds' constants). Returns (left, owners,
     lanes, bits): the rows that had more than CANDIDATE_CAP candidates (not searched), and
     every other row's candidates: the row of each, its lane and its bits (int64 tensors).

@@ -1,0 +1,258 @@
+/* The Gumbel-max's searches over CPU rows (ranks/sampler_gumbel.py), in compiled code: noise
+   bounds, the candidates of dense rows and the lanes of sparse ones. Built after philox.c in
+   one library (kernels/noise/philox_native.py): it uses philox_bits, has_avx2, vector_level
+   and BLOCK from there. */
+
+/* The FP32 noise bound of bits m: c0 - c1 * (the int32 pattern of FP32(h)), h = (2**52 - 1 - m)
+   >> 21, rounded step by step as kernels.noise.philox.gumbel_bounds rounds it (no contraction:
+   built with -ffp-contract=off). */
+static inline float bound_of(int64_t m, float c0, float c1)
+{
+    union { float f; int32_t b; } h;
+    h.f = (float)(int32_t)((uint64_t)(m ^ 0xFFFFFFFFFFFFFll) >> 21);
+    return c0 - c1 * (float)h.b;
+}
+
+void gumbel_bounds(const int64_t *m, int64_t n, float c0, float c1, float *out)
+{
+    for (int64_t i = 0; i < n; i++) out[i] = bound_of(m[i], c0, c1);
+}
+
+/* ---- The Gumbel-max candidates of dense rows (ranks/sampler_gumbel.py) -------------------
+
+   A row's score of lane j is float64(x[j]) + noise(m_j), noise = -log(-log(u)), u = (m + 0.5)
+   / 2**52; the winner has the largest score. Every lane's bits must be drawn, but only a few
+   lanes' noise can decide the winner. Per row:
+   1. Each lane's bits m and FP32 bound b = x + bound_of(m), above its score by 1e-3 before
+      rounding, and the largest b of each block of BLOCK lanes. Jobs of whole blocks,
+      several per row when rows are fewer than threads. The lead is the first lane with the
+      row's largest b (its block's bits are drawn again to find it).
+   2. The lead's score s0, with C's log: within 1e-12 (1 + |s0|) of the score torch computes
+      (each log is within a few ulps of the true value). Some lane scores s0, so the winner
+      scores >= s0, and a lane that scores >= s0 has b >= s0 - (1e-3 + 2**-20 (1 + |s0|))
+      (dense_row_best in ranks/sampler_gumbel.py gives why); the threshold t is that less
+      another 1e-9 (1 + |s0|) for C's log, as FP32 rounded down.
+   3. Blocks whose maximum reaches t draw their bits again; their lanes with b >= t are the
+      candidates, written with their bits (the caller scores them exactly, as torch does). A
+      row with more than `cap` candidates reports -1 (the caller takes its other path). */
+
+/* Bits and bounds of lanes [lane0, lane0 + count) of a row; returns their largest bound.
+   Written once, built for AVX-512F, AVX2 and the baseline (bounds_avx512, bounds_avx2,
+   bounds_base). */
+static inline __attribute__((always_inline)) float bounds_body(
+    const float *x, int64_t lane0, int64_t count, int64_t first, uint32_t pos, uint32_t k0,
+    uint32_t k1, float c0, float c1, int64_t *m, float *b)
+{
+    int64_t ids[BLOCK];
+    for (int64_t i = 0; i < count; i++) ids[i] = first + lane0 + i;
+    philox_bits(ids, count, pos, k0, k1, m);
+    float best = -INFINITY;
+#pragma omp simd reduction(max : best)
+    for (int64_t i = 0; i < count; i++) {
+        b[i] = x[lane0 + i] + bound_of(m[i], c0, c1);
+        best = b[i] > best ? b[i] : best;
+    }
+    return best;
+}
+
+#if defined(__x86_64__)
+__attribute__((target("avx512f"))) static float bounds_avx512(
+    const float *x, int64_t lane0, int64_t count, int64_t first, uint32_t pos, uint32_t k0,
+    uint32_t k1, float c0, float c1, int64_t *m, float *b)
+{
+    return bounds_body(x, lane0, count, first, pos, k0, k1, c0, c1, m, b);
+}
+
+__attribute__((target("avx2"))) static float bounds_avx2(
+    const float *x, int64_t lane0, int64_t count, int64_t first, uint32_t pos, uint32_t k0,
+    uint32_t k1, float c0, float c1, int64_t *m, float *b)
+{
+    return bounds_body(x, lane0, count, first, pos, k0, k1, c0, c1, m, b);
+}
+#endif
+
+static float bounds_base(const float *x, int64_t lane0, int64_t count, int64_t first,
+                         uint32_t pos, uint32_t k0, uint32_t k1, float c0, float c1, int64_t *m,
+                         float *b)
+{
+    return bounds_body(x, lane0, count, first, pos, k0, k1, c0, c1, m, b);
+}
+
+static float block_bounds(const float *x, int64_t lane0, int64_t count, int64_t first,
+                          uint32_t pos, uint32_t k0, uint32_t k1, float c0, float c1, int64_t *m,
+                          float *b)
+{
+#if defined(__x86_64__)
+    if (has_avx2() && vector_level >= 2)
+        return bounds_avx512(x, lane0, count, first, pos, k0, k1, c0, c1, m, b);
+    if (has_avx2()) return bounds_avx2(x, lane0, count, first, pos, k0, k1, c0, c1, m, b);
+#endif
+    return bounds_base(x, lane0, count, first, pos, k0, k1, c0, c1, m, b);
+}
+
+void gumbel_candidates(const float *x, int64_t row_stride, const int64_t *rows, int64_t n_rows,
+                       int64_t width, int64_t first, const int64_t *pos, const int64_t *k0,
+                       const int64_t *k1, float c0, float c1, float *maxima, float *lead_value,
+                       int64_t *lead_block, int64_t cap, int64_t *counts, int64_t *lanes,
+                       int64_t *bits, int64_t threads)
+{
+    const int64_t blocks = (width + BLOCK - 1) / BLOCK;
+    int64_t chunks = n_rows >= threads ? 1 : threads / n_rows;
+    if (chunks > blocks) chunks = blocks;
+    const int64_t per_chunk = (blocks + chunks - 1) / chunks;
+    chunks = (blocks + per_chunk - 1) / per_chunk; /* none empty */
+    const int64_t jobs = n_rows * chunks;
+
+    /* 1. block maxima, and each job's first block with its largest maximum */
+#pragma omp parallel for num_threads((int)threads) schedule(static)
+    for (int64_t job = 0; job < jobs; job++) {
+        const int64_t r = job / chunks, c = job % chunks;
+        const float *row = x + rows[r] * row_stride;
+        int64_t m[BLOCK];
+        float b[BLOCK], best = -INFINITY;
+        int64_t lead = c * per_chunk;
+        for (int64_t k = c * per_chunk; k < (c + 1) * per_chunk && k < blocks; k++) {
+            int64_t lane0 = k * BLOCK, count = width - lane0 < BLOCK ? width - lane0 : BLOCK;
+            float top = block_bounds(row, lane0, count, first, (uint32_t)pos[r],
+                                     (uint32_t)k0[r], (uint32_t)k1[r], c0, c1, m, b);
+            maxima[r * blocks + k] = top;
+            if (top > best) {
+                best = top;
+                lead = k;
+            }
+        }
+        lead_value[job] = best;
+        lead_block[job] = lead;
+    }
+
+    /* 2. and 3. per row: the threshold, then the candidates */
+#pragma omp parallel for num_threads((int)threads) schedule(static)
+    for (int64_t r = 0; r < n_rows; r++) {
+        const float *row = x + rows[r] * row_stride;
+        const uint32_t p = (uint32_t)pos[r], a = (uint32_t)k0[r], b1 = (uint32_t)k1[r];
+        int64_t block = lead_block[r * chunks];
+        float best = lead_value[r * chunks];
+        for (int64_t c = 1; c < chunks; c++)
+            if (lead_value[r * chunks + c] > best) {
+                best = lead_value[r * chunks + c];
+                block = lead_block[r * chunks + c];
+            }
+        int64_t m[BLOCK], lane0 = block * BLOCK, lead = lane0;
+        float bound[BLOCK];
+        int64_t count = width - lane0 < BLOCK ? width - lane0 : BLOCK;
+        block_bounds(row, lane0, count, first, p, a, b1, c0, c1, m, bound);
+        while (lead - lane0 < count - 1 && bound[lead - lane0] != best) lead++;
+        const double u = ((double)m[lead - lane0] + 0.5) * 0x1p-52;
+        const double s0 = (double)row[lead] - log(-log(u));
+        const double slack = 1.0 + fabs(s0);
+        const double floor_ = s0 - (1e-3 + 0x1p-20 * slack) - 1e-9 * slack;
+        float t = (float)floor_;
+        if ((double)t > floor_) t = nextafterf(t, -INFINITY);
+
+        int64_t found = 0;
+        for (int64_t k = 0; k < blocks && found >= 0; k++) {
+            if (!(maxima[r * blocks + k] >= t)) continue;
+            lane0 = k * BLOCK;
+            count = width - lane0 < BLOCK ? width - lane0 : BLOCK;
+            block_bounds(row, lane0, count, first, p, a, b1, c0, c1, m, bound);
+            for (int64_t i = 0; i < count; i++) {
+                if (!(bound[i] >= t)) continue;
+                if (found == cap) {
+                    found = -1;
+                    break;
+                }
+                lanes[r * cap + found] = lane0 + i;
+                bits[r * cap + found] = m[i];
+                found++;
+            }
+        }
+        counts[r] = found;
+    }
+}
+
+/* ---- The lanes of sparse rows that can still win (ranks/sampler_gumbel.py) ------------------
+
+   A row whose lanes mostly sit far below its maximum (filtered to -inf by top-k, top-p or
+   min-p, or spread wide) keeps only the lanes at or above its FP32 cutoff `low`; the caller
+   draws their noise. Two passes over the rows: counts, then (after the caller sized the
+   output) the lanes in row-major order, as torch.nonzero(x >= low) lists them. A NaN lane or
+   cutoff compares false, as in torch. */
+static int64_t count_row(const float *row, int64_t width, float low)
+{
+    int64_t count = 0;
+    for (int64_t i = 0; i < width; i++) count += row[i] >= low;
+    return count;
+}
+
+#if defined(__x86_64__)
+__attribute__((target("avx2"))) static int64_t count_row_avx2(const float *row, int64_t width,
+                                                              float low)
+{
+    return count_row(row, width, low);
+}
+#endif
+
+void cutoff_counts(const float *x, int64_t row_stride, const int64_t *rows, int64_t n_rows,
+                   int64_t width, const float *low, int64_t *counts, int64_t threads)
+{
+#pragma omp parallel for num_threads((int)threads) schedule(static)
+    for (int64_t r = 0; r < n_rows; r++) {
+        const float *row = x + rows[r] * row_stride;
+#if defined(__x86_64__)
+        if (has_avx2()) {
+            counts[r] = count_row_avx2(row, width, low[r]);
+            continue;
+        }
+#endif
+        counts[r] = count_row(row, width, low[r]);
+    }
+}
+
+/* The lanes from `from` on with row[i] >= low, into lanes[k...]; returns the new k. The AVX2 build tests 8
+   lanes at once (_CMP_GE_OQ: false for NaN, as the scalar >=) and visits only set bits. */
+static int64_t fill_row(const float *row, int64_t from, int64_t width, float low, int64_t k,
+                        int64_t *lanes)
+{
+    for (int64_t i = from; i < width; i++)
+        if (row[i] >= low) lanes[k++] = i;
+    return k;
+}
+
+#if defined(__x86_64__)
+__attribute__((target("avx2"))) static int64_t fill_row_avx2(const float *row, int64_t width,
+                                                             float low, int64_t k,
+                                                             int64_t *lanes)
+{
+    const __m256 t = _mm256_set1_ps(low);
+    int64_t i = 0;
+    for (; i + 8 <= width; i += 8) {
+        unsigned mask = (unsigned)_mm256_movemask_ps(
+            _mm256_cmp_ps(_mm256_loadu_ps(row + i), t, _CMP_GE_OQ));
+        while (mask) {
+            lanes[k++] = i + __builtin_ctz(mask);
+            mask &= mask - 1;
+        }
+    }
+    return fill_row(row, i, width, low, k, lanes);
+}
+#endif
+
+/* Row r's lanes go to lane_out[offsets[r] ...], its row index rows[r] beside each. */
+void cutoff_lanes(const float *x, int64_t row_stride, const int64_t *rows, int64_t n_rows,
+                  int64_t width, const float *low, const int64_t *offsets, int64_t *row_out,
+                  int64_t *lane_out, int64_t threads)
+{
+#pragma omp parallel for num_threads((int)threads) schedule(static)
+    for (int64_t r = 0; r < n_rows; r++) {
+        const float *row = x + rows[r] * row_stride;
+        const int64_t start = offsets[r];
+        int64_t end;
+#if defined(__x86_64__)
+        if (has_avx2())
+            end = fill_row_avx2(row, width, low[r], start, lane_out);
+        else
+#endif
+            end = fill_row(row, 0, width, low[r], start, lane_out);
+        for (int64_t k = start; k < end; k++) row_out[k] = rows[r];
+    }
+}
