@@ -74,7 +74,10 @@ _NEG_INF = -math.inf
 
 def wire_logprobs(values: Iterable[float]) -> list[float]:
     """`wire_logprob` of each value, in one pass (the first non-finite one raises)."""
-    out = [WIRE_FLOOR if value == _NEG_INF else float(value) for value in values]
+    out = list(map(float, values))
+    if math.isfinite(sum(out)):  # (a sum is finite only when every term is)
+        return out
+    out = [WIRE_FLOOR if value == _NEG_INF else value for value in out]
     if not all(map(math.isfinite, out)):
         bad = next(value for value in out if not math.isfinite(value))
         raise NonFiniteLogprob(f"logprob {bad!r} cannot be sent as JSON")
@@ -146,16 +149,12 @@ def top_logprobs_dict(
     if position.logprob is None:
         return None
     alternatives = TokenLogprobs.of(position.alternatives)
-    alt_ids, alt_values = alternatives.ids, alternatives.values
+    ids, values = alternatives.ids, alternatives.values
     chosen = position.token_id
-    if mode.selected:
-        ids, values = list(alt_ids), list(alt_values)
-    elif chosen in alt_ids:
-        kept = [(i, v) for i, v in zip(alt_ids, alt_values, strict=True) if i != chosen]
-        ids = [chosen, *(i for i, _ in kept)]
-        values = [position.logprob, *(v for _, v in kept)]
-    else:
-        ids, values = [chosen, *alt_ids], [position.logprob, *alt_values]
+    if not mode.selected:  # the chosen token first, not repeated among the natural ones
+        at = ids.index(chosen) if chosen in ids else len(ids)
+        ids = [chosen, *ids[:at], *ids[at + 1:]]
+        values = [position.logprob, *values[:at], *values[at + 1:]]
     return dict(zip(_keys(tb, ids, mode), wire_logprobs(values), strict=True))
 
 
@@ -189,8 +188,8 @@ def chat_token_logprob(
     values = wire_logprobs([position.logprob, *alternatives.values])
     texts = [token_id_string(i) for i in ids] if mode.as_token_ids else tb.token_strings(ids)
     items = [
-        {"token": text, "logprob": value, "bytes": list(tb.bytes_of(token_id))}
-        for token_id, text, value in zip(ids, texts, values, strict=True)
+        {"token": text, "logprob": value, "bytes": [*raw]}
+        for text, value, raw in zip(texts, values, tb.bytes_of_each(ids), strict=True)
     ]
     item = items[0]
     item["top_logprobs"] = items[1:]

@@ -203,10 +203,19 @@ class TokenBytes:
 
     def token_strings(self, token_ids: list[int]) -> list[str]:
         """`token_string` of each id (one range check for the whole list)."""
-        if token_ids and not 0 <= min(token_ids) <= max(token_ids) < len(self._table):
-            self._check(next(t for t in token_ids if not 0 <= t < len(self._table)))
+        self._check_all(token_ids)
         strings = self._strings
         return [strings[token_id] for token_id in token_ids]
+
+    def bytes_of_each(self, token_ids: list[int]) -> list[bytes]:
+        """`bytes_of` each id (one range check for the whole list)."""
+        self._check_all(token_ids)
+        table = self._table
+        return [table[token_id] for token_id in token_ids]
+
+    def _check_all(self, token_ids: list[int]) -> None:
+        if token_ids and not 0 <= min(token_ids) <= max(token_ids) < len(self._table):
+            self._check(next(t for t in token_ids if not 0 <= t < len(self._table)))
 
     @staticmethod
     def token_id_string(token_id: int) -> str:

@@ -20,6 +20,7 @@ from runtime.http.wire import (
     positions,
     top_logprobs_dict,
     wire_logprob,
+    wire_logprobs,
 )
 from runtime.text.detokenizer import detokenize
 from runtime.text.stops import OutputStream
@@ -62,6 +63,32 @@ def test_wire_logprob_values() -> None:
     # A plain clamp max(x, -9999.0) passes NaN on and floors real values: ours does neither
     # (for alternatives and whole responses too: test_nan_never_reaches_json).
     assert wire_logprob(-1e30) == -1e30
+
+
+def test_wire_logprobs_match_the_one_value_rule() -> None:
+    # Each list against wire_logprob value by value: the list builder takes a shortcut when
+    # the sum is finite, so sums that overflow (finite terms) or hide one bad term are here.
+    finite = [-0.25, -0.0, -1e30, -17.0]
+    for values in ([], finite, [-1e308, -1e308, -0.5], [-math.inf, *finite],
+                   [*finite, -math.inf, -math.inf]):
+        got = wire_logprobs(values)
+        assert got == [wire_logprob(v) for v in values] and all(type(v) is float for v in got)
+    for bad in (math.nan, math.inf):
+        for values in ([bad], [*finite, bad], [-math.inf, bad, -1.0], [math.inf, -math.inf]):
+            with pytest.raises(NonFiniteLogprob):
+                wire_logprobs(values)
+
+
+@pytest.mark.parametrize("at", [0, 1, 2, None])
+def test_completion_chosen_token_leads_once(level, at) -> None:
+    tok, tb = level
+    ids = [tok.encode(s).ids[0] for s in ("x", "He", "a", " wor")]
+    natural = alts(*((t, -0.5 * (i + 1)) for i, t in enumerate(ids[:3])))
+    chosen, value = (ids[3], -4.0) if at is None else (ids[at], -0.5 * (at + 1))
+    top = top_logprobs_dict(Position(chosen, value, natural), tb)
+    expected = [(chosen, value)] + [(a.token_id, a.logprob) for a in natural
+                                     if a.token_id != chosen]
+    assert list(top.items()) == [(tb.token_string(t), v) for t, v in expected]
 
 
 def test_completion_natural_mode(level) -> None:
