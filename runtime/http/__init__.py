@@ -1,1 +1,2 @@
-"""The OpenAI-compatible HTTP server: request models, wire formats, one module per endpoint."""
+"""The OpenAI-compatible HTTP server: request models (protocol/), one module per endpoint
+(endpoints/), choices and the logprobs wire format (output/), the app (server.py)."""

@@ -19,8 +19,8 @@ from fastapi.responses import Response
 
 from ranks.contract.requests import RequestError
 from runtime.engine.client import EngineError
+from runtime.http.output.wire import NonFiniteLogprob
 from runtime.http.protocol.models import error_body
-from runtime.http.wire import NonFiniteLogprob
 
 log = logging.getLogger("runtime.http")
 

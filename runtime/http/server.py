@@ -28,8 +28,15 @@ from ranks.contract.requests import RequestError
 from runtime.engine.client import EngineClient
 from runtime.http.assets import ModelAssets
 from runtime.http.bodies import off_loop, parse_body, until_disconnected, validation_error
-from runtime.http.chat import chat, prepare_chat, stream_chat
-from runtime.http.completions import complete, prepare_completion, stream_completion
+from runtime.http.endpoints.chat import chat, prepare_chat, stream_chat
+from runtime.http.endpoints.completions import complete, prepare_completion, stream_completion
+from runtime.http.endpoints.responses_api import prepare_responses, respond, stream_responses
+from runtime.http.endpoints.tokenization import (
+    detokenize_ids,
+    tokenize,
+    tokenize_model,
+    tokenizer_info,
+)
 from runtime.http.metrics import (
     RETRY_AFTER_S,
     Admission,
@@ -58,8 +65,6 @@ from runtime.http.responses import (
     sse_events,
     sse_stream,
 )
-from runtime.http.responses_api import prepare_responses, respond, stream_responses
-from runtime.http.tokenization import detokenize_ids, tokenize, tokenize_model, tokenizer_info
 
 log = logging.getLogger("runtime.http.server")
 try:

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from runtime.engine.client import PromptLogprob, TokenLogprob
-from runtime.http.wire import NonFiniteLogprob, natural_ranks, prompt_logprobs_entry
+from runtime.http.output.wire import NonFiniteLogprob, natural_ranks, prompt_logprobs_entry
 from runtime.text.token_bytes import TokenBytes
 from tests.checkpoints import hf_logprobs
 from tests.oracles import check_natural

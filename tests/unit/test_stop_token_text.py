@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 from launch.tiny_model import EOS, EOT, ensure_tiny_model
 from runtime.engine.client import EngineInfo, Finished, GeneratedToken, SamplingParams, TokenLogprob
 from runtime.http.assets import ModelAssets
-from runtime.http.choice_stream import ChoiceJob, run_choice
+from runtime.http.output.choice_stream import ChoiceJob, run_choice
 
 
 @cache

@@ -11,7 +11,7 @@ import tokenizers
 
 from launch.tiny_model import ensure_tiny_model
 from runtime.engine.client import EngineInfo, Finished, GeneratedToken, SamplingParams, TokenLogprob
-from runtime.http.choice_stream import ChoiceJob, run_choice
+from runtime.http.output.choice_stream import ChoiceJob, run_choice
 from runtime.text.token_bytes import TokenBytes
 
 

@@ -10,7 +10,7 @@ from openai.types.chat.chat_completion import ChoiceLogprobs
 from openai.types.completion_choice import Logprobs
 
 from runtime.engine.client import GeneratedToken, SamplingParams, TokenLogprob
-from runtime.http.wire import (
+from runtime.http.output.wire import (
     NonFiniteLogprob,
     Position,
     WireMode,

@@ -11,8 +11,8 @@ Field policy (docs/api.md, "Request fields"):
   are accepted and ignored without a warning.
 
 The policy's tables are in refusals.py, chat messages are checked in messages.py. Responses
-are plain dicts built in runtime/http/completions.py and runtime/http/chat.py; their shapes
-are in docs/api.md.
+are plain dicts built in runtime/http/endpoints/ (completions.py, chat.py); their shapes are in
+docs/api.md.
 """
 
 from __future__ import annotations
@@ -196,7 +196,7 @@ class ChatCompletionRequest(SamplingFields):
 
 class ResponsesRequest(OpenAIModel):
     """POST /v1/responses (OpenAI's Responses API, as vLLM takes it): text in, one assistant
-    message out. Served through the chat path (runtime/http/responses_api.py)."""
+    message out. Served through the chat path (runtime/http/endpoints/responses_api.py)."""
 
     model: str | None = None
     input: str | list[dict[str, Any]]

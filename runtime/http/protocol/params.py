@@ -8,13 +8,13 @@ from collections.abc import Callable
 
 from ranks.contract.requests import RequestError, context_overflow
 from runtime.engine.client import SamplingParams
+from runtime.http.output.wire import WireMode
 from runtime.http.protocol.models import (
     MAX_CHOICES,
     MAX_STOP_LENGTH,
     MAX_STOP_STRINGS,
     SamplingFields,
 )
-from runtime.http.wire import WireMode
 
 LOGIT_BIAS_LIMIT = 100.0
 TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,19}", re.ASCII)

@@ -1,5 +1,5 @@
 """A request's choices, collected into whole outcomes (`collect`) or streamed as response
-chunks (`stream_chunks`), from the merged per-choice Deltas of runtime/http/choice_stream.py.
+chunks (`stream_chunks`), from the merged per-choice Deltas of runtime/http/output/choice_stream.py.
 Nothing here keeps a response history; the endpoints turn outcomes and chunks into their wire
 shapes (prompt scores into `prompt_logprobs` or echoed positions).
 """
@@ -15,10 +15,10 @@ from runtime.engine.client import (
     PromptLogprob,
 )
 from runtime.http.assets import ModelAssets
-from runtime.http.choice_stream import ChoiceJob, Delta, Totals, merge, run_choice
+from runtime.http.output.choice_stream import ChoiceJob, Delta, Totals, merge, run_choice
+from runtime.http.output.wire import Position
 from runtime.http.protocol.models import StreamOptions
 from runtime.http.responses import new_id, now
-from runtime.http.wire import Position
 
 
 def envelope(id_prefix: str, obj: str, assets: ModelAssets) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from pydantic import ValidationError
 from ranks.contract.requests import RequestError
 from runtime.engine.client import EngineClient
 from runtime.http.assets import ModelAssets
-from runtime.http.chat import PreparedChat, chat, prepare_chat, stream_chat
+from runtime.http.endpoints.chat import PreparedChat, chat, prepare_chat, stream_chat
 from runtime.http.protocol.models import (
     EFFORTS,
     SUMMARIES,

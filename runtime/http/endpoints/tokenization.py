@@ -19,7 +19,7 @@ from typing import Any
 
 from ranks.contract.requests import check_token_ids
 from runtime.http.assets import ModelAssets
-from runtime.http.chat import render
+from runtime.http.endpoints.chat import render
 from runtime.http.protocol.messages import parse_messages
 from runtime.http.protocol.models import (
     DetokenizeRequest,

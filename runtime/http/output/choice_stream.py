@@ -24,7 +24,7 @@ from runtime.engine.client import (
     PromptScores,
     SamplingParams,
 )
-from runtime.http.wire import Position, positions
+from runtime.http.output.wire import Position, positions
 from runtime.text.stops import OutputStream
 from runtime.text.token_bytes import TokenBytes
 

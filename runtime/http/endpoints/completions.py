@@ -17,8 +17,15 @@ from typing import Any
 from ranks.contract.requests import RequestError, check_token_ids
 from runtime.engine.client import EngineClient, EngineInfo
 from runtime.http.assets import ModelAssets
-from runtime.http.choice_stream import ChoiceJob, Delta, Totals
-from runtime.http.choices import collect, envelope, stream_chunks
+from runtime.http.output.choice_stream import ChoiceJob, Delta, Totals
+from runtime.http.output.choices import collect, envelope, stream_chunks
+from runtime.http.output.wire import (
+    Position,
+    WireMode,
+    completion_logprobs,
+    prompt_position,
+    request_prompt_logprobs,
+)
 from runtime.http.protocol.models import CompletionRequest
 from runtime.http.protocol.params import (
     bad_word_ids,
@@ -31,13 +38,6 @@ from runtime.http.protocol.params import (
     truncate,
     truncation,
     wire_mode,
-)
-from runtime.http.wire import (
-    Position,
-    WireMode,
-    completion_logprobs,
-    prompt_position,
-    request_prompt_logprobs,
 )
 from runtime.text.detokenizer import detokenize
 from runtime.text.token_bytes import TokenBytes

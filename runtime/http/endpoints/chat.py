@@ -14,8 +14,9 @@ from typing import Any
 from ranks.contract.requests import RequestError, check_logprob_request
 from runtime.engine.client import EngineClient
 from runtime.http.assets import ModelAssets
-from runtime.http.choice_stream import ChoiceJob, Delta, Totals
-from runtime.http.choices import collect, envelope, stream_chunks
+from runtime.http.output.choice_stream import ChoiceJob, Delta, Totals
+from runtime.http.output.choices import collect, envelope, stream_chunks
+from runtime.http.output.wire import Position, WireMode, chat_logprobs, request_prompt_logprobs
 from runtime.http.protocol.messages import ChatMessage, parse_messages
 from runtime.http.protocol.models import ChatCompletionRequest
 from runtime.http.protocol.params import (
@@ -30,7 +31,6 @@ from runtime.http.protocol.params import (
     truncation,
     wire_mode,
 )
-from runtime.http.wire import Position, WireMode, chat_logprobs, request_prompt_logprobs
 from runtime.text.chat_template import ChatTemplateError
 from runtime.text.reasoning import ReasoningSplit, ReasoningStrings
 from runtime.text.token_bytes import TokenBytes

@@ -1,0 +1,1 @@
+"""The route handlers: Completions, Chat Completions, Responses, tokenize/detokenize."""
