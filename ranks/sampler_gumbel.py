@@ -23,7 +23,11 @@ from kernels.noise.philox import (
     seed_words,
     uniform_of,
 )
-from kernels.noise.philox_native import native_candidates, native_cutoff_lanes
+from kernels.noise.philox_native import (
+    native_candidates,
+    native_cutoff_lanes,
+    native_sparse_best,
+)
 from ranks.sampler_filters import NO_ID, empty_best, score_keys
 
 ROW_NOISE_MIN_WIDTH = 16384
@@ -70,22 +74,31 @@ def gumbel_best(
         dense = torch.nonzero(sample.sum(dim=1) * 2 > sample.shape[1]).flatten().tolist()
     if dense:
         _dense_rows(x, dense, seeds, positions, vocab_start, xmax, best, best_id)
-    if len(dense) == n:
-        return best, best_id
-    row, lane = _sparse_lanes(x, dense, low)
+    if len(dense) < n:
+        _sparse_rows(x, dense, low, seeds, positions, vocab_start, best, best_id)
+    return best, best_id
+
+
+def _sparse_rows(x: torch.Tensor, dense: list[int], low: torch.Tensor, seeds: torch.Tensor,
+                 positions: torch.Tensor, vocab_start: int, best: torch.Tensor,
+                 best_id: torch.Tensor) -> None:
+    """best and best_id of the rows not in `dense`: each lane at or above its row's cutoff
+    scores exactly (compiled code on CPU, else torch)."""
+    taken = set(dense)
+    sparse = [i for i in range(x.shape[0]) if i not in taken]
+    if native_sparse_best(x, sparse, low, seeds, positions, vocab_start, best, best_id):
+        return
+    row, lane = _sparse_lanes(x, sparse, dense, low)
     if row.numel():
         values = x[row, lane].to(torch.float64)
         ids = lane + vocab_start
         _settle(best, best_id, row, ids, values + gumbel_noise(seeds[row], positions[row], ids))
-    return best, best_id
 
 
-def _sparse_lanes(x: torch.Tensor, dense: list[int],
+def _sparse_lanes(x: torch.Tensor, sparse: list[int], dense: list[int],
                   low: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row, lane) of the lanes at or above their row's cutoff in the rows not in `dense`
-    (compiled code on CPU, else torch.nonzero)."""
-    taken = set(dense)
-    sparse = [i for i in range(x.shape[0]) if i not in taken]
+    """(row, lane) of the lanes at or above their row's cutoff in the rows `sparse` (the
+    others, `dense`, are left out; compiled code on CPU, else torch.nonzero)."""
     found = native_cutoff_lanes(x, sparse, low)
     if found is not None:
         return found

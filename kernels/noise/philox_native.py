@@ -1,11 +1,13 @@
-"""Philox bits and the Gumbel-max candidate search of CPU rows in compiled code
-(kernels/noise/philox.c and gumbel.c, built as one library), when a C compiler is at hand.
+"""Philox bits and the Gumbel-max searches of CPU rows in compiled code
+(kernels/noise/philox.c, gumbel.c and sparse.c, built as one library), when a C compiler is at
+hand.
 
 ``native_bits(ids, position, k0, k1, out)`` writes the same int64 m = (w0 << 20) | (w1 >> 12)
 as ``kernels.noise.philox.philox_bits`` (integer arithmetic only, so the bits are identical, not
 merely close). ``native_gumbel_bounds`` is the same for kernels.noise.philox.gumbel_bounds
 (float32, rounded as the torch path rounds it). ``native_candidates`` finds the few lanes of
-each sampled row that can still win its Gumbel-max (ranks/sampler_gumbel.py scores them). The
+each sampled row that can still win its Gumbel-max (ranks/sampler_gumbel.py scores them);
+``native_sparse_best`` scores a sparse row's lanes itself, with torch's float64 log. The
 C file is compiled once per source hash with the system C compiler (``$CC``, else ``cc``) into
 a per-user cache directory and loaded with ctypes. Without a compiler, on failure, off
 x86/aarch64 CPUs, or with ``HELIOS_NATIVE_PHILOX=0``, ``available()`` is False and callers
@@ -20,10 +22,17 @@ from pathlib import Path
 
 import torch
 
-from kernels.native import built_once, load_library, parallel_threads, torch_openmp
+from kernels.native import (
+    VML_MODE,
+    built_once,
+    load_library,
+    mkl_routine,
+    parallel_threads,
+    torch_openmp,
+)
 
 _SOURCE = "\n".join((Path(__file__).parent / name).read_text()
-                    for name in ("philox.c", "gumbel.c"))
+                    for name in ("philox.c", "gumbel.c", "sparse.c"))
 _FLAGS = ("-O3", "-fPIC", "-shared", "-ffp-contract=off", "-fopenmp-simd", "-lm")
 _ENV_SWITCH = "HELIOS_NATIVE_PHILOX"
 _LOCK = threading.Lock()
@@ -60,7 +69,34 @@ def _build() -> ctypes.CDLL | None:
     lib.cutoff_counts.restype = None
     lib.cutoff_lanes.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, i64]
     lib.cutoff_lanes.restype = None
+    lib.sparse_best.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, ptr, i64, ptr,
+                                ctypes.c_longlong, ptr, ptr, ptr, ptr, i64]
+    lib.sparse_best.restype = None
+    lib.log_routines = _log_routines()
     return lib
+
+
+def _log_routines() -> tuple[int, int | None, int | None] | None:
+    """(vmdLn, MKL's thread setters) when vmdLn in torch's mode gives torch's float64 log_ on
+    this machine, word for word (uniforms of the sampler's kind at every length up to 80 and
+    at offsets, and their noise's second log); else None (native_sparse_best then declines)."""
+    routines = [mkl_routine(name) for name in
+                ("vmdLn", "MKL_Set_Num_Threads_Local", "MKL_Get_Max_Threads")]
+    if routines[0] is None:
+        return None
+    ln = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                          ctypes.c_longlong)(routines[0])
+    m = torch.randint(0, 2**52, (4096,), generator=torch.Generator().manual_seed(5))
+    m[:4] = torch.tensor([0, 1, 2**52 - 1, 2**51])
+    u = m.to(torch.float64).add_(0.5).mul_(2.0**-52)
+    for values in (u, u.log().neg_()):
+        want = values.log()
+        for start, end in [(0, n) for n in range(1, 81)] + [(3, 4096), (0, 4096)]:
+            got = torch.empty(end - start, dtype=torch.float64)
+            ln(end - start, values[start:end].data_ptr(), got.data_ptr(), VML_MODE)
+            if not torch.equal(got.view(torch.int64), want[start:end].view(torch.int64)):
+                return None
+    return tuple(routines)
 
 
 def _lib() -> ctypes.CDLL | None:
@@ -208,3 +244,31 @@ def native_cutoff_lanes(x: torch.Tensor, rows: list[int], low: torch.Tensor
                          cutoffs.data_ptr(), offsets.data_ptr(), row.data_ptr(),
                          lane.data_ptr(), threads)
     return row, lane
+
+
+def native_sparse_best(x: torch.Tensor, rows: list[int], low: torch.Tensor, seeds: torch.Tensor,
+                       positions: torch.Tensor, vocab_start: int, best: torch.Tensor,
+                       best_id: torch.Tensor) -> bool:
+    """Folds each row of `rows` of x (FP32 [n, width], CPU, unit lane stride) into best and
+    best_id (int64 [n]): every lane with x >= low[row] (FP32 [n]) scored float64(x) + noise
+    of (seeds[row], positions[row], vocab_start + lane) as the torch path scores it (sparse.c
+    says how). False when not applicable (nothing written)."""
+    if (x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2
+            or x.stride(1) != 1 or not rows or vocab_start + x.shape[1] > 2**31):
+        return False
+    inputs = ((low, torch.float32), (seeds, torch.int64), (positions, torch.int64),
+              (best, torch.int64), (best_id, torch.int64))
+    if not all(t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous()
+               and t.shape == (x.shape[0],) for t, dtype in inputs):
+        return False
+    lib = _lib()
+    if lib is None or lib.log_routines is None:
+        return False
+    ln, set_local, get_max = lib.log_routines
+    n_rows, width = len(rows), x.shape[1]
+    index = torch.tensor(rows, dtype=torch.int64)
+    lib.sparse_best(x.data_ptr(), x.stride(0), index.data_ptr(), n_rows, width, low.data_ptr(),
+                    positions.data_ptr(), seeds.data_ptr(), vocab_start, ln, VML_MODE,
+                    set_local, get_max, best.data_ptr(), best_id.data_ptr(),
+                    parallel_threads(n_rows * width))
+    return True
