@@ -3,7 +3,8 @@
 A row's score of lane j is float64(x[j]) + gumbel_noise(seed, position, vocab_start + j); the
 best is the largest score key (score_keys), the smallest global id among equal keys. Every
 path below picks exactly that lane; they only differ in how much noise they evaluate and where
-(torch, or compiled code that narrows a dense CPU row to its few possible winners).
+(torch, or compiled code: on CPU it narrows a dense row to its few possible winners, and scores
+a sparse row's remaining lanes itself).
 """
 
 from __future__ import annotations
@@ -50,11 +51,11 @@ def gumbel_best(
 
     Noise lies in [GUMBEL_MIN, GUMBEL_MAX], so a lane more than GUMBEL_SPAN below the row's
     local max can never beat the max lane's score; the margin keeps that strict after float64
-    rounding, so skipping such lanes never changes the winner. Lanes that remain draw noise
-    in one flat call with per-lane keys, except in wide rows where most lanes remain: those
-    draw their Philox bits row by row with scalar keys and evaluate the noise exactly only
-    where it can still decide the winner (_dense_rows: compiled code on CPU, else
-    dense_row_best).
+    rounding, so skipping such lanes never changes the winner. Lanes that remain are scored
+    exactly (_sparse_rows: compiled code on CPU, else one flat torch call with per-lane keys),
+    except in wide rows where most lanes remain: those draw their Philox bits row by row with
+    scalar keys and evaluate the noise exactly only where it can still decide the winner
+    (_dense_rows: compiled code on CPU, else dense_row_best).
     """
     n, width = x.shape
     best, best_id = empty_best(n, x.device)
