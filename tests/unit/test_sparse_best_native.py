@@ -47,11 +47,20 @@ def empty(n):
                                                                     dtype=torch.int64)
 
 
+@pytest.fixture(params=native.VECTOR_LEVELS)
+def level(request):
+    """Each vector level of the lane search and the bits (scalar, AVX2, AVX-512)."""
+    try:
+        yield native.vector_level(request.param)
+    finally:
+        native.vector_level()
+
+
 @pytest.mark.parametrize("width", [1, 5, 255, 256, 257, 1031, 3000])
-def test_rows_match_the_torch_path(width):
+def test_rows_match_the_torch_path(width, level):
     """Odd widths around the 256-lane window, cutoffs that take one lane, every lane, none,
     NaN lanes and a NaN cutoff; seeds past 2**32 and negative; positions past 2**32; an id
-    offset; rows asked for in any order, the others untouched."""
+    offset; rows asked for in any order, the others untouched; at every vector level."""
     gen = torch.Generator().manual_seed(width)
     x = (torch.randn(7, width + 3, generator=gen) * 4)[:, :width]  # (rows width + 3 apart)
     x[1, ::3] = NAN
