@@ -7,7 +7,9 @@ with top_logprobs). The modes run back to back within each of --repeat rounds (t
 rotating), so that load from other processes affects them alike. Prints the median
 requests/s, generated tokens/s and response bytes per request of each mode; "tok/s x" is the
 median over rounds of the mode's tokens/s divided by the no-logprobs run of the same round
-(throughput here drifts by 20% within seconds), "of medians" the ratio of the medians.
+(throughput here drifts by 20% within seconds), "quartiles" that ratio's first and third
+quartiles over rounds (how far one round's ratio can be trusted), "of medians" the ratio of
+the medians. A 5% cost needs ~10 rounds to show against this machine's noise.
 
     python -m bench.serve [--large-vocab] [--requests 256] [--max-tokens 32] [--stream] [--chat]
         [--repeat 3] [--concurrency 16 --capacity 16]
@@ -144,12 +146,13 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{kind}, stream={args.stream}, {args.concurrency} clients, {args.requests} requests, "
           f"max_tokens={args.max_tokens}, median of {args.repeat}")
     print(f"{'run':<13}{'req/s':>9}{'tok/s':>10}{'bytes/resp':>12}"
-          f"{'tok/s x':>9}{'of medians':>12}{'bytes x':>9}")
+          f"{'tok/s x':>9}{'quartiles':>13}{'of medians':>12}{'bytes x':>9}")
     for r in results:
-        paired = statistics.median(a.tps / b.tps for a, b in
-                                   zip(runs[r.name], runs[base.name], strict=True))
+        paired = [a.tps / b.tps for a, b in zip(runs[r.name], runs[base.name], strict=True)]
+        low, middle, high = (statistics.quantiles(paired, n=4, method="inclusive")
+                             if len(paired) > 1 else paired * 3)
         print(f"{r.name:<13}{r.rps:>9.2f}{r.tps:>10.1f}{r.bytes_per_response:>12.0f}"
-              f"{paired:>9.3f}{r.tps / base.tps:>12.3f}"
+              f"{middle:>9.3f}{f'{low:.3f}-{high:.3f}':>13}{r.tps / base.tps:>12.3f}"
               f"{r.bytes_per_response / base.bytes_per_response:>9.2f}")
 
 
