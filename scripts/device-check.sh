@@ -15,7 +15,7 @@
 #   3. python bench/reduction.py --backend triton (times, ratio vs baseline, bandwidth);
 #   4. a timing of the two GPU selection networks (tl.topk vs max-extraction) at 256 x
 #      151,936 bf16, against log_softmax + topk on the full row;
-#   5. tests/unit/test_triton_reduction.py compiled for the GPU (no interpreter), last, in
+#   5. tests/unit/kernels/test_triton_reduction.py compiled for the GPU (no interpreter), last, in
 #      the time that is left (its many small shapes each compile their own kernels).
 # Everything printed also goes to $OUT/device-check.log ($OUT defaults to
 # ./device-check-out). The exit status is non-zero if any step failed.
@@ -140,7 +140,7 @@ EOF
 LEFT=$((570 - ($(date +%s) - START)))
 [ $LEFT -lt 60 ] && LEFT=60
 step "5. unit Triton tests compiled for the GPU (no interpreter), ${LEFT}s left"
-run unit-triton-gpu "$LEFT" "$PY" -m pytest tests/unit/test_triton_reduction.py -q -x \
+run unit-triton-gpu "$LEFT" "$PY" -m pytest tests/unit/kernels/test_triton_reduction.py -q -x \
     -p no:cacheprovider --durations=5
 
 # ------------------------------------------------------------------------------ summary

@@ -33,4 +33,5 @@ settings.load_profile(
 def pytest_runtest_setup(item: pytest.Item) -> None:
     if item.get_closest_marker("triton_cpu") is not None and not interpreting_triton():
         pytest.skip("Triton kernels on CPU tensors need TRITON_INTERPRET=1; this process "
-                    "compiles them for the GPU (tests/unit/test_triton_reduction.py runs there)")
+                    "compiles them for the GPU "
+                    "(tests/unit/kernels/test_triton_reduction.py runs there)")

@@ -186,7 +186,8 @@ def oracle(x: torch.Tensor, vocab: int) -> tuple[torch.Tensor, float] | None:
 
 LSE_EPS = 8
 """The FP32 normalizer's error in units of EPS32 * max(1, |lse|). Measured: under 1 for the
-torch and reference backends over every kind of row in tests/unit/test_reduction_torch.py."""
+torch and reference backends over every kind of row in
+tests/unit/kernels/test_reduction_torch.py."""
 
 
 def tolerance(lse: float, want):

@@ -1,6 +1,6 @@
 """Cases and checks for the Triton reductions, shared by the interpreter tests
-(tests/unit/test_triton_reduction.py), the gloo tests (tests/distributed/test_sharded_triton.py)
-and the GPU tests (tests/gpu/test_triton_gpu.py).
+(tests/unit/kernels/test_triton_reduction.py), the gloo tests
+(tests/distributed/test_sharded_triton.py) and the GPU tests (tests/gpu/test_triton_gpu.py).
 
 Two comparisons per case:
 - with kernels.reference.reduce_reference (independent FP32 log-softmax): values within

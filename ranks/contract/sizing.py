@@ -5,7 +5,7 @@ Nothing here allocates a tensor or reads a weight: ``rank_sizing`` takes the che
 ``ModelConfig``, the ``StepConfig`` a rank is built for, the tensor-parallel size and the
 logit dtype, and lists every buffer the rank holds once ``RankStep`` is constructed, with the
 attribute path where the live rank keeps it (``model.weights.layers[*].qkv``,
-``reduction.driver.exchange2.recv``, ...). tests/unit/test_capacity.py and
+``reduction.driver.exchange2.recv``, ...). tests/unit/ranks/test_capacity.py and
 tests/distributed/test_capacity_tp.py build real ranks and compare these entries, buffer by
 buffer and in total, with the tensors those paths hold; a buffer added to the code but not
 here fails them. ``ranks/contract/buffers.py`` lists the buffers, this module adds them up;

@@ -1,6 +1,6 @@
 """The capacity report against real ranks at TP2 and TP4 (gloo): on every rank, each buffer
 the report lists equals the tensors at its path, byte for byte, and the tensors reachable
-from the RankStep are exactly those (tests/unit/test_capacity.py has the checks). The
+from the RankStep are exactly those (tests/unit/ranks/test_capacity.py has the checks). The
 vocabulary 301 leaves padding lanes on the last rank; TP4 replicates the two KV heads."""
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ import tokenizers
 
 from tests.checkpoints import write_llama
 from tests.devices import rank_env, skip_without_gpus
-from tests.unit.tokenizer_fixtures import byte_fallback_tokenizer, byte_level_tokenizer, eos_id
+from tests.tokenizer_fixtures import byte_fallback_tokenizer, byte_level_tokenizer, eos_id
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 240.0

@@ -123,7 +123,7 @@ torch.exp(torch.randn(1 << 22))  # and a later region still runs
 def test_releasing_the_openmp_workers_ends_the_threads_libgomp_started() -> None:
     """Engine.start calls it on the thread that loaded the model; its worker threads exit."""
     out = subprocess.run([sys.executable, "-c", RELEASE_SCRIPT], capture_output=True,
-                         text=True, timeout=120, check=True, cwd=Path(__file__).parents[2],
+                         text=True, timeout=120, check=True, cwd=Path(__file__).parents[3],
                          env={**os.environ, "OMP_NUM_THREADS": "2"}).stdout.split()
     openmp, released, before, after = out[0] == "True", out[1] == "True", int(out[2]), int(out[3])
     if not openmp:

@@ -25,7 +25,7 @@ from runtime.http.output.wire import (
 from runtime.text.detokenizer import detokenize
 from runtime.text.stops import OutputStream
 from runtime.text.token_bytes import TokenBytes
-from tests.unit.tokenizer_fixtures import byte_fallback_tokenizer, byte_level_tokenizer
+from tests.tokenizer_fixtures import byte_fallback_tokenizer, byte_level_tokenizer
 
 SELECTED = WireMode(selected=True)
 AS_IDS = WireMode(as_token_ids=True)

@@ -13,7 +13,7 @@ from runtime.text.token_bytes import (
     plan_decoder,
     token_id_string,
 )
-from tests.unit.tokenizer_fixtures import (
+from tests.tokenizer_fixtures import (
     BYTE_FALLBACK_SPECIALS,
     BYTE_LEVEL_ADDED,
     BYTE_LEVEL_SPECIALS,

@@ -16,7 +16,7 @@ from tests.server.helpers import (
     strict_json,
     vocab_bytes,
 )
-from tests.unit.tokenizer_fixtures import byte_level_tokenizer, eos_id
+from tests.tokenizer_fixtures import byte_level_tokenizer, eos_id
 
 pytestmark = pytest.mark.slow
 

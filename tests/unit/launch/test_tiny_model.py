@@ -13,7 +13,7 @@ from tokenizers import Tokenizer
 from launch.tiny_model import CORPUS, FILES, MODEL_NAME, ensure_tiny_model
 from ranks.model import ModelConfig, ShardedCausalLM
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")

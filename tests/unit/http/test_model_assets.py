@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from runtime.http.assets import UNBLOCKED_ENCODE_CHARS, ModelAssets
-from tests.unit.tokenizer_fixtures import TEXTS, byte_fallback_tokenizer, byte_level_tokenizer
+from tests.tokenizer_fixtures import TEXTS, byte_fallback_tokenizer, byte_level_tokenizer
 
 
 @pytest.mark.parametrize("build", [byte_level_tokenizer, byte_fallback_tokenizer])

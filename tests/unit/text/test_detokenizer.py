@@ -7,7 +7,7 @@ from tokenizers import Tokenizer, decoders
 
 from runtime.text.detokenizer import Detokenizer, Utf8Stream, detokenize
 from runtime.text.token_bytes import TokenBytes
-from tests.unit.tokenizer_fixtures import (
+from tests.tokenizer_fixtures import (
     TEXTS,
     TRICKY,
     byte_fallback_reference,

@@ -8,7 +8,7 @@ from runtime.engine.client import Finished, GeneratedToken, TokenLogprob
 from runtime.text.detokenizer import Detokenizer, TokenStart
 from runtime.text.stops import OutputStream, StopFilter
 from runtime.text.token_bytes import TokenBytes
-from tests.unit.tokenizer_fixtures import (
+from tests.tokenizer_fixtures import (
     byte_fallback_tokenizer,
     byte_level_tokenizer,
     byte_token_id,

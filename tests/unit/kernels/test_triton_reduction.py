@@ -56,7 +56,7 @@ from tests.reduction_cases import (
     values_with_lse,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 # --------------------------------------------------------------------------------------------
