@@ -9,7 +9,10 @@ requests/s, generated tokens/s and response bytes per request of each mode; "tok
 median over rounds of the mode's tokens/s divided by the no-logprobs run of the same round
 (throughput here drifts by 20% within seconds), "quartiles" that ratio's first and third
 quartiles over rounds (how far one round's ratio can be trusted), "of medians" the ratio of
-the medians. A 5% cost needs ~10 rounds to show against this machine's noise.
+the medians, "steal" the median share of the host's CPU time that the hypervisor gave to
+other guests during the mode's runs (bench/host.py; "-" off Linux). A 5% cost needs ~10
+rounds to show against this machine's noise, and no number of rounds helps while steal is
+high: rerun then.
 
     python -m bench.serve [--large-vocab] [--requests 256] [--max-tokens 32] [--stream] [--chat]
         [--repeat 3] [--concurrency 16 --capacity 16]
@@ -28,6 +31,7 @@ from pathlib import Path
 import httpx
 
 from bench import server
+from bench.host import cpu_counters, steal_share
 from bench.large_vocab import large_vocab_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,6 +44,8 @@ class Result:
     requests: int
     tokens: int
     bytes: int
+    steal: float | None = None
+    """The share of the host's CPU time stolen by the hypervisor during the run."""
 
     @property
     def rps(self) -> float:
@@ -104,10 +110,10 @@ async def run(args: argparse.Namespace, url: str, model: str, name: str,
 
     limits = httpx.Limits(max_connections=args.concurrency)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
-        start = time.perf_counter()
+        counters, start = cpu_counters(), time.perf_counter()
         await asyncio.gather(*(worker(client) for _ in range(args.concurrency)))
-        seconds = time.perf_counter() - start
-    return Result(name, seconds, args.requests, totals["tokens"], totals["bytes"])
+        seconds, stolen = time.perf_counter() - start, steal_share(counters, cpu_counters())
+    return Result(name, seconds, args.requests, totals["tokens"], totals["bytes"], stolen)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -146,14 +152,20 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{kind}, stream={args.stream}, {args.concurrency} clients, {args.requests} requests, "
           f"max_tokens={args.max_tokens}, median of {args.repeat}")
     print(f"{'run':<13}{'req/s':>9}{'tok/s':>10}{'bytes/resp':>12}"
-          f"{'tok/s x':>9}{'quartiles':>13}{'of medians':>12}{'bytes x':>9}")
+          f"{'tok/s x':>9}{'quartiles':>13}{'of medians':>12}{'bytes x':>9}{'steal':>7}")
     for r in results:
         paired = [a.tps / b.tps for a, b in zip(runs[r.name], runs[base.name], strict=True)]
         low, middle, high = (statistics.quantiles(paired, n=4, method="inclusive")
                              if len(paired) > 1 else paired * 3)
         print(f"{r.name:<13}{r.rps:>9.2f}{r.tps:>10.1f}{r.bytes_per_response:>12.0f}"
               f"{middle:>9.3f}{f'{low:.3f}-{high:.3f}':>13}{r.tps / base.tps:>12.3f}"
-              f"{r.bytes_per_response / base.bytes_per_response:>9.2f}")
+              f"{r.bytes_per_response / base.bytes_per_response:>9.2f}"
+              f"{median_steal(runs[r.name]):>7}")
+
+
+def median_steal(results: list[Result]) -> str:
+    shares = [r.steal for r in results if r.steal is not None]
+    return f"{statistics.median(shares):.0%}" if shares else "-"
 
 
 def median_result(name: str, results: list[Result]) -> Result:
@@ -162,6 +174,7 @@ def median_result(name: str, results: list[Result]) -> Result:
     middle = ordered[len(ordered) // 2]
     seconds = statistics.median(r.seconds for r in results)
     return Result(name, seconds, middle.requests, middle.tokens, middle.bytes)
+
 
 if __name__ == "__main__":
     main()
