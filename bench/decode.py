@@ -9,7 +9,9 @@ order rotating from repeat to repeat), and prints decode tokens/s (median over r
 the median over repeats of each mode's ratio to the no-logprobs run of the same repeat: on a
 shared machine throughput drifts by 20% within seconds, and modes timed back to back see
 nearly the same load. Prefill is excluded: every request has a 4-token prompt, and the time
-to the first token is subtracted per batch.
+to the first token is subtracted per batch. "steal" is the median share of the host's CPU
+time that the hypervisor gave to other guests while the mode ran (bench/host.py): a ratio
+measured under high steal is the neighbours', not the code's.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ def time_batch(engine, batch: int, tokens: int, logprobs: int | None) -> float:
 def worker(args: argparse.Namespace) -> int:
     import torch
 
+    from bench.host import cpu_counters, steal_share
     from launch.arguments import add_runtime_arguments
     from launch.cluster import join
 
@@ -71,11 +74,18 @@ def worker(args: argparse.Namespace) -> int:
         names = list(MODES)
         for batch in (1, 16):
             runs: dict[str, list[float]] = {name: [] for name in MODES}
+            stolen: dict[str, list[float]] = {name: [] for name in MODES}
             for repeat in range(args.repeat):
                 for name in names[repeat % 3:] + names[: repeat % 3]:
+                    counters = cpu_counters()
                     runs[name].append(time_batch(engine, batch, args.tokens, MODES[name]))
+                    share = steal_share(counters, cpu_counters())
+                    if share is not None:
+                        stolen[name].append(share)
             for name in MODES:
                 rows[f"{batch}/{name}"] = statistics.median(runs[name])
+                rows[f"{batch}/{name}/steal"] = (statistics.median(stolen[name])
+                                                 if stolen[name] else None)
                 rows[f"{batch}/{name}/ratio"] = statistics.median(
                     a / b for a, b in zip(runs[name], runs["none"], strict=True))
         Path(args.output).write_text(json.dumps(rows))
@@ -100,7 +110,8 @@ def main() -> int:
     from tests.distributed.launcher import start_ranks, stop
 
     print(f"decode tokens/s (median of {args.repeat}), {args.tokens} tokens per request")
-    print(f"{'TP':>3} {'batch':>5} {'mode':>6} {'tok/s':>9} {'vs none':>8} {'of medians':>10}")
+    print(f"{'TP':>3} {'batch':>5} {'mode':>6} {'tok/s':>9} {'vs none':>8} {'of medians':>10}"
+          f" {'steal':>6}")
     for tp in args.tp:
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "rows.json"
@@ -119,8 +130,9 @@ def main() -> int:
             base = rows[f"{batch}/none"]
             for name in MODES:
                 value, ratio = rows[f"{batch}/{name}"], rows[f"{batch}/{name}/ratio"]
+                steal = rows[f"{batch}/{name}/steal"]
                 print(f"{tp:>3} {batch:>5} {name:>6} {value:>9.1f} {ratio:>8.3f} "
-                      f"{value / base:>10.3f}")
+                      f"{value / base:>10.3f} {'-' if steal is None else f'{steal:.0%}':>6}")
     return 0
 
 
