@@ -144,15 +144,15 @@ def test_disconnected_request_frees_its_slot(small):
     body = json.dumps({"prompt": "Hi", "max_tokens": 500, "ignore_eos": True,
                        "temperature": 0}).encode()
     host, port = small.url.removeprefix("http://").split(":")
-    sock = socket.create_connection((host, int(port)), timeout=10.0)
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
-                 b"Content-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n" % len(body) + body)
-    deadline = time.monotonic() + 10.0
-    while value(metrics(small), "helios:num_requests_running") != 1:
-        assert time.monotonic() < deadline, "the request never started running"
-        time.sleep(0.005)
-    sock.close()
+    with socket.create_connection((host, int(port)), timeout=10.0) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        deadline = time.monotonic() + 10.0
+        while value(metrics(small), "helios:num_requests_running") != 1:
+            assert time.monotonic() < deadline, "the request never started running"
+            time.sleep(0.005)
+    # (the socket is closed here, while the request still has most of its tokens to go)
     deadline = time.monotonic() + 2.0
     running = None
     while time.monotonic() < deadline:
