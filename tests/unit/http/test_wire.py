@@ -24,23 +24,9 @@ from runtime.http.output.wire import (
 )
 from runtime.text.detokenizer import detokenize
 from runtime.text.stops import OutputStream
-from runtime.text.token_bytes import TokenBytes
-from tests.tokenizer_fixtures import byte_fallback_tokenizer, byte_level_tokenizer
 
 SELECTED = WireMode(selected=True)
 AS_IDS = WireMode(as_token_ids=True)
-
-
-@pytest.fixture(scope="module")
-def level():
-    tok = byte_level_tokenizer()
-    return tok, TokenBytes(tok)
-
-
-@pytest.fixture(scope="module")
-def fallback():
-    tok = byte_fallback_tokenizer()
-    return tok, TokenBytes(tok)
 
 
 def strict_dumps(obj) -> str:
@@ -80,8 +66,8 @@ def test_wire_logprobs_match_the_one_value_rule() -> None:
 
 
 @pytest.mark.parametrize("at", [0, 1, 2, None])
-def test_completion_chosen_token_leads_once(level, at) -> None:
-    tok, tb = level
+def test_completion_chosen_token_leads_once(level_tokens, at) -> None:
+    tok, tb = level_tokens
     ids = [tok.encode(s).ids[0] for s in ("x", "He", "a", " wor")]
     natural = alts(*((t, -0.5 * (i + 1)) for i, t in enumerate(ids[:3])))
     chosen, value = (ids[3], -4.0) if at is None else (ids[at], -0.5 * (at + 1))
@@ -91,8 +77,8 @@ def test_completion_chosen_token_leads_once(level, at) -> None:
     assert list(top.items()) == [(tb.token_string(t), v) for t, v in expected]
 
 
-def test_completion_natural_mode(level) -> None:
-    tok, tb = level
+def test_completion_natural_mode(level_tokens) -> None:
+    tok, tb = level_tokens
     h, w, x = (tok.encode(s).ids[0] for s in ("He", " wor", "x"))
     # Offsets come from the output stream (the detokenizer), not from the test: each token
     # starts where the text decoded so far ends.
@@ -112,8 +98,8 @@ def test_completion_natural_mode(level) -> None:
     Logprobs.model_validate(json.loads(strict_dumps(out)))
 
 
-def test_completion_collision_keeps_every_id(level) -> None:
-    tok, tb = level
+def test_completion_collision_keeps_every_id(level_tokens) -> None:
+    tok, tb = level_tokens
     lead, cont = tok.token_to_id("ä"), tok.token_to_id("¸")
     assert tb.token_string(lead) == tb.token_string(cont) == "\ufffd"
     top = top_logprobs_dict(Position(lead, -0.1, alts((lead, -0.1), (cont, -0.2))), tb)
@@ -122,8 +108,8 @@ def test_completion_collision_keeps_every_id(level) -> None:
     assert top == {"\ufffd": -0.3, f"token_id:{lead}": -0.1}
 
 
-def test_completion_selected_and_token_id_modes(level) -> None:
-    tok, tb = level
+def test_completion_selected_and_token_id_modes(level_tokens) -> None:
+    tok, tb = level_tokens
     ids = [tok.encode(s).ids[0] for s in ("x", "He", "a")]
     pos = Position(ids[1], -0.7, alts((ids[2], -3.0), (ids[0], -2.0), (ids[1], -0.7)))
     top = top_logprobs_dict(pos, tb, SELECTED)
@@ -137,8 +123,8 @@ def test_completion_selected_and_token_id_modes(level) -> None:
     assert WireMode.for_params(SamplingParams(logprobs=3), as_token_ids=True) == AS_IDS
 
 
-def test_nan_never_reaches_json(level) -> None:
-    tok, tb = level
+def test_nan_never_reaches_json(level_tokens) -> None:
+    tok, tb = level_tokens
     t = tok.encode("x").ids[0]
     for pos in (Position(t, math.nan), Position(t, -1.0, alts((t, -1.0), (t + 1, math.nan)))):
         with pytest.raises(NonFiniteLogprob):
@@ -147,8 +133,8 @@ def test_nan_never_reaches_json(level) -> None:
             chat_logprobs([pos], tb)
 
 
-def test_chat_entries_carry_true_bytes(fallback) -> None:
-    tok, tb = fallback
+def test_chat_entries_carry_true_bytes(fallback_tokens) -> None:
+    tok, tb = fallback_tokens
     lead, cont = tok.token_to_id("<0xE4>"), tok.token_to_id("<0xB8>")
     hello = tok.token_to_id("▁Hello")
     pos = Position(lead, -2.0, alts((hello, -0.5), (cont, -math.inf)))
@@ -165,8 +151,8 @@ def test_chat_entries_carry_true_bytes(fallback) -> None:
     assert entry["top_logprobs"][0]["token"] == f"token_id:{hello}"
 
 
-def test_chat_skips_positions_without_logprob(level) -> None:
-    tok, tb = level
+def test_chat_skips_positions_without_logprob(level_tokens) -> None:
+    tok, tb = level_tokens
     t = tok.encode("x").ids[0]
     out = chat_logprobs([Position(t, None), Position(t, -1.0)], tb)
     assert len(out["content"]) == 1
@@ -175,8 +161,8 @@ def test_chat_skips_positions_without_logprob(level) -> None:
         chat_token_logprob(Position(t, None), tb)
 
 
-def test_echo_prompt_positions(level) -> None:
-    tok, tb = level
+def test_echo_prompt_positions(level_tokens) -> None:
+    tok, tb = level_tokens
     prompt, generated = tok.encode("Hello 中").ids, tok.encode(" world").ids
     prompt_text, prompt_offsets = detokenize(tb, prompt)
     pos = [Position(prompt[0], None, (), prompt_offsets[0])]
@@ -198,8 +184,8 @@ def test_echo_prompt_positions(level) -> None:
     assert parsed.token_logprobs[0] is None and parsed.text_offset == out["text_offset"]
 
 
-def test_streamed_chunks_equal_the_whole_response(fallback) -> None:
-    tok, tb = fallback
+def test_streamed_chunks_equal_the_whole_response(fallback_tokens) -> None:
+    tok, tb = fallback_tokens
     ids = tok.encode("Hello 中文 日本語 🙂 done STOP tail").ids
     tokens = [
         GeneratedToken(i, t, -0.1 * i, alts((t, -0.1 * i), (3, -math.inf)))

@@ -19,18 +19,6 @@ from tests.tokenizer_fixtures import (
 HYPO = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-@pytest.fixture(scope="module")
-def level():
-    tok = byte_level_tokenizer()
-    return tok, TokenBytes(tok)
-
-
-@pytest.fixture(scope="module")
-def fallback():
-    tok = byte_fallback_tokenizer()
-    return tok, TokenBytes(tok)
-
-
 def gen(ids: list[int], *, forced: tuple[int, ...] = ()) -> list[GeneratedToken]:
     return [
         GeneratedToken(
@@ -82,8 +70,8 @@ def offsets_of(tb: TokenBytes, ids: list[int]) -> list[int]:
     return detokenize(tb, ids, at_start=False)[1]
 
 
-def test_stop_across_tokens(level) -> None:
-    tok, tb = level
+def test_stop_across_tokens(level_tokens) -> None:
+    tok, tb = level_tokens
     ids = tok.encode("Hello world STOP here").ids
     text, entries, stop, _ = run(tb, gen(ids), ["STOP"])
     assert (text, stop) == ("Hello world ", "STOP")
@@ -92,8 +80,8 @@ def test_stop_across_tokens(level) -> None:
     assert entries[-1][0] < len(ids) - 1
 
 
-def test_stop_inside_a_token_keeps_the_partial_token(fallback) -> None:
-    tok, tb = fallback
+def test_stop_inside_a_token_keeps_the_partial_token(fallback_tokens) -> None:
+    tok, tb = fallback_tokens
     ids = tok.encode("Hello STOP").ids
     stop_token = ids.index(tok.token_to_id("▁STOP"))
     text, entries, stop, _ = run(tb, gen(ids), ["TO"])
@@ -102,18 +90,18 @@ def test_stop_inside_a_token_keeps_the_partial_token(fallback) -> None:
     assert tb.bytes_of(ids[stop_token]) == b" STOP"
 
 
-def test_stop_at_the_very_first_token(level) -> None:
-    tok, tb = level
+def test_stop_at_the_very_first_token(level_tokens) -> None:
+    tok, tb = level_tokens
     ids = tok.encode("STOP and more").ids
     text, entries, stop, chunks = run(tb, gen(ids), ["ST", "more"])
     assert (text, entries, stop) == ("", [], "ST")
     assert len(chunks) <= 3
 
 
-def test_stop_on_a_split_character(fallback) -> None:
+def test_stop_on_a_split_character(fallback_tokens) -> None:
     from runtime.text.detokenizer import detokenize
 
-    tok, tb = fallback
+    tok, tb = fallback_tokens
     ids = tok.encode("ab 語x").ids
     pieces = [byte_token_id(tok, b) for b in "語".encode()]
     first = ids.index(pieces[0])
@@ -124,8 +112,8 @@ def test_stop_on_a_split_character(fallback) -> None:
     assert entries == [(i, offsets[i]) for i in range(first)]
 
 
-def test_include_stop_str_in_output(level) -> None:
-    tok, tb = level
+def test_include_stop_str_in_output(level_tokens) -> None:
+    tok, tb = level_tokens
     ids = tok.encode("Hello STOP world").ids
     text, entries, _, _ = run(tb, gen(ids), ["STOP"], include_stop_str_in_output=True)
     assert text == "Hello STOP"
@@ -156,8 +144,8 @@ def test_holdback_is_bounded_and_released() -> None:
     assert f.finish().text == ""
 
 
-def test_ignore_eos_keeps_entry_in_order_and_terminating_eos_has_none(level) -> None:
-    tok, tb = level
+def test_ignore_eos_keeps_entry_in_order_and_terminating_eos_has_none(level_tokens) -> None:
+    tok, tb = level_tokens
     eos = eos_id(tok)
     ids = [*tok.encode("Hi").ids, eos, *tok.encode(" there").ids]
     text, entries, _, _ = run(tb, gen(ids))
@@ -172,8 +160,8 @@ def test_ignore_eos_keeps_entry_in_order_and_terminating_eos_has_none(level) -> 
     assert all(t.token_id != eos for t, _ in last.entries)
 
 
-def test_silent_eos_right_before_a_stop_is_kept(level) -> None:
-    tok, tb = level
+def test_silent_eos_right_before_a_stop_is_kept(level_tokens) -> None:
+    tok, tb = level_tokens
     eos = eos_id(tok)
     ids = [*tok.encode("Hi").ids, eos, *tok.encode("STOP").ids]
     text, entries, _, _ = run(tb, gen(ids), ["STOP"])
@@ -181,16 +169,16 @@ def test_silent_eos_right_before_a_stop_is_kept(level) -> None:
     assert [i for i, _ in entries] == list(range(ids.index(eos) + 1))
 
 
-def test_forced_tokens_have_no_entry(level) -> None:
-    tok, tb = level
+def test_forced_tokens_have_no_entry(level_tokens) -> None:
+    tok, tb = level_tokens
     ids = tok.encode("Hello world").ids
     text, entries, _, _ = run(tb, gen(ids, forced=(1,)))
     assert text == "Hello world"
     assert [i for i, _ in entries] == [i for i in range(len(ids)) if i != 1]
 
 
-def test_chunks_carry_entries_of_the_text_they_release(fallback) -> None:
-    tok, tb = fallback
+def test_chunks_carry_entries_of_the_text_they_release(fallback_tokens) -> None:
+    tok, tb = fallback_tokens
     ids = tok.encode("中文 日本語 🙂 done STOP after").ids
     _, entries, _, chunks = run(tb, gen(ids), ["STOP", "🙃"])
     seen = 0
@@ -267,10 +255,10 @@ def test_stream_matches_whole_sequence_oracle(build) -> None:
     check()
 
 
-def test_stop_strings_wait_for_min_tokens(level) -> None:
+def test_stop_strings_wait_for_min_tokens(level_tokens) -> None:
     """vLLM matches stop strings only once more than min_tokens tokens exist: a stop inside
     the first min_tokens tokens is kept in the text, a later one still ends the output."""
-    tok, tb = level
+    tok, tb = level_tokens
     ids = tok.encode("ab STOP cd STOP ef").ids
     first = next(i for i in range(len(ids)) if "STOP" in tok.decode(ids[: i + 1]))
     text, _, stop, _ = run(tb, gen(ids), ["STOP"], min_tokens=first + 1)
@@ -278,11 +266,11 @@ def test_stop_strings_wait_for_min_tokens(level) -> None:
     assert run(tb, gen(ids), ["STOP"], min_tokens=first)[:3:2] == ("ab ", "STOP")
 
 
-def test_a_held_tail_of_multi_token_characters_stays_bounded(level):
+def test_a_held_tail_of_multi_token_characters_stays_bounded(level_tokens):
     """Hypothesis found it: '!!' and a 3-byte character of three byte tokens are held as a
     prefix of the stop (3 characters, 5 entries) while the next token starts another
     character; the stop then completes and nothing is released."""
-    _, tb = level
+    _, tb = level_tokens
     text, entries, stop, _ = run(tb, gen([3, 3, 159, 97, 97, 129]),
                                  ["!!\u0861\ufffd", "\ufffd\ufffd"])
     assert (text, entries, stop) == ("", [], "!!\u0861\ufffd")

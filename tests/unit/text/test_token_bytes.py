@@ -18,23 +18,10 @@ from tests.tokenizer_fixtures import (
     BYTE_LEVEL_ADDED,
     BYTE_LEVEL_SPECIALS,
     TEXTS,
-    byte_fallback_tokenizer,
     byte_level_tokenizer,
     byte_token_id,
     metaspace_decoder_tokenizer,
 )
-
-
-@pytest.fixture(scope="module")
-def level() -> tuple[Tokenizer, TokenBytes]:
-    tok = byte_level_tokenizer()
-    return tok, TokenBytes(tok)
-
-
-@pytest.fixture(scope="module")
-def fallback() -> tuple[Tokenizer, TokenBytes]:
-    tok = byte_fallback_tokenizer()
-    return tok, TokenBytes(tok)
 
 
 def test_gpt2_byte_map_is_the_byte_level_alphabet() -> None:
@@ -44,8 +31,8 @@ def test_gpt2_byte_map_is_the_byte_level_alphabet() -> None:
     assert table["Ġ"] == 0x20 and table["Ċ"] == 0x0A and table["!"] == 0x21
 
 
-def test_byte_level_every_id_matches_single_token_decode(level) -> None:
-    tok, tb = level
+def test_byte_level_every_id_matches_single_token_decode(level_tokens) -> None:
+    tok, tb = level_tokens
     assert tb.plan == DecoderPlan(byte_level=True)
     for token_id in range(tok.get_vocab_size()):
         data = tb.bytes_of(token_id)
@@ -55,23 +42,23 @@ def test_byte_level_every_id_matches_single_token_decode(level) -> None:
         assert tb.token_string(token_id) == data.decode("utf-8", errors="replace")
 
 
-def test_byte_level_single_bytes_are_exact(level) -> None:
-    tok, tb = level
+def test_byte_level_single_bytes_are_exact(level_tokens) -> None:
+    tok, tb = level_tokens
     for value in range(256):
         assert tb.bytes_of(byte_token_id(tok, value)) == bytes([value])
 
 
 @pytest.mark.parametrize("text", TEXTS)
-def test_byte_level_concatenation_is_the_utf8_text(level, text: str) -> None:
-    tok, tb = level
+def test_byte_level_concatenation_is_the_utf8_text(level_tokens, text: str) -> None:
+    tok, tb = level_tokens
     ids = tok.encode(text).ids
     assert b"".join(tb.bytes_of(i) for i in ids) == text.encode()
     assert tok.decode(ids) == text
 
 
 @pytest.mark.parametrize("text", TEXTS)
-def test_byte_fallback_concatenation_is_space_plus_text(fallback, text: str) -> None:
-    tok, tb = fallback
+def test_byte_fallback_concatenation_is_space_plus_text(fallback_tokens, text: str) -> None:
+    tok, tb = fallback_tokens
     ids = tok.encode(text).ids
     joined = b"".join(tb.bytes_of(i) for i in ids)
     # Metaspace (prepend_scheme="first") adds a leading "▁" unless the text starts with a
@@ -80,8 +67,8 @@ def test_byte_fallback_concatenation_is_space_plus_text(fallback, text: str) -> 
     assert tok.decode(ids) == joined.decode()[1:]
 
 
-def test_byte_fallback_pieces(fallback) -> None:
-    tok, tb = fallback
+def test_byte_fallback_pieces(fallback_tokens) -> None:
+    tok, tb = fallback_tokens
     assert tb.strip == (" ", 1)
     for value in range(256):
         token_id = tok.token_to_id(f"<0x{value:02X}>")
@@ -92,8 +79,8 @@ def test_byte_fallback_pieces(fallback) -> None:
     assert tb.bytes_of(tok.token_to_id("é")) == "é".encode()
 
 
-def test_partial_utf8_token_keeps_true_bytes(fallback) -> None:
-    tok, tb = fallback
+def test_partial_utf8_token_keeps_true_bytes(fallback_tokens) -> None:
+    tok, tb = fallback_tokens
     lead = byte_token_id(tok, 0xE4)
     assert tb.bytes_of(lead) == b"\xe4"
     assert tb.token_string(lead) == "\ufffd"
@@ -101,23 +88,23 @@ def test_partial_utf8_token_keeps_true_bytes(fallback) -> None:
     assert tb.token_string(lead).encode() != tb.bytes_of(lead)
 
 
-def test_token_string_restores_the_stripped_leading_space(fallback) -> None:
-    tok, tb = fallback
+def test_token_string_restores_the_stripped_leading_space(fallback_tokens) -> None:
+    tok, tb = fallback_tokens
     for token_id in range(tok.get_vocab_size()):
         single = tok.decode([token_id], skip_special_tokens=False)
         text = tb.token_string(token_id)
         assert single == (text[1:] if text.startswith(" ") else text)
 
 
-def test_special_and_added_tokens(level, fallback) -> None:
-    tok, tb = level
+def test_special_and_added_tokens(level_tokens, fallback_tokens) -> None:
+    tok, tb = level_tokens
     for name in BYTE_LEVEL_SPECIALS:
         token_id = tok.token_to_id(name)
         assert tb.is_special(token_id)
         assert tb.bytes_of(token_id) == name.encode()
     added = tok.token_to_id(BYTE_LEVEL_ADDED)
     assert not tb.is_special(added) and tb.bytes_of(added) == BYTE_LEVEL_ADDED.encode()
-    tok, tb = fallback
+    tok, tb = fallback_tokens
     for name in BYTE_FALLBACK_SPECIALS:
         assert tb.is_special(tok.token_to_id(name))
         assert tb.bytes_of(tok.token_to_id(name)) == name.encode()
@@ -134,8 +121,8 @@ def test_added_tokens_follow_the_decoder() -> None:
     assert tb.bytes_of(japan) == "日本".encode()
 
 
-def test_padded_vocab_and_range(level) -> None:
-    tok, _ = level
+def test_padded_vocab_and_range(level_tokens) -> None:
+    tok, _ = level_tokens
     size = tok.get_vocab_size()
     tb = TokenBytes(tok, vocab_size=size + 5)
     assert tb.size == size + 5
