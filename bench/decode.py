@@ -107,6 +107,7 @@ def main() -> int:
     args = p.parse_args()
     if args.worker:
         return worker(args)
+    from bench.host import share_text
     from tests.distributed.launcher import start_ranks, stop
 
     print(f"decode tokens/s (median of {args.repeat}), {args.tokens} tokens per request")
@@ -132,7 +133,7 @@ def main() -> int:
                 value, ratio = rows[f"{batch}/{name}"], rows[f"{batch}/{name}/ratio"]
                 steal = rows[f"{batch}/{name}/steal"]
                 print(f"{tp:>3} {batch:>5} {name:>6} {value:>9.1f} {ratio:>8.3f} "
-                      f"{value / base:>10.3f} {'-' if steal is None else f'{steal:.0%}':>6}")
+                      f"{value / base:>10.3f} {share_text(steal):>6}")
     return 0
 
 

@@ -32,3 +32,8 @@ def steal_share(before: list[int] | None, after: list[int] | None) -> float | No
     deltas = [b - a for a, b in zip(before[: STEAL + 1], after[: STEAL + 1], strict=True)]
     total = sum(deltas)
     return deltas[STEAL] / total if total > 0 else None
+
+
+def share_text(share: float | None) -> str:
+    """A steal share as the benchmarks print it ("-" when unknown)."""
+    return "-" if share is None else f"{share:.0%}"

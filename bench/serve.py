@@ -31,7 +31,7 @@ from pathlib import Path
 import httpx
 
 from bench import server
-from bench.host import cpu_counters, steal_share
+from bench.host import cpu_counters, share_text, steal_share
 from bench.large_vocab import large_vocab_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def median_steal(results: list[Result]) -> str:
     shares = [r.steal for r in results if r.steal is not None]
-    return f"{statistics.median(shares):.0%}" if shares else "-"
+    return share_text(statistics.median(shares) if shares else None)
 
 
 def median_result(name: str, results: list[Result]) -> Result:

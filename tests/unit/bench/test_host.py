@@ -39,3 +39,8 @@ def test_this_host_reports_a_share_between_0_and_1():
     while sum(after[: host.STEAL + 1]) == sum(before[: host.STEAL + 1]):  # one tick passes
         after = host.cpu_counters()
     assert 0.0 <= host.steal_share(before, after) <= 1.0
+
+
+def test_share_text_is_a_whole_percent_or_a_dash():
+    assert host.share_text(0.294) == "29%" and host.share_text(0.0) == "0%"
+    assert host.share_text(None) == "-"
