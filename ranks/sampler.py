@@ -50,6 +50,9 @@ from ranks.sampler_gumbel import gumbel_best
 from ranks.sampling_params import SEED_MAX, RowSampling
 
 NEG_INF = float("-inf")
+FLOAT32_MAX = torch.finfo(torch.float32).max
+FLOAT32_TINY = float(torch.finfo(torch.float32).smallest_normal) * 2.0**-23
+"""The smallest positive float32 (subnormal): a repetition penalty below it would round to 0."""
 
 
 class ShardedSampler:
@@ -197,13 +200,14 @@ class ShardedSampler:
                 lanes, bias = self._local(
                     [t for t, _ in r.logit_bias], [b for _, b in r.logit_bias]
                 )
-                x[i].index_add_(0, lanes, bias)
+                x[i].index_add_(0, lanes, bias.clamp_(-FLOAT32_MAX, FLOAT32_MAX))
             # After logit_bias, as in vLLM: the repetition penalty scales the biased logit.
             if r.penalized:
                 self._penalize(x[i], r, prompt_ids[i], output_ids[i])
         temps = [1.0 if r.greedy else r.temperature for r in rows]
         if any(t != 1.0 for t in temps):
-            x.div_(torch.tensor(temps, dtype=torch.float32, device=self.device).unsqueeze(1))
+            scale = torch.tensor(temps, dtype=torch.float32, device=self.device)
+            x.div_(scale.clamp_(max=FLOAT32_MAX).unsqueeze(1))  # (+inf / +inf would be NaN)
         self._filter(x, rows)
         return x
 
@@ -263,18 +267,20 @@ class ShardedSampler:
     ) -> None:
         out_lanes, _ = self._local(output)
         lanes, counts = torch.unique(out_lanes, return_counts=True)
+        # Every factor and term is a positive / finite float32, so no lane becomes NaN: a
+        # penalty that rounds to 0 or inf in float32 would turn a masked lane's -inf (times
+        # 0) or a zero logit (times inf) into NaN, which no pick can rank.
         if r.repetition_penalty != 1:
             prompt_lanes, _ = self._local(prompt)
             seen = torch.unique(torch.cat((prompt_lanes, lanes)))
             vals = row[seen]
-            rep = torch.tensor(r.repetition_penalty, dtype=torch.float32, device=self.device)
+            rep = self._float32(r.repetition_penalty).clamp_(FLOAT32_TINY, FLOAT32_MAX)
             row[seen] = torch.where(vals > 0, vals / rep, vals * rep)
         if r.frequency_penalty != 0:
-            freq = torch.tensor(r.frequency_penalty, dtype=torch.float32, device=self.device)
-            row[lanes] -= freq * counts.to(torch.float32)
+            freq = self._float32(r.frequency_penalty).clamp_(-FLOAT32_MAX, FLOAT32_MAX)
+            row[lanes] -= (freq * counts.to(torch.float32)).clamp_(-FLOAT32_MAX, FLOAT32_MAX)
         if r.presence_penalty != 0:
-            pres = torch.tensor(r.presence_penalty, dtype=torch.float32, device=self.device)
-            row[lanes] -= pres
+            row[lanes] -= self._float32(r.presence_penalty).clamp_(-FLOAT32_MAX, FLOAT32_MAX)
 
     def _local(
         self, token_ids: Sequence[int], values: Sequence[float] | None = None
@@ -292,6 +298,9 @@ class ShardedSampler:
 
     def _index(self, values: Iterable[int]) -> torch.Tensor:
         return torch.tensor(list(values), dtype=torch.int64, device=self.device)
+
+    def _float32(self, value: float) -> torch.Tensor:
+        return torch.tensor(value, dtype=torch.float32, device=self.device)
 
     def _float64(self, values: Sequence[float]) -> torch.Tensor:
         return torch.tensor([float(t) for t in values], dtype=torch.float64, device=self.device)

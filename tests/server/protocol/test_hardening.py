@@ -178,6 +178,26 @@ def test_no_input_gives_a_500(hardened):
         then_good(client, hardened)
 
 
+@pytest.mark.parametrize("penalty", [5e-324, 1e-300, 1e300, 1.7e308])
+@pytest.mark.parametrize("temperature", [0, 1.0])
+def test_float32_edges_of_the_penalties_neither_fail_nor_leave_the_mask(hardened, penalty,
+                                                                         temperature):
+    """A repetition penalty that rounds to 0 or inf in float32 turned masked lanes into NaN:
+    the sampler's empty pick then failed the request with a 500 and, with logprobs, the
+    whole engine (every later request a 503). Found by schemathesis."""
+    allowed = [33, 34, 50]  # 33 is seen and allowed, 40 seen and masked
+    with httpx.Client(base_url=hardened.url, timeout=60.0) as client:
+        body = {"prompt": [33, 40], "max_tokens": 3, "temperature": temperature, "seed": 1,
+                "repetition_penalty": penalty, "allowed_token_ids": allowed, "logprobs": 1,
+                "return_tokens_as_token_ids": True}
+        response = client.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        logprobs = strict_json(response.content)["choices"][0]["logprobs"]
+        assert all(int(t.removeprefix("token_id:")) in allowed for t in logprobs["tokens"])
+        assert len(logprobs["token_logprobs"]) == 3
+        then_good(client, hardened)
+
+
 def test_health_is_served_while_a_huge_prompt_is_tokenized(hardened):
     """4 MB of text tokenized by /tokenize takes seconds; /health answers within 1 s
     throughout (tokenization and parsing run off the event loop, without the GIL)."""
