@@ -15,7 +15,8 @@ static int64_t forced_bit(int64_t mask, int64_t at) {
 }
 
 /* Per row r < rows: requested[r] is 1 when the row passes every condition of the gate
- * (reduce.py's module docstring), chosen[r] the record's token at the clipped position; the
+ * (reduce.py's module docstring: its token must be an id in [0, vocab)), chosen[r] the
+ * record's token at the clipped position; the
  * slot's selected IDs and count are copied when `ids_src` is not NULL. Padding rows (slot
  * -1) read slot 0, as the tensor form does. */
 int gate_rows(const int64_t *records, int64_t capacity, int64_t width,
@@ -23,7 +24,7 @@ int gate_rows(const int64_t *records, int64_t capacity, int64_t width,
               const int64_t *row_positions, int64_t rows, const int32_t *requested_by_slot,
               int32_t *requested, int64_t *chosen,
               const int32_t *ids_src, const int32_t *counts_src, int32_t *ids,
-              int32_t *counts, int64_t max_ids) {
+              int32_t *counts, int64_t max_ids, int64_t vocab) {
     int64_t last = width - HEADER - 1;
     for (int64_t r = 0; r < rows; ++r) {
         int64_t wanted = row_slots[r], position = row_positions[r];
@@ -32,13 +33,15 @@ int gate_rows(const int64_t *records, int64_t capacity, int64_t width,
         int64_t at = position > 0 ? position : 0;
         if (at > last) at = last;
         const int64_t *rec = records + slot * width;
+        const int64_t token = rec[HEADER + at];
         int gate = wanted >= 0 && position >= 0 && rec[SLOT] == wanted
             && rec[EPOCH] == row_epochs[r]
             && (rec[KIND] == KIND_SAMPLE || rec[KIND] == KIND_SPECULATIVE)
             && position < rec[EMITTED] && forced_bit(rec[FORCED_MASK], at) == 0
-            && rec[FIRST_LOGIT_ROW] + position == r && requested_by_slot[slot] != 0;
+            && rec[FIRST_LOGIT_ROW] + position == r && requested_by_slot[slot] != 0
+            && token >= 0 && token < vocab;
         requested[r] = gate;
-        chosen[r] = rec[HEADER + at];
+        chosen[r] = token;
         if (ids_src != NULL) {
             memcpy(ids + r * max_ids, ids_src + slot * max_ids, sizeof(int32_t) * max_ids);
             counts[r] = counts_src[slot];
@@ -77,7 +80,7 @@ typedef struct {
     int64_t *chosen;
     const int32_t *ids_src, *counts_src;
     int32_t *ids, *counts;
-    int64_t max_ids;
+    int64_t max_ids, vocab;
     void *reduce;
     const void *reduce_block;
     const int32_t *out;
@@ -96,7 +99,7 @@ int step_reduce(const StepBlock *b, int64_t frame, int64_t rows, int64_t write_r
     const int64_t *row_positions = b->row_positions;
     if (gate_rows(b->records[frame], b->capacity, b->width, row_slots, row_epochs,
                   row_positions, rows, b->requested_by_slot, b->requested, b->chosen,
-                  b->ids_src, b->counts_src, b->ids, b->counts, b->max_ids) != 0)
+                  b->ids_src, b->counts_src, b->ids, b->counts, b->max_ids, b->vocab) != 0)
         return -1;
     if (((reduce_t)b->reduce)(b->reduce_block, threads) != 0) return 1;
     if (write_payload(b->payload[frame], b->capacity, b->tokens, b->words, b->out,

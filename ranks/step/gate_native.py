@@ -41,7 +41,7 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 def _build() -> ctypes.CDLL | None:
     lib = load_library("step_gate", _SOURCE, _FLAGS, _SWITCH)
     if lib is not None:
-        lib.gate_rows.argtypes = [_P, _I, _I, _P, _P, _P, _I, _P, _P, _P, _P, _P, _P, _P, _I]
+        lib.gate_rows.argtypes = [_P, _I, _I, _P, _P, _P, _I, _P, _P, _P, _P, _P, _P, _P, _I, _I]
         lib.gate_rows.restype = ctypes.c_int
         lib.write_payload.argtypes = [_P, _I, _I, _I, _P, _I, _P, _P, _P, _I]
         lib.write_payload.restype = ctypes.c_int
@@ -60,9 +60,9 @@ class StepBlock(ctypes.Structure):
     _fields_ = [("records", _P * 2), ("payload", _P * 2), ("capacity", _I), ("width", _I),
                 ("tokens", _I), ("words", _I), ("requested_by_slot", _P), ("requested", _P),
                 ("chosen", _P), ("ids_src", _P), ("counts_src", _P), ("ids", _P),
-                ("counts", _P), ("max_ids", _I), ("reduce", _P), ("reduce_block", _P),
-                ("out", _P), ("out_width", _I), ("row_slots", _P), ("row_epochs", _P),
-                ("row_positions", _P)]
+                ("counts", _P), ("max_ids", _I), ("vocab", _I), ("reduce", _P),
+                ("reduce_block", _P), ("out", _P), ("out_width", _I), ("row_slots", _P),
+                ("row_epochs", _P), ("row_positions", _P)]
 
 
 def _pointer(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> int:
@@ -81,8 +81,9 @@ class NativeStepGate:
 
     def __init__(self, lib: ctypes.CDLL, outputs: CompletionOutputs, requested: torch.Tensor,
                  chosen: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor,
-                 out: torch.Tensor) -> None:
+                 out: torch.Tensor, vocab_size: int) -> None:
         self.lib = lib
+        self.vocab_size = vocab_size
         records, payload = outputs.completion_records, outputs.completion_logprobs
         self.records = [_pointer("completion_records", records[f], torch.int64)
                         for f in range(records.shape[0])]
@@ -131,7 +132,7 @@ class NativeStepGate:
                 _pointer("row_epochs", row_epochs, torch.int64),
                 _pointer("row_positions", row_positions, torch.int64), rows,
                 self.requested_by_slot, self.requested, self.chosen, *self.selected,
-                self.max_ids)
+                self.max_ids, self.vocab_size)
 
     def gate(self, frame: int, row_slots: torch.Tensor, row_epochs: torch.Tensor,
              row_positions: torch.Tensor) -> None:
@@ -175,7 +176,8 @@ class NativeStepGate:
         self._block = StepBlock(
             (_P * 2)(*self.records), (_P * 2)(*self.payload), self.capacity, self.width,
             self.tokens, self.words, self.requested_by_slot, self.requested, self.chosen,
-            ids_src, counts_src, ids, counts, self.max_ids, call.function, call.block,
+            ids_src, counts_src, ids, counts, self.max_ids, self.vocab_size, call.function,
+            call.block,
             self.out, self.out_width, *(v.ctypes.data for v in self._row_vectors))
         self._block_address = ctypes.addressof(self._block)
         self._bound = call

@@ -13,9 +13,10 @@ and physical ownership as the commit). Logit row r of ``logits`` is sampling row
 submission; its slot, epoch and emitted position i come from the step's inputs. Row r is
 reduced only when the committed record of that slot (device tensor ops, no host lists) has
 the row's slot and epoch, kind SAMPLE or SPECULATIVE, i < EMITTED, position i not forced,
-FIRST_LOGIT_ROW + i = r, and the slot's uploaded flag set; its chosen token is the record's
-token slot i, and its packed words go to payload position i of the slot. Ordinary sampling
-emits position zero. Rows of duplicate, inactive or stale slots, rejected or exhausted
+FIRST_LOGIT_ROW + i = r, the slot's uploaded flag set, and the record's token slot i a
+vocabulary id (a sampler fault fails its request on the host, not the step); that token is
+the row's chosen token, and its packed words go to payload position i of the slot. Ordinary
+sampling emits position zero. Rows of duplicate, inactive or stale slots, rejected or exhausted
 positions (past the emitted count: after a mismatch, max_tokens, EOS or a stop id) and
 unoffered positions fail the gate and do no reduction; a slot's payload positions past its
 emitted prefix are neither read nor written. Every rank computes the same records and flags,
@@ -60,6 +61,7 @@ class StepReduction:
         cap = rows or outputs.capacity
         self.outputs = outputs
         self.k = outputs.k
+        self.vocab_size = model.vocab_size
         self.logits = torch.zeros(cap, model.local_width, dtype=model.dtype, device=device)
         """The logits the reduction reads: row r holds sampling row r (FIRST_LOGIT_ROW)."""
         self.rows = torch.arange(cap, dtype=torch.int64, device=device)
@@ -87,7 +89,8 @@ class StepReduction:
         # and the gate is a dozen of them). Without a compiler, and on CUDA, the tensor ops.
         lib = native_gate() if torch.device(device).type == "cpu" else None
         self.native = None if lib is None else NativeStepGate(
-            lib, outputs, self.requested, self.chosen, self.ids, self.counts, self.out)
+            lib, outputs, self.requested, self.chosen, self.ids, self.counts, self.out,
+            model.vocab_size)
         self.driver(self.logits, self.request, self.out)  # warm-up: every flag is zero
         self.call = None if self.native is None else self.driver.native_call(
             self.logits, self.request, self.out)
@@ -158,8 +161,10 @@ class StepReduction:
         gate &= ((committed[:, FORCED_MASK] >> positions) & 1) == 0
         gate &= committed[:, FIRST_LOGIT_ROW] + row_positions == self.rows
         gate &= self.outputs.logprob_requested.index_select(0, slots) != 0
+        chosen = committed.gather(1, (HEADER + positions).unsqueeze(1)).squeeze(1)
+        gate &= (chosen >= 0) & (chosen < self.vocab_size)
         self.requested.copy_(gate)
-        self.chosen.copy_(committed.gather(1, (HEADER + positions).unsqueeze(1)).squeeze(1))
+        self.chosen.copy_(chosen)
         if self.outputs.supports_token_ids:
             torch.index_select(self.outputs.logprob_token_ids, 0, slots, out=self.ids)
             torch.index_select(self.outputs.logprob_token_id_counts, 0, slots, out=self.counts)

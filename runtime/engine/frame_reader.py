@@ -56,8 +56,9 @@ class SpeculationCounters:
         return self.accepted / self.offered if self.offered else 0.0
 
 
-def round_error(record: list[int], proposals: tuple[int, ...]) -> str | None:
-    """Why a record disagrees with the round the plan sent, or None."""
+def round_error(record: list[int], proposals: tuple[int, ...], vocab_size: int) -> str | None:
+    """Why a record disagrees with the round the plan sent, or None. A token outside the
+    vocabulary fails its request here, so that it is never fed back to the model."""
     kind = abi6.Kind.SPECULATIVE if proposals else abi6.Kind.SAMPLE
     offered, accepted = record[abi6.OFFERED], record[abi6.ACCEPTED]
     emitted = record[abi6.HEADER : abi6.HEADER + record[abi6.EMITTED]]
@@ -68,6 +69,9 @@ def round_error(record: list[int], proposals: tuple[int, ...]) -> str | None:
         return f"record accepts {accepted} of {offered} and emits {len(emitted)}"
     if emitted[:accepted] != list(proposals[:accepted]):
         return "accepted tokens differ from the proposals"
+    if emitted and not 0 <= min(emitted) <= max(emitted) < vocab_size:
+        bad = next(t for t in emitted if not 0 <= t < vocab_size)
+        return f"sampled token id {bad} outside the vocabulary [0, {vocab_size})"
     return None
 
 
@@ -111,7 +115,7 @@ def read_frame(
                 f"expected {host.submission}"
             )
             continue
-        error = round_error(record, request.proposals)
+        error = round_error(record, request.proposals, vocab_size)
         if error is not None:
             outcome.error = f"slot {request.slot}: {error}"
             continue

@@ -231,3 +231,53 @@ def test_generation_config_eos_ids_also_stop(model_dir, tmp_path):
         assert tokens == [] and finish.stop_token_id == 7
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("logprobs", [None, 1])
+def test_a_sampled_id_outside_the_vocabulary_fails_only_its_request(model_dir, logprobs):
+    """A sampler fault (its empty pick, 2**31 - 1) must not reach the reduction's reads nor
+    the next step's embedding: the reduction's gate skips the row, the host fails that
+    request, and the other request of the same batch and later requests are served."""
+    config = RuntimeConfig(model_dir=model_dir, capacity=2, max_model_len=64)
+    step = load_rank(config, None)
+    sample = step.sampler.sample
+
+    def faulty(logits, rows, prompts, histories):
+        tokens = sample(logits, rows, prompts, histories)
+        for i, prompt in enumerate(prompts):
+            if list(prompt) == [5, 6] and len(histories[i]) == 1:
+                tokens[i] = 2**31 - 1
+        return tokens
+
+    step.sampler.sample = faulty
+    engine = build_engine(config, step)
+    bad = SamplingParams(max_tokens=4, temperature=0.0, logprobs=logprobs, ignore_eos=True)
+    good = SamplingParams(max_tokens=4, temperature=0.0, logprobs=2, ignore_eos=True)
+
+    async def collect(prompt: list[int], params: SamplingParams):
+        tokens = []
+        try:
+            async for event in engine.generate(prompt, params):
+                if isinstance(event, GeneratedToken):
+                    tokens.append(event)
+        except EngineError as exc:
+            return tokens, exc
+        return tokens, None
+
+    async def both() -> list:
+        tasks = [asyncio.ensure_future(collect(p, s)) for p, s in (([5, 6], bad), ([7, 8], good))]
+        await asyncio.sleep(0)
+        engine.start()
+        return await asyncio.gather(*tasks)
+
+    try:
+        (bad_tokens, error), (good_tokens, good_error) = asyncio.run(both())
+        healthy = engine.healthy()
+        later, _ = engine.generate_sync([5, 6, 9], good)
+    finally:
+        engine.shutdown()
+    assert error is not None and "outside the vocabulary" in str(error), error
+    assert len(bad_tokens) == 1  # the token before the fault
+    assert good_error is None and len(good_tokens) == 4
+    assert all(t.logprob is not None and math.isfinite(t.logprob) for t in good_tokens)
+    assert healthy and len(later) == 4

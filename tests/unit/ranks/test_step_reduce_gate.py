@@ -2,7 +2,7 @@
 tensor-op form, which CUDA (and a CPU without a C compiler) runs: the same flags, chosen tokens,
 selected IDs and payload words on randomized records (stale slots and epochs, every kind,
 forced positions, positions past the emitted count, wrong logit rows, unrequested slots,
-padding rows)."""
+padding rows, tokens outside the vocabulary)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,8 @@ from ranks.step.gate_native import NativeStepGate, native_gate
 from ranks.step.reduce import StepReduction
 
 MODES = ("native", "tensor")
+VOCAB = 2
+"""The randomized records hold tokens 0..2: a third of them are outside this vocabulary."""
 
 
 def reduction_over(outputs: CompletionOutputs, rows: int, mode: str) -> StepReduction:
@@ -34,6 +36,7 @@ def reduction_over(outputs: CompletionOutputs, rows: int, mode: str) -> StepRedu
     methods under test read only these)."""
     step = StepReduction.__new__(StepReduction)
     step.outputs = outputs
+    step.vocab_size = VOCAB
     step.rows = torch.arange(rows, dtype=torch.int64)
     step.kinds = torch.tensor([int(Kind.SAMPLE), int(Kind.SPECULATIVE)])
     step.chosen = torch.zeros(rows, dtype=torch.int64)
@@ -47,7 +50,7 @@ def reduction_over(outputs: CompletionOutputs, rows: int, mode: str) -> StepRedu
         if lib is None:
             pytest.skip("no C compiler: the native gate is not built")
         step.native = NativeStepGate(lib, outputs, step.requested, step.chosen, step.ids,
-                                     step.counts, step.out)
+                                     step.counts, step.out, VOCAB)
     return step
 
 
@@ -157,6 +160,34 @@ def test_one_c_call_per_step_equals_gate_reduce_and_write(vocab: int, ties: bool
     gated = payloads[0][frame, [4, 1, 0], 0]
     assert (gated[:, 0] == torch.tensor([3, 20, 54])).all()  # the chosen ids, written
     assert (payloads[0][frame, 3] == -7).all() and (payloads[0][1 - frame] == -7).all()
+
+
+@pytest.mark.parametrize("one_call", [True, False])
+def test_a_token_outside_the_vocabulary_is_not_reduced(one_call: bool) -> None:
+    """A record whose token is not a vocabulary id (a sampler fault: its empty pick) fails the
+    gate: the step neither reads that lane nor writes the slot's payload, and the other rows
+    are reduced. The host then fails that request (a missing entry), not the whole step."""
+    vocab, capacity, tokens, frame = 423, 4, 2, 0
+    model = SimpleNamespace(local_width=vocab, dtype=torch.float32, vocab_start=0,
+                            local_valid=vocab, vocab_size=vocab)
+    outputs = CompletionOutputs.allocate(capacity, tokens)
+    records = outputs.completion_records[frame]
+    chosen = [7, 2**31 - 1, -1, vocab]
+    for slot, token in enumerate(chosen):
+        records[slot, SLOT], records[slot, EPOCH], records[slot, KIND] = slot, 0, int(Kind.SAMPLE)
+        records[slot, EMITTED], records[slot, FIRST_LOGIT_ROW] = 1, slot
+        records[slot, HEADER] = token
+    outputs.logprob_requested.fill_(1)
+    outputs.completion_logprobs.fill_(-7)
+    step = StepReduction(model, None, outputs, "torch", torch.device("cpu"), rows=capacity)
+    if not one_call:
+        step.call, step.native = None, None
+    logits = torch.randn(capacity, vocab, generator=torch.Generator().manual_seed(3))
+    step(frame, logits, list(range(capacity)), [0] * capacity, [0] * capacity)
+    payload = outputs.completion_logprobs[frame]
+    assert int(payload[0, 0, 0]) == 7
+    assert (payload[1:] == -7).all()
+    assert step.requested.tolist() == [1, 0, 0, 0]
 
 
 def record_calls(native: NativeStepGate) -> list[bool]:
