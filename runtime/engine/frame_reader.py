@@ -69,9 +69,9 @@ def round_error(record: list[int], proposals: tuple[int, ...], vocab_size: int) 
         return f"record accepts {accepted} of {offered} and emits {len(emitted)}"
     if emitted[:accepted] != list(proposals[:accepted]):
         return "accepted tokens differ from the proposals"
-    if emitted and not 0 <= min(emitted) <= max(emitted) < vocab_size:
-        bad = next(t for t in emitted if not 0 <= t < vocab_size)
-        return f"sampled token id {bad} outside the vocabulary [0, {vocab_size})"
+    for token in emitted:
+        if not 0 <= token < vocab_size:
+            return f"sampled token id {token} outside the vocabulary [0, {vocab_size})"
     return None
 
 
