@@ -88,6 +88,12 @@ def check_token_ids(param: str, ids: Iterable[object], vocab_size: int) -> None:
         )
 
 
+def check_token_ids_given(token_ids: object) -> None:
+    """vLLM refuses an empty `logprob_token_ids` before any rule that pairs it with logprobs."""
+    if token_ids is not None and not token_ids:
+        raise RequestError(TOKEN_IDS, "`logprob_token_ids` must not be an empty list.")
+
+
 def check_logprob_request(
     logprobs: int | None,
     token_ids: Sequence[int] | None,
@@ -118,8 +124,7 @@ def check_logprob_request(
             "not supported: this model's core declares no token-id inputs "
             "(it serves natural alternatives only)",
         )
-    if not token_ids:
-        raise RequestError(TOKEN_IDS, "`logprob_token_ids` must not be an empty list.")
+    check_token_ids_given(token_ids)
     if len(token_ids) > MAX_TOKEN_IDS:
         raise RequestError(TOKEN_IDS, f"must hold 1..{MAX_TOKEN_IDS} ids, got {len(token_ids)}")
     check_token_ids(TOKEN_IDS, token_ids, vocab_size)

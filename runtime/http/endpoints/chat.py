@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ranks.contract.requests import RequestError, check_logprob_request
+from ranks.contract.requests import RequestError, check_logprob_request, check_token_ids_given
 from runtime.engine.client import EngineClient
 from runtime.http.assets import ModelAssets
 from runtime.http.output.choice_stream import ChoiceJob, Delta, Totals
@@ -67,6 +67,7 @@ def _check_logprobs(req: ChatCompletionRequest) -> int | None:
     if top is not None and (top > 0 or top == -1) and not req.logprobs:
         raise RequestError("top_logprobs",
                            "when using `top_logprobs`, `logprobs` must be set to true.")
+    check_token_ids_given(req.logprob_token_ids)
     if req.logprob_token_ids is not None and not req.logprobs:
         raise RequestError("logprob_token_ids",
                            "when using `logprob_token_ids`, `logprobs` must be set to true.")

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ranks.contract.requests import RequestError, check_token_ids
+from ranks.contract.requests import RequestError, check_token_ids, check_token_ids_given
 from runtime.engine.client import EngineClient, EngineInfo
 from runtime.http.assets import ModelAssets
 from runtime.http.output.choice_stream import ChoiceJob, Delta, Totals
@@ -75,6 +75,7 @@ def _check_logprobs(req: CompletionRequest, scoring: bool) -> bool:
     Ranges and what the core serves are checked once, by the engine."""
     if req.logprobs is not None and req.logprobs < 0 and req.logprobs != -1:
         raise RequestError("logprobs", "`logprobs` must be a positive value or -1.")
+    check_token_ids_given(req.logprob_token_ids)
     if req.logprob_token_ids is not None and req.logprobs is None:
         raise RequestError("logprob_token_ids",
                            "when using `logprob_token_ids`, `logprobs` must be set.")
