@@ -15,10 +15,9 @@ static int64_t forced_bit(int64_t mask, int64_t at) {
 }
 
 /* Per row r < rows: requested[r] is 1 when the row passes every condition of the gate
- * (reduce.py's module docstring: its token must be an id in [0, vocab)), chosen[r] the
- * record's token at the clipped position; the
- * slot's selected IDs and count are copied when `ids_src` is not NULL. Padding rows (slot
- * -1) read slot 0, as the tensor form does. */
+ * (reduce.py's module docstring; its token must be an id in [0, vocab)), chosen[r] the
+ * record's token at the clipped position; the slot's selected IDs and count are copied when
+ * `ids_src` is not NULL. Padding rows (slot -1) read slot 0, as the tensor form does. */
 int gate_rows(const int64_t *records, int64_t capacity, int64_t width,
               const int64_t *row_slots, const int64_t *row_epochs,
               const int64_t *row_positions, int64_t rows, const int32_t *requested_by_slot,

@@ -177,8 +177,7 @@ class NativeStepGate:
             (_P * 2)(*self.records), (_P * 2)(*self.payload), self.capacity, self.width,
             self.tokens, self.words, self.requested_by_slot, self.requested, self.chosen,
             ids_src, counts_src, ids, counts, self.max_ids, self.vocab_size, call.function,
-            call.block,
-            self.out, self.out_width, *(v.ctypes.data for v in self._row_vectors))
+            call.block, self.out, self.out_width, *(v.ctypes.data for v in self._row_vectors))
         self._block_address = ctypes.addressof(self._block)
         self._bound = call
 
