@@ -1,8 +1,8 @@
 """Schema fuzzing of the running server: generated bodies for /v1/completions and
 /v1/chat/completions (valid, malformed and adversarial values for every field) never get a
-5xx, and every answer is strict JSON (no NaN or Infinity): a 200 has choices (or, streamed, SSE
-events ending in [DONE]; the Responses API's typed events), an error has vLLM's error object
-naming a message."""
+5xx nor leave the engine unhealthy, and every answer is strict JSON (no NaN or Infinity): a
+200 has choices (or, streamed, SSE events ending in [DONE]; the Responses API's typed
+events), an error has vLLM's error object naming a message."""
 
 from __future__ import annotations
 
@@ -124,12 +124,16 @@ def check(response: httpx.Response, stream: bool, events_of=sse_events) -> None:
 
 
 def send(server, path: str, body: dict) -> httpx.Response:
+    """The answer to ``body``, after which the engine must still be healthy: a body that
+    stops it is reported itself (and shrunk), not as the 503s of the examples after it."""
     body = {"model": server.model_dir.name, **body}
     for key in ("max_tokens", "max_output_tokens"):
         if isinstance(body.get(key), int) and body[key] > 6:
             body[key] = 6
-    return httpx.post(server.url + path, content=json.dumps(body), timeout=120.0,
-                      headers={"content-type": "application/json"})
+    response = httpx.post(server.url + path, content=json.dumps(body), timeout=120.0,
+                          headers={"content-type": "application/json"})
+    assert httpx.get(server.url + "/health", timeout=30.0).status_code == 200, body
+    return response
 
 
 FUZZ = settings(max_examples=int(os.environ.get("HELIOS_FUZZ_EXAMPLES", "120")), deadline=None,
