@@ -47,12 +47,16 @@ from ranks.sampler_filters import (
     score_keys,
 )
 from ranks.sampler_gumbel import gumbel_best
-from ranks.sampling_params import SEED_MAX, RowSampling
+from ranks.sampling_params import GREEDY_EPS, SEED_MAX, RowSampling
 
 NEG_INF = float("-inf")
 FLOAT32_MAX = torch.finfo(torch.float32).max
 FLOAT32_TINY = float(torch.finfo(torch.float32).smallest_normal) * 2.0**-23
 """The smallest positive float32 (subnormal): a repetition penalty below it would round to 0."""
+LOGIT_LIMIT = FLOAT32_MAX * GREEDY_EPS / 2
+"""The largest magnitude bias and penalties leave on a finite lane, so that dividing by any
+sampling temperature (>= GREEDY_EPS) keeps it finite: a finite lane never becomes -inf, the
+mark of a masked one, nor +inf."""
 
 
 class ShardedSampler:
@@ -200,7 +204,8 @@ class ShardedSampler:
                 lanes, bias = self._local(
                     [t for t, _ in r.logit_bias], [b for _, b in r.logit_bias]
                 )
-                x[i].index_add_(0, lanes, bias.clamp_(-FLOAT32_MAX, FLOAT32_MAX))
+                old = x[i, lanes]
+                x[i, lanes] = _saturated(old + bias.clamp_(-FLOAT32_MAX, FLOAT32_MAX), old)
             # After logit_bias, as in vLLM: the repetition penalty scales the biased logit.
             if r.penalized:
                 self._penalize(x[i], r, prompt_ids[i], output_ids[i])
@@ -269,18 +274,23 @@ class ShardedSampler:
         lanes, counts = torch.unique(out_lanes, return_counts=True)
         # Every factor and term is a positive / finite float32, so no lane becomes NaN: a
         # penalty that rounds to 0 or inf in float32 would turn a masked lane's -inf (times
-        # 0) or a zero logit (times inf) into NaN, which no pick can rank.
+        # 0) or a zero logit (times inf) into NaN, which no pick can rank. Finite lanes
+        # saturate at +-LOGIT_LIMIT (_saturated).
         if r.repetition_penalty != 1:
             prompt_lanes, _ = self._local(prompt)
             seen = torch.unique(torch.cat((prompt_lanes, lanes)))
             vals = row[seen]
             rep = self._float32(r.repetition_penalty).clamp_(FLOAT32_TINY, FLOAT32_MAX)
-            row[seen] = torch.where(vals > 0, vals / rep, vals * rep)
+            row[seen] = _saturated(torch.where(vals > 0, vals / rep, vals * rep), vals)
         if r.frequency_penalty != 0:
             freq = self._float32(r.frequency_penalty).clamp_(-FLOAT32_MAX, FLOAT32_MAX)
-            row[lanes] -= (freq * counts.to(torch.float32)).clamp_(-FLOAT32_MAX, FLOAT32_MAX)
+            old = row[lanes]
+            term = (freq * counts.to(torch.float32)).clamp_(-FLOAT32_MAX, FLOAT32_MAX)
+            row[lanes] = _saturated(old - term, old)
         if r.presence_penalty != 0:
-            row[lanes] -= self._float32(r.presence_penalty).clamp_(-FLOAT32_MAX, FLOAT32_MAX)
+            old = row[lanes]
+            pres = self._float32(r.presence_penalty).clamp_(-FLOAT32_MAX, FLOAT32_MAX)
+            row[lanes] = _saturated(old - pres, old)
 
     def _local(
         self, token_ids: Sequence[int], values: Sequence[float] | None = None
@@ -304,3 +314,12 @@ class ShardedSampler:
 
     def _float64(self, values: Sequence[float]) -> torch.Tensor:
         return torch.tensor([float(t) for t in values], dtype=torch.float64, device=self.device)
+
+
+def _saturated(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """``new`` with the lanes that were finite in ``old`` kept within +-LOGIT_LIMIT: a finite
+    logit that a penalty or bias pushes past float32's range (or past what a temperature can
+    divide) stays the most extreme finite value instead of becoming +-inf, so the only -inf
+    lanes are masked ones and every row keeps a lane to pick. Values within the limit, and
+    lanes that were already infinite, are unchanged."""
+    return torch.where(old.isfinite(), new.clamp(-LOGIT_LIMIT, LOGIT_LIMIT), new)

@@ -157,3 +157,40 @@ def test_chat_completions_never_fail_with_5xx(server, body):
 @given(bodies(RESPONSES_FIELDS, "input"))
 def test_responses_never_fail_with_5xx(server, body):
     check(send(server, "/v1/responses", body), body.get("stream") is True, response_events)
+
+
+EDGE_PENALTIES = st.sampled_from([5e-324, 1e-300, 1e-45, 1e300, 1.7e308])
+LANES = st.integers(0, 255)  # (the byte-level model has more than 256 ids)
+VALID_SAMPLING = st.fixed_dictionaries({"prompt": st.lists(LANES, min_size=1, max_size=6)},
+                                        optional={
+    "temperature": st.one_of(st.just(0.0), st.floats(0.01, 2.0)),
+    "top_p": st.one_of(st.just(5e-324), st.floats(0.01, 1.0)),
+    "top_k": st.integers(-1, 300),
+    "min_p": st.floats(0.0, 1.0),
+    "repetition_penalty": st.one_of(EDGE_PENALTIES, st.floats(0.01, 5.0)),
+    "frequency_penalty": st.floats(-2.0, 2.0),
+    "presence_penalty": st.floats(-2.0, 2.0),
+    "logit_bias": st.dictionaries(LANES.map(str), st.floats(-100.0, 100.0), max_size=4),
+    "allowed_token_ids": st.lists(LANES, min_size=1, max_size=5, unique=True),
+    "min_tokens": st.integers(0, 3),
+    "logprobs": st.integers(0, 20),
+    "seed": st.integers(0, 2**32),
+}).map(lambda body: {"logprobs": 0, **body})
+
+
+@FUZZ
+@given(VALID_SAMPLING)
+def test_valid_sampling_parameters_are_served_from_the_allowed_ids(server, body):
+    """Every body here is valid (edges of float32 included, which round to 0 or inf there), so
+    each one is served: a 200 whose tokens are all allowed ids and whose logprobs are numbers."""
+    body = {**body, "max_tokens": 3, "ignore_eos": True, "return_tokens_as_token_ids": True}
+    if body.get("temperature") == 0.0:
+        body.pop("seed", None)
+    response = send(server, "/v1/completions", body)
+    assert response.status_code == 200, (body, response.text[:2000])
+    logprobs = strict_json(response.content)["choices"][0]["logprobs"]
+    ids = [int(token.removeprefix("token_id:")) for token in logprobs["tokens"]]
+    assert len(ids) == 3 and all(0 <= t for t in ids)
+    if "allowed_token_ids" in body:
+        assert set(ids) <= set(body["allowed_token_ids"]), (body, ids)
+    assert all(isinstance(v, float) for v in logprobs["token_logprobs"])
