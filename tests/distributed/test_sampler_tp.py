@@ -89,6 +89,31 @@ def plain_greedy_logits() -> torch.Tensor:
     return x
 
 
+EDGE_ALLOWED = (3, 150, 151, 225, 300)
+"""Allowed ids on every shard at TP4 (width 76), seen in the prompt or the output or not."""
+
+
+def edge_scenario() -> tuple[torch.Tensor, list[RowSampling], list[list[int]], list[list[int]]]:
+    """Penalties at float32's edges (they round to 0 or inf there) beside a grammar mask and
+    every filter: the rows saturate rather than turn NaN or -inf (tests/unit/ranks/
+    test_sampler_extremes.py), the same way on every shard."""
+    penalties = [5e-324, 1e-45, 1e300, 1.7e308]
+    params = [dict(repetition_penalty=p, temperature=t, allowed_token_ids=EDGE_ALLOWED)
+              for p in penalties for t in (0.0, 1.0, 1e-5)]
+    params += [dict(repetition_penalty=5e-324, top_k=2, top_p=0.4, min_p=0.1),
+               dict(repetition_penalty=1e300, frequency_penalty=2.0, top_p=5e-324),
+               dict(repetition_penalty=1e300, logit_bias={150: 100.0}, min_p=0.9,
+                    allowed_token_ids=EDGE_ALLOWED)]
+    rows = [RowSampling(**({"seed": 11 * i + 3, "position": 4} | p))
+            for i, p in enumerate(params)]
+    logits = torch.randn(len(rows), VOCAB, generator=torch.Generator().manual_seed(9)) * 3
+    logits[:, 151] = -2.0  # seen and negative: x inf overflows to -inf in float32
+    logits[:, 225] = 0.0  # seen and zero: 0 x inf is NaN in float32
+    prompt = [[151, 225, 7, 3] for _ in rows]
+    output = [[300, 151, 8] for _ in rows]
+    return logits, rows, prompt, output
+
+
 def run_steps(sampler: ShardedSampler, start: int, width: int, valid: int) -> dict:
     ids, processed, intact = [], [], True
     for step in range(STEPS):
@@ -106,7 +131,7 @@ def run_steps(sampler: ShardedSampler, start: int, width: int, valid: int) -> di
     plain = torch.full((7, width), PAD_VALUE)
     plain[:, :valid] = plain_greedy_logits()[:, start : start + valid]
     greedy = [RowSampling(seed=i, position=0, temperature=0.0) for i in range(7)]
-    return {
+    result = {
         "greedy": sampler.sample(plain, greedy, [[]] * 7, [[]] * 7),
         "ids": ids,
         "processed": processed,
@@ -114,6 +139,11 @@ def run_steps(sampler: ShardedSampler, start: int, width: int, valid: int) -> di
         "cheap_bytes": cheap_bytes,
         "cheap_filter_calls": sampler.filter_exchange.calls - filter_calls,
     }
+    full, rows, prompt, output = edge_scenario()
+    edge = torch.full((len(rows), width), PAD_VALUE)
+    edge[:, :valid] = full[:, start : start + valid]
+    result["edge"] = sampler.sample(edge, rows, prompt, output)
+    return result
 
 
 def _rank_main() -> dict:
@@ -136,6 +166,15 @@ def test_tp1_scenario_is_not_trivial(tp1: dict):
     kept = (tp1["processed"][0] > float("-inf")).sum(1).tolist()
     assert kept[6] == 4 and kept[7] == 280 and kept[0] == VOCAB
     assert len({tuple(ids.tolist()) for ids in tp1["ids"]}) == STEPS
+
+
+def test_edge_penalties_pick_allowed_ids(tp1: dict):
+    _, rows, _, _ = edge_scenario()
+    picked = tp1["edge"].tolist()
+    assert all(0 <= t < VOCAB for t in picked)
+    for r, t in zip(rows, picked, strict=True):
+        assert r.allowed_token_ids is None or t in r.allowed_token_ids, (r, t)
+    assert picked[-1] == 150  # the biased, allowed lane under min-p 0.9
 
 
 def test_plain_greedy_rows_take_the_argmax_with_nan_as_minus_inf(tp1: dict):
@@ -165,5 +204,6 @@ def test_sharded_sampler_matches_tp1(world: int, tp1: dict):
             expected = tp1["processed"][step][:, start : start + valid]
             assert torch.equal(result["processed"][step], expected), (rank, step)
         assert result["greedy"].tolist() == tp1["greedy"].tolist(), rank
+        assert result["edge"].tolist() == tp1["edge"].tolist(), rank
         assert result["cheap_filter_calls"] == 0
         assert result["cheap_bytes"] == 3 * 3 * 4
