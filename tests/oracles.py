@@ -58,15 +58,31 @@ def qwen2_kwargs() -> dict:
     )
 
 
-def build_checkpoint(path: Path, family: str, max_shard_size: str | None = None) -> Path:
-    """Random tiny checkpoint saved with transformers; every parameter (biases too) is random."""
+SCALED_ROPES = {
+    "linear": {"rope_type": "linear", "factor": 2.5},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+}
+"""RoPE scalings with an original length short enough that the schedule's positions (< 16)
+rotate differently from plain RoPE in every one of them."""
+
+
+def build_checkpoint(
+    path: Path, family: str, max_shard_size: str | None = None, rope: str | None = None
+) -> Path:
+    """Random tiny checkpoint saved with transformers; every parameter (biases too) is random.
+    ``rope``: a key of SCALED_ROPES."""
     import transformers
 
+    kwargs = llama_kwargs() if family == "llama" else qwen2_kwargs()
+    if rope is not None:
+        kwargs["rope_parameters"] = dict(SCALED_ROPES[rope], rope_theta=kwargs.pop("rope_theta"))
     if family == "llama":
-        config = transformers.LlamaConfig(**llama_kwargs())
+        config = transformers.LlamaConfig(**kwargs)
         model_cls = transformers.LlamaForCausalLM
     else:
-        config = transformers.Qwen2Config(**qwen2_kwargs())
+        config = transformers.Qwen2Config(**kwargs)
         model_cls = transformers.Qwen2ForCausalLM
     torch.manual_seed(0)
     model = model_cls(config).eval()

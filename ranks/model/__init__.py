@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from ranks.model.config import ModelConfig, UnsupportedModelError
+from ranks.model.config import ModelConfig
+from ranks.model.errors import UnsupportedModelError
 from ranks.model.llama import KVCache, ShardedCausalLM
 from ranks.model.sharding import ShardLayout, head_shard, shard_layout, vocab_shard
 from ranks.model.weights import WeightLoadError

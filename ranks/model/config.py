@@ -7,13 +7,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ranks.model.errors import UnsupportedModelError
+from ranks.model.rope import RopeScaling, read_rope
+
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
-DEFAULT_ROPE_THETA = 10000.0
-PLAIN_ROPE_TYPES = (None, "default")
-
-
-class UnsupportedModelError(ValueError):
-    """The checkpoint uses a feature this runtime does not implement."""
 
 
 @dataclass(frozen=True)
@@ -35,6 +32,7 @@ class ModelConfig:
     max_position_embeddings: int
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    rope_scaling: RopeScaling | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES.values():
@@ -78,6 +76,7 @@ class ModelConfig:
         heads = int(raw["num_attention_heads"])
         _check_activation(raw)
         _check_no_sliding_window(raw)
+        rope_theta, rope_scaling = read_rope(raw)
         if architecture == "qwen2":
             qkv_bias, o_bias, mlp_bias = True, False, False
         else:
@@ -93,7 +92,7 @@ class ModelConfig:
             num_attention_heads=heads,
             num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
             head_dim=int(raw.get("head_dim") or hidden // heads),
-            rope_theta=_rope_theta(raw),
+            rope_theta=rope_theta,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
@@ -102,6 +101,7 @@ class ModelConfig:
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=_token_ids(raw.get("eos_token_id")),
+            rope_scaling=rope_scaling,
         )
 
     @classmethod
@@ -140,32 +140,6 @@ def _check_no_sliding_window(raw: dict[str, Any]) -> None:
     other = sorted({t for t in layer_types if t != "full_attention"})
     if other:
         raise UnsupportedModelError(f"unsupported attention layer types {other}")
-
-
-def _rope_theta(raw: dict[str, Any]) -> float:
-    theta = raw.get("rope_theta")
-    if raw.get("partial_rotary_factor", 1.0) != 1.0:
-        raise UnsupportedModelError("partial rotary embeddings are unsupported")
-    for key in ("rope_parameters", "rope_scaling"):
-        params = raw.get(key)
-        if params is None:
-            continue
-        if not isinstance(params, dict):
-            raise UnsupportedModelError(f"{key} must be an object, got {params!r}")
-        if params and all(isinstance(v, dict) for v in params.values()):
-            if set(params) != {"full_attention"}:
-                raise UnsupportedModelError(f"per-layer-type {key} {sorted(params)} unsupported")
-            params = params["full_attention"]
-        rope_type = params.get("rope_type", params.get("type"))
-        if rope_type not in PLAIN_ROPE_TYPES:
-            raise UnsupportedModelError(
-                f"unsupported rope scaling {rope_type!r} in {key}; only default RoPE is implemented"
-            )
-        if params.get("partial_rotary_factor", 1.0) != 1.0:
-            raise UnsupportedModelError("partial rotary embeddings are unsupported")
-        if params.get("rope_theta") is not None:
-            theta = params["rope_theta"]
-    return float(DEFAULT_ROPE_THETA if theta is None else theta)
 
 
 def _token_ids(value: Any) -> tuple[int, ...]:

@@ -17,6 +17,7 @@ from collectives.groups import all_reduce_sum, all_reduce_sum_ordered, group_ran
 from ranks.model.config import ModelConfig
 from ranks.model.invariant import attention as invariant_attention
 from ranks.model.invariant import choose_linear
+from ranks.model.rope import inverse_frequencies
 from ranks.model.sharding import ShardLayout, shard_layout
 from ranks.model.weights import LayerWeights, LoadProgress, ShardWeights, load_shard_weights
 
@@ -72,8 +73,9 @@ class ShardedCausalLM:
         self.dtype = dtype
         self.cache: KVCache | None = None
         hd = config.head_dim
-        exponents = torch.arange(0, hd, 2, dtype=torch.int64).to(torch.float) / hd
-        self.inv_freq = (1.0 / (config.rope_theta**exponents)).to(device)
+        inv_freq, self.rotary_scale = inverse_frequencies(hd, config.rope_theta,
+                                                          config.rope_scaling)
+        self.inv_freq = inv_freq.to(device)
         self._q_width = layout.local_heads * hd
         self._kv_width = layout.local_kv_heads * hd
         self.batch_invariant = batch_invariant
@@ -248,7 +250,10 @@ class ShardedCausalLM:
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.to(torch.float).unsqueeze(-1) * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
-        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if self.rotary_scale != 1.0:
+            cos, sin = cos * self.rotary_scale, sin * self.rotary_scale
+        return cos.to(self.dtype), sin.to(self.dtype)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         layout = self.layout

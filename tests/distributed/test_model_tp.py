@@ -18,7 +18,9 @@ from tests.oracles import (
     sequence_tokens,
 )
 
-FAMILIES = ("llama", "qwen2")
+CHECKPOINTS = {"llama": ("llama", None), "qwen2": ("qwen2", None),
+               "llama-llama3": ("llama", "llama3"), "qwen2-yarn": ("qwen2", "yarn")}
+"""name -> (family, RoPE scaling)."""
 TIMEOUT_S = 120.0
 
 pytestmark = pytest.mark.slow
@@ -27,11 +29,11 @@ pytestmark = pytest.mark.slow
 def rank_main(model_dirs: dict[str, str]) -> dict[str, dict]:
     """Runs on every rank of a gloo group (tests/distributed/harness.py)."""
     out = {}
-    for family, model_dir in model_dirs.items():
+    for name, model_dir in model_dirs.items():
         model = ShardedCausalLM.load(model_dir, world_group())
         logits = run_schedule(model, sequence_tokens(model.vocab_size))
         bounds = (model.vocab_start, model.local_width, model.local_valid)
-        out[family] = {"bounds": bounds, "logits": logits}
+        out[name] = {"bounds": bounds, "logits": logits}
     return out
 
 
@@ -39,11 +41,11 @@ def rank_main(model_dirs: dict[str, str]) -> dict[str, dict]:
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, dict]]:
     root = tmp_path_factory.mktemp("tp-models")
     out = {}
-    for family in FAMILIES:
-        model_dir = build_checkpoint(root / family, family)
+    for name, (family, rope) in CHECKPOINTS.items():
+        model_dir = build_checkpoint(root / name, family, rope=rope)
         vocab = ShardedCausalLM.load(model_dir).vocab_size
         tokens = sequence_tokens(vocab)
-        out[family] = (model_dir, tokens, reference_logits(model_dir, tokens))
+        out[name] = (model_dir, tokens, reference_logits(model_dir, tokens))
     return out
 
 
@@ -51,11 +53,11 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Pat
 def test_sharded_logits_match_transformers_slices(world: int, checkpoints):
     per_rank = run_ranks(rank_main, world, {f: str(c[0]) for f, c in checkpoints.items()},
                          timeout_s=TIMEOUT_S)
-    for family, (_, tokens, reference) in checkpoints.items():
+    for name, (_, tokens, reference) in checkpoints.items():
         vocab = next(iter(reference.values())).shape[-1]
         width = -(-vocab // world)
         for rank in range(world):
-            result = per_rank[rank][family]
+            result = per_rank[rank][name]
             start, local_width, valid = result["bounds"]
             assert (start, local_width) == (rank * width, width)
             assert valid == min(width, vocab - start)

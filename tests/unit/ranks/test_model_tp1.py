@@ -16,6 +16,7 @@ from ranks.model import (
     shard_layout,
     vocab_shard,
 )
+from ranks.model.rope import RopeScaling
 from tests.oracles import (
     TOLERANCE,
     build_checkpoint,
@@ -29,10 +30,20 @@ from tests.oracles import (
 
 
 @pytest.mark.parametrize(
-    ("family", "max_shard_size"), [("llama", None), ("qwen2", None), ("llama", "40KB")]
+    ("family", "max_shard_size", "rope"),
+    [
+        ("llama", None, None),
+        ("qwen2", None, None),
+        ("llama", "40KB", None),
+        ("llama", None, "linear"),
+        ("llama", None, "llama3"),
+        ("qwen2", None, "yarn"),
+    ],
 )
-def test_tp1_logits_match_transformers(tmp_path: Path, family: str, max_shard_size: str | None):
-    model_dir = build_checkpoint(tmp_path / family, family, max_shard_size)
+def test_tp1_logits_match_transformers(
+    tmp_path: Path, family: str, max_shard_size: str | None, rope: str | None
+):
+    model_dir = build_checkpoint(tmp_path / family, family, max_shard_size, rope)
     if max_shard_size is not None:
         assert (model_dir / "model.safetensors.index.json").is_file()
     model = ShardedCausalLM.load(model_dir)
@@ -71,11 +82,34 @@ def test_config_legacy_fields_and_errors():
     assert ModelConfig.from_dict(legacy_config(rope_parameters=plain)).rope_theta == 2.5e5
     no_theta = {k: v for k, v in legacy_config().items() if k != "rope_theta"}
     assert ModelConfig.from_dict(no_theta).rope_theta == 10000.0
-    scaled = {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5}
-    with pytest.raises(UnsupportedModelError, match="llama3"):
-        ModelConfig.from_dict(legacy_config(rope_scaling=scaled))
-    with pytest.raises(UnsupportedModelError, match="yarn"):
-        ModelConfig.from_dict(legacy_config(rope_parameters={"rope_type": "yarn"}))
+    with pytest.raises(UnsupportedModelError, match="'dynamic'.*linear, llama3, yarn"):
+        ModelConfig.from_dict(legacy_config(rope_scaling={"type": "dynamic", "factor": 2.0}))
+    with pytest.raises(UnsupportedModelError, match="longrope"):
+        ModelConfig.from_dict(legacy_config(rope_parameters={"rope_type": "longrope"}))
+    with pytest.raises(ValueError, match="rope_scaling.factor must be a number, got '8'"):
+        ModelConfig.from_dict(legacy_config(rope_scaling={"rope_type": "llama3", "factor": "8"}))
+    with pytest.raises(ValueError, match="needs a 'factor'"):
+        ModelConfig.from_dict(legacy_config(rope_scaling={"rope_type": "linear"}))
+    with pytest.raises(ValueError, match="high_freq_factor > low_freq_factor"):
+        ModelConfig.from_dict(legacy_config(rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4, "high_freq_factor": 1}))
+
+
+def test_config_reads_rope_scaling_as_checkpoints_write_it():
+    """Llama 3.2's config.json (rope_scaling with the theta beside it), a legacy "type" key, and
+    yarn's defaults (transformers': original length = max_position_embeddings)."""
+    llama32 = ModelConfig.from_dict(legacy_config(rope_theta=5e5, max_position_embeddings=131072,
+                                                  rope_scaling={
+        "factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+        "original_max_position_embeddings": 8192, "rope_type": "llama3"}))
+    assert llama32.rope_theta == 5e5
+    assert llama32.rope_scaling == RopeScaling("llama3", 32.0, 8192, 1.0, 4.0)
+    legacy = ModelConfig.from_dict(legacy_config(rope_scaling={"type": "linear", "factor": 4}))
+    assert legacy.rope_scaling == RopeScaling("linear", 4.0, 128)
+    yarn = ModelConfig.from_dict(legacy_config(rope_scaling={"type": "yarn", "factor": 4.0}))
+    assert yarn.rope_scaling.original_max_position_embeddings == 128
+    plain = ModelConfig.from_dict(legacy_config(rope_scaling={"rope_type": "default"}))
+    assert plain.rope_scaling is None
     with pytest.raises(UnsupportedModelError, match="sliding"):
         ModelConfig.from_dict(legacy_config(use_sliding_window=True))
     with pytest.raises(UnsupportedModelError, match="sliding_attention"):
