@@ -273,7 +273,9 @@ class Server:
 
 SERVERS = {
     # fixture name: (model kind, tensor-parallel degree, extra serve arguments)
-    "server": ("byte_level", 1, ["--capacity", "16"]),
+    # (test_concurrency keeps 64 requests in flight while other workers use the same server:
+    # the default queue limit, 4 per slot, would shed theirs or its with a 429)
+    "server": ("byte_level", 1, ["--capacity", "16", "--max-queued-requests", "256"]),
     "plain_server": ("byte_level", 1, ["--capacity", "4", "--no-logprobs"]),
     "scoring_server": ("byte_level", 1, ["--capacity", "8", "--prompt-logprobs"]),
     "tp4_server": ("byte_fallback", 4, ["--capacity", "4", "--prompt-logprobs"]),
