@@ -43,6 +43,7 @@ from launch.arguments import add_runtime_arguments  # noqa: E402
 from launch.cluster import join  # noqa: E402
 from launch.heap import settle_heap  # noqa: E402
 from launch.signals import Interrupted, StopSignals, env_rank, exit_process, say  # noqa: E402
+from runtime.http.protocol.defaults import FROM_MODEL  # noqa: E402
 
 DRAIN_S = 3.0
 """How long requests in flight may still finish after a stop (see serve_http)."""
@@ -70,6 +71,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-request-bytes", type=_positive, default=MAX_REQUEST_BYTES,
                    help="largest request body in bytes; a larger one gets HTTP 413 "
                         "(default: 8 MiB)")
+    p.add_argument("--generation-config", default=FROM_MODEL,
+                   help="sampling defaults for fields a request leaves unset (temperature, "
+                        "top_p, top_k, min_p, repetition_penalty; max_new_tokens caps "
+                        "max_tokens): 'auto' reads the model's generation_config.json, 'vllm' "
+                        "uses neutral ones, or a directory holding generation_config.json")
     p.add_argument("--max-queued-requests", type=_positive, default=None,
                    help="engine requests (one per choice) waiting or running at once; beyond "
                         "it HTTP 429 with Retry-After (default: 4 x --capacity)")
@@ -176,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
 
         app = create_app(engine, cluster.config.model_dir, engine.info.model_name,
                          max_request_bytes=args.max_request_bytes,
-                         max_queued_requests=args.max_queued_requests)
+                         max_queued_requests=args.max_queued_requests,
+                         generation_config=args.generation_config)
         info, world = engine.info, cluster.world
         try:
             sizing = capacity_line(engine, world, app.state.admission.limit)

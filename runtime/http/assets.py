@@ -1,4 +1,5 @@
-"""What presentation needs from the model directory: tokenizer, token bytes, chat template."""
+"""What presentation needs from the model directory: tokenizer, token bytes, chat template,
+sampling defaults."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 import tokenizers
 
 from ranks.contract.requests import RequestError
+from runtime.http.protocol.defaults import FROM_MODEL, load_sampling_defaults
 from runtime.text.chat_template import ChatTemplate
 from runtime.text.token_bytes import TokenBytes
 
@@ -42,9 +44,11 @@ def _replace_shrinks(spec: dict | None) -> bool:
 class ModelAssets:
     """What presentation needs from the model directory."""
 
-    def __init__(self, model_dir: str | Path, served_model_name: str, vocab_size: int) -> None:
+    def __init__(self, model_dir: str | Path, served_model_name: str, vocab_size: int,
+                 generation_config: str = FROM_MODEL) -> None:
         self.model_dir = Path(model_dir)
         self.served_model_name = served_model_name
+        self.sampling_defaults = load_sampling_defaults(generation_config, self.model_dir)
         self.tokenizer = tokenizers.Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
         self.token_bytes = TokenBytes(self.tokenizer, vocab_size)
         self.chat_template = ChatTemplate.from_model_dir(self.model_dir)

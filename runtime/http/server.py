@@ -45,6 +45,7 @@ from runtime.http.metrics import (
     default_queue_limit,
 )
 from runtime.http.openapi import openapi_document
+from runtime.http.protocol.defaults import FROM_MODEL
 from runtime.http.protocol.limits import (
     DEFAULT_MAX_REQUEST_BYTES,
 )
@@ -115,10 +116,16 @@ def model_card(engine: EngineClient, assets: ModelAssets, created: int) -> dict[
 
 def create_app(engine: EngineClient, model_dir: str | Path, served_model_name: str, *,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-               max_queued_requests: int | None = None) -> FastAPI:
+               max_queued_requests: int | None = None,
+               generation_config: str = FROM_MODEL) -> FastAPI:
     """The app. `max_queued_requests` bounds waiting + running engine requests (None: four
-    per slot of an engine with a scheduler, else unbounded); beyond it, 429."""
-    assets = ModelAssets(model_dir, served_model_name, engine.info.vocab_size)
+    per slot of an engine with a scheduler, else unbounded); beyond it, 429.
+    `generation_config`: where unset sampling fields take their defaults (defaults.py)."""
+    assets = ModelAssets(model_dir, served_model_name, engine.info.vocab_size,
+                         generation_config)
+    if assets.sampling_defaults.overrides():
+        log.warning("sampling defaults from %s: %s (--generation-config vllm for neutral ones)",
+                    assets.sampling_defaults.source, assets.sampling_defaults.overrides())
     app = FastAPI(title="helios", docs_url=None, redoc_url=None)
     info = engine.info
     app.openapi = lambda: openapi_document(  # GET /openapi.json

@@ -16,6 +16,9 @@ class ScriptedEngine:
         self.script = script
         self.alive = True
         self.requests = 0
+        self.params = []
+        self.prompts = []
+        """Every admitted request's SamplingParams and prompt ids, in order."""
 
     def check(self, prompt_ids, params) -> None:
         RealEngine.check(self, prompt_ids, params)
@@ -23,6 +26,8 @@ class ScriptedEngine:
     async def generate(self, prompt_ids, params):
         self.check(prompt_ids, params)
         self.requests += 1
+        self.params.append(params)
+        self.prompts.append(list(prompt_ids))
         for event in self.script:
             await asyncio.sleep(0)
             if isinstance(event, Exception):

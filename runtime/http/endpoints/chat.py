@@ -22,6 +22,7 @@ from runtime.http.protocol.models import ChatCompletionRequest
 from runtime.http.protocol.params import (
     bad_word_ids,
     build_params,
+    capped_max_tokens,
     check_choices,
     check_request,
     check_stops,
@@ -123,7 +124,8 @@ def prepare_chat(
     reasoning parser splits the output into reasoning and content (vLLM's `reasoning` field);
     `content_entries_only` then keeps the entries of content tokens only (Responses)."""
     _check_tool_usage(req)
-    check_request(req)
+    defaults = assets.sampling_defaults
+    check_request(req, defaults)
     messages = parse_messages(req.messages)
     top = _check_logprobs(req)
     stops = req.stop_strings()
@@ -143,11 +145,12 @@ def prepare_chat(
     max_tokens = resolve_max_tokens(
         requested, len(ids), info.max_model_len, param, prompt_param="messages"
     )
+    max_tokens = capped_max_tokens(max_tokens, defaults)
     jobs = []
     bad_words = bad_word_ids(req.bad_words, assets.word_ids)
     for i in range(req.n):
         params = build_params(
-            req, max_tokens=max_tokens, logprobs=top,
+            req, defaults, max_tokens=max_tokens, logprobs=top,
             logprob_token_ids=req.logprob_token_ids if top is not None else None,
             seed=choice_seed(req.seed, i),
             prompt_logprobs=req.prompt_logprobs if i == 0 else None, bad_words=bad_words,

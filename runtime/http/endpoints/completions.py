@@ -30,6 +30,7 @@ from runtime.http.protocol.models import CompletionRequest
 from runtime.http.protocol.params import (
     bad_word_ids,
     build_params,
+    capped_max_tokens,
     check_choices,
     check_request,
     check_stops,
@@ -158,7 +159,8 @@ def prepare_completion(
     req: CompletionRequest, engine: EngineClient, assets: ModelAssets
 ) -> PreparedCompletion:
     """Everything refused before admission raises RequestError here (HTTP 400)."""
-    check_request(req)
+    defaults = assets.sampling_defaults
+    check_request(req, defaults)
     info = engine.info
     echo_logprobs = _check_logprobs(req, info.prompt_logprobs)
     engine_prompt_logprobs = _engine_prompt_logprobs(req, echo_logprobs)
@@ -178,6 +180,7 @@ def prepare_completion(
             default=DEFAULT_MAX_TOKENS,
             allow_zero=bool(req.echo),
         )
+        max_tokens = capped_max_tokens(max_tokens, defaults)
         total += len(ids)
         echo, prompt = None, None
         if req.echo:
@@ -188,7 +191,7 @@ def prepare_completion(
                 prompt = EchoedPrompt(ids, offsets) if echo_logprobs else None
         for i in range(req.n):
             params = build_params(
-                req, max_tokens=max_tokens, logprobs=req.logprobs,
+                req, defaults, max_tokens=max_tokens, logprobs=req.logprobs,
                 logprob_token_ids=req.logprob_token_ids, seed=choice_seed(req.seed, i),
                 prompt_logprobs=engine_prompt_logprobs, bad_words=bad_words,
             )

@@ -196,6 +196,7 @@ def _item_id(prep: PreparedResponses, prefix: str) -> str:
 def _response(prep: PreparedResponses, assets: ModelAssets, status: str, output: list
               ) -> dict[str, Any]:
     src, usage = prep.source, prep.totals.usage()
+    sampling = prep.jobs[0].params  # (the sampling the choice ran with: model defaults too)
     return {
         "id": prep.id, "object": "response", "created_at": prep.created, "status": status,
         "background": False, "error": None,
@@ -205,10 +206,10 @@ def _response(prep: PreparedResponses, assets: ModelAssets, status: str, output:
         "metadata": src.metadata or {}, "model": assets.served_model_name, "output": output,
         "parallel_tool_calls": True, "previous_response_id": None,
         "reasoning": _reasoning_echo(src.reasoning),
-        "store": False, "temperature": 1.0 if src.temperature is None else src.temperature,
+        "store": False, "temperature": sampling.temperature,
         "text": {"format": {"type": "text"}}, "tool_choice": "auto", "tools": [],
         "top_logprobs": src.top_logprobs or 0,
-        "top_p": 1.0 if src.top_p is None else src.top_p, "truncation": "disabled",
+        "top_p": sampling.top_p, "truncation": "disabled",
         "usage": {
             "input_tokens": usage["prompt_tokens"],
             "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},

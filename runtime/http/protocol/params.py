@@ -9,6 +9,7 @@ from collections.abc import Callable
 from ranks.contract.requests import RequestError, context_overflow
 from runtime.engine.client import SamplingParams
 from runtime.http.output.wire import WireMode
+from runtime.http.protocol.defaults import SamplingDefaults
 from runtime.http.protocol.models import (
     MAX_CHOICES,
     MAX_STOP_LENGTH,
@@ -57,6 +58,7 @@ def check_choices(n: int, prompts: int) -> None:
 
 def build_params(
     req: SamplingFields,
+    defaults: SamplingDefaults,
     *,
     max_tokens: int,
     logprobs: int | None,
@@ -66,20 +68,21 @@ def build_params(
     bad_words: tuple[tuple[int, ...], ...] = (),
 ) -> SamplingParams:
     """SamplingParams for one choice (its __post_init__ raises RequestError naming the field).
-    `prompt_logprobs`: what the engine scores (None: the prompt is not scored)."""
+    A field the request leaves unset takes the model's default (`defaults`), else vLLM's
+    neutral one. `prompt_logprobs`: what the engine scores (None: the prompt is not scored)."""
     allowed = None
     if req.allowed_token_ids is not None:
         allowed = tuple(dict.fromkeys(req.allowed_token_ids))
     return SamplingParams(
         max_tokens=max_tokens,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=0 if req.top_k is None else req.top_k,
-        min_p=0.0 if req.min_p is None else req.min_p,
+        temperature=effective_temperature(req, defaults),
+        top_p=_first(req.top_p, defaults.top_p, 1.0),
+        top_k=_first(req.top_k, defaults.top_k, 0),
+        min_p=_first(req.min_p, defaults.min_p, 0.0),
         seed=seed,
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
-        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        repetition_penalty=_first(req.repetition_penalty, defaults.repetition_penalty, 1.0),
         logit_bias=parse_logit_bias(req.logit_bias),
         allowed_token_ids=allowed,
         stop_token_ids=tuple(req.stop_token_ids or ()),
@@ -92,6 +95,20 @@ def build_params(
         thinking_token_budget=req.thinking_token_budget,
         speculative=req.speculative,
     )
+
+
+def _first(*values):
+    return next(v for v in values if v is not None)
+
+
+def effective_temperature(req: SamplingFields, defaults: SamplingDefaults) -> float:
+    return _first(req.temperature, defaults.temperature, 1.0)
+
+
+def capped_max_tokens(max_tokens: int, defaults: SamplingDefaults) -> int:
+    """vLLM's rule: the model's max_new_tokens caps every request, explicit or not."""
+    cap = defaults.max_tokens
+    return max_tokens if cap is None else min(max_tokens, cap)
 
 
 def bad_word_ids(words: list[str] | None, encode: Callable[[str], list[int]]
@@ -173,7 +190,7 @@ GREEDY_TEMPERATURE = 1e-5
 """vLLM's _SAMPLING_EPS: a lower temperature samples greedily."""
 
 
-def check_request(req: SamplingFields) -> None:
+def check_request(req: SamplingFields, defaults: SamplingDefaults) -> None:
     """What vLLM's request model refuses (its validators, in their wording), the field
     policy's refusals (protocol.REFUSED), then vLLM's SamplingParams bounds."""
     options = req.stream_options
@@ -191,10 +208,10 @@ def check_request(req: SamplingFields) -> None:
     refused = req.refusal()
     if refused is not None:
         raise refused
-    check_sampling(req)
+    check_sampling(req, defaults)
 
 
-def check_sampling(req: SamplingFields) -> None:
+def check_sampling(req: SamplingFields, defaults: SamplingDefaults) -> None:
     """vLLM's SamplingParams._verify_args bounds that the engine does not own (the engine
     checks top-p, top-k, min-p and the rest once, for every client)."""
     for name in ("presence_penalty", "frequency_penalty"):
@@ -210,7 +227,8 @@ def check_sampling(req: SamplingFields) -> None:
     if req.bad_words is not None and any(not word for word in req.bad_words):
         raise RequestError("bad_words", "bad_words cannot contain an empty string. "
                                         f"Got bad_words={req.bad_words}")
-    if req.n > 1 and t is not None and 0 <= t < GREEDY_TEMPERATURE:
+    t = effective_temperature(req, defaults)
+    if req.n > 1 and 0 <= t < GREEDY_TEMPERATURE:
         raise RequestError("n", f"n must be 1 when using greedy sampling, got {req.n}.")
 
 

@@ -239,3 +239,32 @@ def test_collective_timeout_fails_a_hung_peer_before_the_heartbeat(tmp_path):
         if stopped is not None:
             os.kill(stopped, signal.SIGCONT)
         server.stop()
+
+
+def test_generation_config_directory_sets_the_sampling_defaults(tmp_path):
+    """--generation-config DIR: a request without sampling fields samples as the file says
+    (greedy with a repetition penalty, max_new_tokens as the cap), token for token the
+    request that sets the same values itself; the file's penalty changes the greedy text."""
+    model_dir = write_model(tmp_path / "model", "byte_level")
+    defaults = tmp_path / "defaults"
+    defaults.mkdir()
+    (defaults / "generation_config.json").write_text(
+        '{"temperature": 0.0, "repetition_penalty": 1.8, "max_new_tokens": 12}')
+    server = launch("generation-config", model_dir, 1,
+                    ["--capacity", "2", "--generation-config", str(defaults)], tmp_path)
+    try:
+        server.wait_healthy()
+        base = {"model": model_dir.name, "prompt": "The garden", "ignore_eos": True,
+                "logprobs": 1, "return_tokens_as_token_ids": True}
+
+        def tokens(**fields) -> list[str]:
+            response = post(server, "/v1/completions", {**base, **fields})
+            assert response.status_code == 200, response.text
+            return strict_json(response.content)["choices"][0]["logprobs"]["tokens"]
+
+        by_default = tokens(max_tokens=40)
+        assert len(by_default) == 12
+        assert by_default == tokens(max_tokens=12, temperature=0.0, repetition_penalty=1.8)
+        assert by_default != tokens(max_tokens=12, temperature=0.0, repetition_penalty=1.0)
+    finally:
+        server.stop()
