@@ -17,7 +17,7 @@ class ScriptedEngine:
         self.alive = True
         self.requests = 0
         self.params = []
-        self.prompts = []
+        self.prompt_ids = []
         """Every admitted request's SamplingParams and prompt ids, in order."""
 
     def check(self, prompt_ids, params) -> None:
@@ -27,7 +27,7 @@ class ScriptedEngine:
         self.check(prompt_ids, params)
         self.requests += 1
         self.params.append(params)
-        self.prompts.append(list(prompt_ids))
+        self.prompt_ids.append(list(prompt_ids))
         for event in self.script:
             await asyncio.sleep(0)
             if isinstance(event, Exception):

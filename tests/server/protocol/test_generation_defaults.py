@@ -83,7 +83,7 @@ def test_generation_config_vllm_keeps_the_neutral_defaults(model_dir, route):
     path, body = ROUTES[route]
     assert post(app, path, body).status_code == 200
     assert sampling(engine.params[-1]) == NEUTRAL
-    room = engine.info.max_model_len - len(engine.prompts[-1])
+    room = engine.info.max_model_len - len(engine.prompt_ids[-1])
     assert engine.params[-1].max_tokens == (16 if route == "completions" else room)
 
 
