@@ -49,7 +49,7 @@ class Plan:
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise UsageError(f"{self.model_dir}: {exc}") from None
         try:
-            max_seq_len = self.runtime.resolve_max_model_len(self.model.max_position_embeddings)
+            max_seq_len = self.runtime.resolve_max_model_len(self.model)
             self.step = self.runtime.step_config(max_seq_len)
             self.job = self._job(self.step)
         except ValueError as exc:

@@ -149,7 +149,7 @@ def build(model_dir: Path, speculative_tokens: int = 0, group: object = None, **
     if not speculative_tokens:
         return config, load_rank(config, group)
     model = ShardedCausalLM.load(model_dir, group)
-    step = config.step_config(config.resolve_max_model_len(model.config.max_position_embeddings))
+    step = config.step_config(config.resolve_max_model_len(model.config))
     return config, RankStep(model, group, replace(step, speculative_tokens=speculative_tokens))
 
 

@@ -68,22 +68,39 @@ SCALED_ROPES = {
 rotate differently from plain RoPE in every one of them."""
 
 
+def qwen3_kwargs() -> dict:
+    """q/k norms, head_dim 32 while hidden / heads is 16, a vocabulary 4 does not divide."""
+    return dict(qwen2_kwargs(), vocab_size=299, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=32, tie_word_embeddings=False)
+
+
+def mistral_kwargs() -> dict:
+    """A sliding window that the test schedule's 32-token cache never exceeds."""
+    kwargs = {k: v for k, v in llama_kwargs().items() if not k.endswith("_bias")}
+    return dict(kwargs, sliding_window=32, head_dim=16)
+
+
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", llama_kwargs),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", qwen2_kwargs),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", qwen3_kwargs),
+    "mistral": ("MistralConfig", "MistralForCausalLM", mistral_kwargs),
+}
+
+
 def build_checkpoint(
     path: Path, family: str, max_shard_size: str | None = None, rope: str | None = None
 ) -> Path:
     """Random tiny checkpoint saved with transformers; every parameter (biases too) is random.
-    ``rope``: a key of SCALED_ROPES."""
+    ``family``: a key of FAMILIES; ``rope``: a key of SCALED_ROPES."""
     import transformers
 
-    kwargs = llama_kwargs() if family == "llama" else qwen2_kwargs()
+    config_name, model_name, make_kwargs = FAMILIES[family]
+    kwargs = make_kwargs()
     if rope is not None:
         kwargs["rope_parameters"] = dict(SCALED_ROPES[rope], rope_theta=kwargs.pop("rope_theta"))
-    if family == "llama":
-        config = transformers.LlamaConfig(**kwargs)
-        model_cls = transformers.LlamaForCausalLM
-    else:
-        config = transformers.Qwen2Config(**kwargs)
-        model_cls = transformers.Qwen2ForCausalLM
+    config = getattr(transformers, config_name)(**kwargs)
+    model_cls = getattr(transformers, model_name)
     torch.manual_seed(0)
     model = model_cls(config).eval()
     gen = torch.Generator().manual_seed(1234)

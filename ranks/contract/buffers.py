@@ -144,6 +144,9 @@ def weight_buffers(config: ModelConfig, layout: ShardLayout, dtype: str) -> tupl
     out.append(weight("attention", "qkv", lay + "qkv", (q + 2 * kv, hidden), layers))
     if config.qkv_bias:
         out.append(weight("attention", "qkv bias", lay + "qkv_bias", (q + 2 * kv,), layers))
+    if config.qk_norm:
+        out.append(weight("attention", "q_norm", lay + "q_norm", (hd,), layers))
+        out.append(weight("attention", "k_norm", lay + "k_norm", (hd,), layers))
     out.append(weight("attention", "o_proj", lay + "o_proj", (hidden, q), layers))
     if config.o_bias:
         out.append(weight("attention", "o_proj bias", lay + "o_bias", (hidden,), layers))

@@ -1,4 +1,5 @@
-"""Model recipes: Llama / Qwen2 with tensor-parallel sharded weights and a per-slot KV cache."""
+"""Model recipes: Llama, Mistral, Qwen2 and Qwen3 with tensor-parallel sharded weights and a
+per-slot KV cache."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Model hyperparameters read from a Hugging Face ``config.json`` (Llama and Qwen2 families)."""
+"""Model hyperparameters read from a Hugging Face ``config.json`` (Llama, Mistral, Qwen2 and
+Qwen3: one decoder recipe, differing in biases, q/k norms and the attention window)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from typing import Any
 from ranks.model.errors import UnsupportedModelError
 from ranks.model.rope import RopeScaling, read_rope
 
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+                 "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,11 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     rope_scaling: RopeScaling | None = None
+    qk_norm: bool = False
+    """Qwen3: an RMSNorm over head_dim on every query and key head, before RoPE."""
+    sliding_window: int | None = None
+    """Mistral: keys further back than this are not attended. Only served where it never
+    binds: max_model_len <= sliding_window (ShardedCausalLM.allocate_cache checks)."""
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES.values():
@@ -61,6 +68,11 @@ class ModelConfig:
             raise ValueError(f"rope_theta must be positive, got {self.rope_theta}")
         if not self.rms_norm_eps > 0:
             raise ValueError(f"rms_norm_eps must be positive, got {self.rms_norm_eps}")
+        if self.sliding_window is not None and (
+                isinstance(self.sliding_window, bool) or not isinstance(self.sliding_window, int)
+                or self.sliding_window <= 0):
+            raise ValueError(f"sliding_window must be a positive integer or null, got "
+                             f"{self.sliding_window!r}")
         for token in (self.bos_token_id, *self.eos_token_ids):
             if token is not None and not 0 <= token < self.vocab_size:
                 raise ValueError(f"special token id {token} outside vocabulary {self.vocab_size}")
@@ -75,10 +87,15 @@ class ModelConfig:
         hidden = int(raw["hidden_size"])
         heads = int(raw["num_attention_heads"])
         _check_activation(raw)
-        _check_no_sliding_window(raw)
+        _check_no_sliding_window(raw, architecture)
         rope_theta, rope_scaling = read_rope(raw)
         if architecture == "qwen2":
             qkv_bias, o_bias, mlp_bias = True, False, False
+        elif architecture == "mistral":
+            qkv_bias, o_bias, mlp_bias = False, False, False
+        elif architecture == "qwen3":
+            attention_bias = bool(raw.get("attention_bias", False))
+            qkv_bias, o_bias, mlp_bias = attention_bias, attention_bias, False
         else:
             attention_bias = bool(raw.get("attention_bias", False))
             qkv_bias, o_bias = attention_bias, attention_bias
@@ -102,6 +119,8 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=_token_ids(raw.get("eos_token_id")),
             rope_scaling=rope_scaling,
+            qk_norm=architecture == "qwen3",
+            sliding_window=raw.get("sliding_window") if architecture == "mistral" else None,
         )
 
     @classmethod
@@ -124,7 +143,8 @@ def _architecture(raw: dict[str, Any]) -> str:
     model_type = raw.get("model_type")
     if model_type in ARCHITECTURES.values():
         return str(model_type)
-    raise UnsupportedModelError(f"unsupported model_type {model_type!r}; supported: llama, qwen2")
+    raise UnsupportedModelError(f"unsupported model_type {model_type!r}; supported: "
+                                f"{', '.join(sorted(set(ARCHITECTURES.values())))}")
 
 
 def _check_activation(raw: dict[str, Any]) -> None:
@@ -133,8 +153,10 @@ def _check_activation(raw: dict[str, Any]) -> None:
         raise UnsupportedModelError(f"unsupported hidden_act {act!r}; only 'silu' is implemented")
 
 
-def _check_no_sliding_window(raw: dict[str, Any]) -> None:
-    if raw.get("use_sliding_window"):
+def _check_no_sliding_window(raw: dict[str, Any], architecture: str) -> None:
+    """Qwen's use_sliding_window is refused; Mistral's window is kept in the config (it never
+    binds while max_model_len <= sliding_window)."""
+    if raw.get("use_sliding_window") and architecture != "mistral":
         raise UnsupportedModelError("sliding-window attention (use_sliding_window) is unsupported")
     layer_types = raw.get("layer_types") or []
     other = sorted({t for t in layer_types if t != "full_attention"})

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from collectives.groups import all_reduce_sum, all_reduce_sum_ordered, group_rank, group_size
 from ranks.model.config import ModelConfig
+from ranks.model.errors import UnsupportedModelError
 from ranks.model.invariant import attention as invariant_attention
 from ranks.model.invariant import choose_linear
 from ranks.model.rope import inverse_frequencies
@@ -125,6 +126,12 @@ class ShardedCausalLM:
 
     def allocate_cache(self, capacity: int, max_seq_len: int) -> KVCache:
         """Per layer K and V of shape ``[capacity, max_seq_len, local_kv_heads, head_dim]``."""
+        window = self.config.sliding_window
+        if window is not None and max_seq_len > window:
+            raise UnsupportedModelError(
+                f"sliding-window attention is not implemented: this checkpoint's "
+                f"sliding_window={window} would bind beyond {window} tokens, so max_model_len "
+                f"must be <= {window}, got {max_seq_len}")
         shape = (capacity, max_seq_len, self.layout.local_kv_heads, self.config.head_dim)
         layers = range(self.config.num_hidden_layers)
         keys = tuple(torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in layers)
@@ -282,6 +289,9 @@ class ShardedCausalLM:
         q = q.view(-1, layout.local_heads, hd)
         k = k.view(-1, layout.local_kv_heads, hd)
         v = v.view(-1, layout.local_kv_heads, hd)
+        if layer.q_norm is not None:
+            q = rms_norm(q, layer.q_norm, self.config.rms_norm_eps)
+            k = rms_norm(k, layer.k_norm, self.config.rms_norm_eps)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         cache_k, cache_v = self.cache.keys[index], self.cache.values[index]

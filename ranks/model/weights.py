@@ -44,6 +44,9 @@ class LayerWeights:
     gate_up_bias: torch.Tensor | None
     down: torch.Tensor
     down_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    """Qwen3's per-head RMSNorm weights ``[head_dim]``, replicated on every rank."""
 
 
 @dataclass
@@ -242,4 +245,6 @@ def _load_layer(
         gate_up_bias=gate_up_bias,
         down=place(cols(mlp + "down_proj.weight", (hidden, config.intermediate_size), inter)),
         down_bias=down_bias,
+        q_norm=place(reader.read(attn + "q_norm.weight", (hd,))) if config.qk_norm else None,
+        k_norm=place(reader.read(attn + "k_norm.weight", (hd,))) if config.qk_norm else None,
     )

@@ -34,7 +34,7 @@ def load_rank(config: RuntimeConfig, group, progress: LoadProgress | None = None
     """This rank's model shard and step; ``progress(done, total)`` follows the weight load."""
     model = ShardedCausalLM.load(config.model_dir, group, device=torch.device(config.device),
                                  progress=progress, batch_invariant=config.batch_invariant)
-    limit = config.resolve_max_model_len(model.config.max_position_embeddings)
+    limit = config.resolve_max_model_len(model.config)
     return RankStep(model, group, config.step_config(limit), device=config.device)
 
 

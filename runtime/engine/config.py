@@ -11,6 +11,7 @@ from pathlib import Path
 
 from kernels.layout import EXPORT_K
 from ranks.contract.declarations import DEFAULT_COMPLETION_TOKEN_CAPACITY
+from ranks.model import ModelConfig
 from ranks.step import StepConfig
 from runtime.engine.scheduler import SchedulerConfig
 from runtime.text.reasoning import load_reasoning, reasoning_strings
@@ -121,8 +122,16 @@ class RuntimeConfig:
     def model_name(self) -> str:
         return self.served_model_name or Path(self.model_dir).name
 
-    def resolve_max_model_len(self, max_position_embeddings: int) -> int:
-        return self.max_model_len or min(max_position_embeddings, MAX_MODEL_LEN_CAP)
+    def resolve_max_model_len(self, model: ModelConfig) -> int:
+        """The explicit --max-model-len, else the checkpoint's max_position_embeddings capped
+        at 4096 and at a sliding window (which is served only where it never binds)."""
+        window = model.sliding_window
+        if self.max_model_len is not None and window is not None and self.max_model_len > window:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the checkpoint's "
+                             f"sliding_window {window}; sliding-window attention is not "
+                             f"implemented, so at most {window} tokens are served")
+        limits = (model.max_position_embeddings, MAX_MODEL_LEN_CAP, window)
+        return self.max_model_len or min(n for n in limits if n is not None)
 
     def step_config(self, max_seq_len: int) -> StepConfig:
         return StepConfig(

@@ -19,6 +19,7 @@ from tests.oracles import (
 )
 
 CHECKPOINTS = {"llama": ("llama", None), "qwen2": ("qwen2", None),
+               "qwen3": ("qwen3", None), "mistral": ("mistral", None),
                "llama-llama3": ("llama", "llama3"), "qwen2-yarn": ("qwen2", "yarn")}
 """name -> (family, RoPE scaling)."""
 TIMEOUT_S = 120.0

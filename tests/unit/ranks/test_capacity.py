@@ -37,6 +37,7 @@ from tests.capacity_checks import (
 )
 from tests.checkpoints import write_llama, write_qwen2
 from tests.devices import interpreting_triton
+from tests.oracles import build_checkpoint
 
 # ------------------------------------------------------------------------------------------
 
@@ -51,6 +52,12 @@ def qwen2(tmp_path_factory) -> Path:
     return write_qwen2(tmp_path_factory.mktemp("qwen2"))
 
 
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory) -> Path:
+    """q/k norm weights: buffers the other two families do not have."""
+    return build_checkpoint(tmp_path_factory.mktemp("qwen3") / "model", "qwen3")
+
+
 CASES = {
     "k20": dict(),
     "prompt-logprobs": dict(prompt_logprobs=True, chunk_size=600),
@@ -62,7 +69,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("checkpoint", ["llama", "qwen2"])
+@pytest.mark.parametrize("checkpoint", ["llama", "qwen2", "qwen3"])
 def test_report_equals_the_rank_buffer_by_buffer(case, checkpoint, request):
     model_dir = request.getfixturevalue(checkpoint)
     config, step = build(model_dir, **CASES[case])

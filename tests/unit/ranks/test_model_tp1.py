@@ -17,11 +17,13 @@ from ranks.model import (
     vocab_shard,
 )
 from ranks.model.rope import RopeScaling
+from runtime.engine.config import RuntimeConfig
 from tests.oracles import (
     TOLERANCE,
     build_checkpoint,
     expected_rows,
     llama_kwargs,
+    qwen2_kwargs,
     reference_logits,
     run_schedule,
     schedule,
@@ -38,6 +40,8 @@ from tests.oracles import (
         ("llama", None, "linear"),
         ("llama", None, "llama3"),
         ("qwen2", None, "yarn"),
+        ("qwen3", None, None),
+        ("mistral", None, None),
     ],
 )
 def test_tp1_logits_match_transformers(
@@ -114,12 +118,44 @@ def test_config_reads_rope_scaling_as_checkpoints_write_it():
         ModelConfig.from_dict(legacy_config(use_sliding_window=True))
     with pytest.raises(UnsupportedModelError, match="sliding_attention"):
         ModelConfig.from_dict(legacy_config(layer_types=["full_attention", "sliding_attention"]))
-    with pytest.raises(UnsupportedModelError, match="MistralForCausalLM"):
-        ModelConfig.from_dict(legacy_config(architectures=["MistralForCausalLM"]))
+    with pytest.raises(UnsupportedModelError, match="GemmaForCausalLM"):
+        ModelConfig.from_dict(legacy_config(architectures=["GemmaForCausalLM"]))
+    with pytest.raises(UnsupportedModelError, match="supported: llama, mistral, qwen2, qwen3"):
+        ModelConfig.from_dict(legacy_config(architectures=[], model_type="gemma"))
     with pytest.raises(UnsupportedModelError, match="gelu"):
         ModelConfig.from_dict(legacy_config(hidden_act="gelu"))
     with pytest.raises(ValueError, match="num_key_value_heads"):
         ModelConfig.from_dict(legacy_config(num_key_value_heads=3))
+
+
+def test_a_mistral_sliding_window_is_served_only_where_it_never_binds(tmp_path: Path):
+    """Mistral v0.1 declares a 4096-token window: the default context stops there, a longer
+    one is refused before anything is allocated, and a cache longer than it is refused."""
+    mistral = dict(legacy_config(architectures=["MistralForCausalLM"], sliding_window=24,
+                                 max_position_embeddings=128, attention_bias=True))
+    config = ModelConfig.from_dict(mistral)
+    assert config.sliding_window == 24 and not (config.qkv_bias or config.mlp_bias)
+    assert RuntimeConfig(model_dir=tmp_path).resolve_max_model_len(config) == 24
+    assert RuntimeConfig(model_dir=tmp_path, max_model_len=16).resolve_max_model_len(config) == 16
+    with pytest.raises(ValueError, match="max_model_len 64 exceeds the checkpoint's "
+                                         "sliding_window 24"):
+        RuntimeConfig(model_dir=tmp_path, max_model_len=64).resolve_max_model_len(config)
+    unbounded = ModelConfig.from_dict({**mistral, "sliding_window": None})
+    assert RuntimeConfig(model_dir=tmp_path).resolve_max_model_len(unbounded) == 128
+    model = ShardedCausalLM.load(build_checkpoint(tmp_path / "m", "mistral"))
+    assert model.config.sliding_window == 32
+    with pytest.raises(UnsupportedModelError, match="max_model_len must be <= 32, got 33"):
+        model.allocate_cache(capacity=1, max_seq_len=33)
+    with pytest.raises(ValueError, match="sliding_window must be a positive integer"):
+        ModelConfig.from_dict({**mistral, "sliding_window": 0})
+
+
+def test_qwen_sliding_windows_stay_refused():
+    qwen = dict(qwen2_kwargs(), architectures=["Qwen3ForCausalLM"], use_sliding_window=True,
+                sliding_window=16)
+    with pytest.raises(UnsupportedModelError, match="use_sliding_window"):
+        ModelConfig.from_dict(qwen)
+    assert ModelConfig.from_dict({**qwen, "use_sliding_window": False}).sliding_window is None
 
 
 def test_shard_math():
