@@ -10,6 +10,7 @@ token by token when a request's ``thinking_token_budget`` is spent (ranks/commit
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,6 +84,31 @@ def load_reasoning(
     if not path.is_file():
         raise ValueError(f"a reasoning configuration needs {path} to resolve its token ids")
     return resolve_tokens(strings, tokenizers.Tokenizer.from_file(str(path)))
+
+
+def count_reasoning_tokens(ids: Sequence[int], tokens: ReasoningTokens) -> int:
+    """Generated tokens inside the thinking span, split as ReasoningSplit splits the text:
+    the tokens before the first end sequence, less those of start sequences (the delimiters
+    belong to neither part). vLLM's usage.completion_tokens_details.reasoning_tokens."""
+    ids = list(ids)
+    end = _find(ids, tokens.end)
+    span = ids if end < 0 else ids[:end]
+    start, count, i = list(tokens.start), 0, 0
+    while i < len(span):
+        if span[i : i + len(start)] == start:
+            i += len(start)
+        else:
+            count += 1
+            i += 1
+    return count
+
+
+def _find(ids: list[int], pattern: tuple[int, ...]) -> int:
+    first, width = pattern[0], len(pattern)
+    for i, token in enumerate(ids):
+        if token == first and tuple(ids[i : i + width]) == pattern:
+            return i
+    return -1
 
 
 class ReasoningSplit:

@@ -176,8 +176,8 @@ def prepare_chat(
     reasoning = engine.info.reasoning
     strings = None if reasoning is None else reasoning.strings
     return PreparedChat(req, messages, jobs, role, echo, len(ids),
-                        wire_mode(req, top is not None), Totals(len(ids)), strings,
-                        content_entries_only)
+                        wire_mode(req, top is not None), Totals(len(ids), reasoning=reasoning),
+                        strings, content_entries_only)
 
 
 def _content_positions(prep: PreparedChat, positions: list[Position], content_start: int | None,

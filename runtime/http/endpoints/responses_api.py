@@ -214,7 +214,7 @@ def _response(prep: PreparedResponses, assets: ModelAssets, status: str, output:
             "input_tokens": usage["prompt_tokens"],
             "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
             "output_tokens": usage["completion_tokens"],
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": prep.totals.reasoning_tokens},
             "total_tokens": usage["total_tokens"],
         },
         "user": src.user,

@@ -15,6 +15,7 @@ import asyncio
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
+from typing import Any
 
 from runtime.engine.client import (
     EngineClient,
@@ -25,6 +26,7 @@ from runtime.engine.client import (
     SamplingParams,
 )
 from runtime.http.output.wire import Position, positions
+from runtime.text.reasoning import ReasoningTokens, count_reasoning_tokens
 from runtime.text.stops import OutputStream
 from runtime.text.token_bytes import TokenBytes
 
@@ -65,18 +67,35 @@ class Totals:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     per_choice: dict[int, int] = field(default_factory=dict)
+    reasoning: ReasoningTokens | None = None
+    """A server with a reasoning parser (chat, Responses): usage counts reasoning tokens."""
+    generated: dict[int, list[int]] = field(default_factory=dict)
+    """Each choice's generated ids (kept only to count reasoning tokens)."""
 
     def add(self, index: int, delta: Delta) -> None:
         self.completion_tokens += delta.tokens
         self.per_choice[index] = self.per_choice.get(index, 0) + delta.tokens
+        if self.reasoning is not None:
+            self.generated.setdefault(index, []).extend(delta.token_ids)
 
-    def usage(self, completion_tokens: int | None = None) -> dict[str, int]:
+    @property
+    def reasoning_tokens(self) -> int:
+        reasoning = self.reasoning
+        if reasoning is None:
+            return 0
+        return sum(count_reasoning_tokens(ids, reasoning) for ids in self.generated.values())
+
+    def usage(self, completion_tokens: int | None = None) -> dict[str, Any]:
+        """OpenAI's usage; with a reasoning parser, vLLM's completion_tokens_details too."""
         done = self.completion_tokens if completion_tokens is None else completion_tokens
-        return {
+        usage: dict[str, Any] = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": done,
             "total_tokens": self.prompt_tokens + done,
         }
+        if self.reasoning is not None:
+            usage["completion_tokens_details"] = {"reasoning_tokens": self.reasoning_tokens}
+        return usage
 
 
 def primary_eos(eos_ids: Sequence[int], tokenizer_eos: int | None) -> int | None:

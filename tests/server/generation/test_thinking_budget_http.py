@@ -279,3 +279,40 @@ def test_reasoning_effort_reaches_the_chat_template(ending_server):
         refused = post(server, route, fields)
         assert refused.status_code == 400, refused.text
         assert strict_json(refused.content)["error"]["param"] == param
+
+
+def test_usage_counts_the_reasoning_tokens(ending_server):
+    """vLLM's usage.completion_tokens_details.reasoning_tokens (chat, whole and streamed) and
+    the Responses API's output_tokens_details: the generated tokens before the end string,
+    which itself is not counted; without an end string every generated token."""
+    server = ending_server
+    end_id = encode(server.model_dir, END_THINK)[0]
+    for max_tokens in (8, 2):
+        fields = dict(max_tokens=max_tokens, return_token_ids=True)
+        whole = strict_json(post(server, "/v1/chat/completions", chat_body(server, **fields)
+                                 ).content)
+        ids = whole["choices"][0]["token_ids"]
+        expected = ids.index(end_id) if end_id in ids else len(ids)
+        assert expected == (3 if max_tokens == 8 else 2)
+        usage = whole["usage"]
+        assert usage["completion_tokens_details"] == {"reasoning_tokens": expected}
+        assert usage["completion_tokens"] == len(ids) == max_tokens
+        events = sse_events(post(server, "/v1/chat/completions", chat_body(
+            server, stream=True, stream_options={"include_usage": True}, **fields)))
+        assert events[-1]["choices"] == [] and events[-1]["usage"] == usage
+        response = strict_json(post(server, "/v1/responses", {
+            "model": server.model_dir.name, "input": "<think>", "temperature": 0.0,
+            "max_output_tokens": max_tokens}).content)
+        assert response["usage"]["output_tokens_details"]["reasoning_tokens"] == expected
+
+
+def test_usage_details_only_with_a_reasoning_parser(silent_server):
+    server, parser = silent_server
+    usage = strict_json(post(server, "/v1/chat/completions", chat_body(
+        server, max_tokens=8)).content)["usage"]
+    assert ("completion_tokens_details" in usage) == (parser is not None)
+    if parser is not None:
+        assert usage["completion_tokens_details"] == {"reasoning_tokens": 3}
+    completion = strict_json(post(server, "/v1/completions", body(
+        server, thinking_token_budget=None)).content)["usage"]
+    assert "completion_tokens_details" not in completion

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.text.reasoning import ReasoningSplit, ReasoningStrings
+from runtime.text.reasoning import (
+    ReasoningSplit,
+    ReasoningStrings,
+    ReasoningTokens,
+    count_reasoning_tokens,
+)
 
 THINK = ReasoningStrings("<think>", "</think>")
 
@@ -45,3 +50,25 @@ def test_any_pieces_join_to_the_whole_split(text):
             assert (reasoning, content) == whole, (pieces, got)
             end = text.find("</think>")
             assert split.content_start == (None if end < 0 else end + len("</think>"))
+
+
+CHARS = ReasoningTokens(tuple(map(ord, "<think>")), tuple(map(ord, "</think>")), THINK)
+"""The delimiters as multi-token sequences: one token per character."""
+
+
+@pytest.mark.parametrize("text", ["<think>abc</think>\n012", "abc</think>done",
+                                  "<think>still thinking", "</think>", "a</think>b</think>c",
+                                  "<thin", "<think>a<think>b</think>", "", "ab</thi</think>c"])
+def test_reasoning_tokens_are_the_reasoning_texts_tokens(text):
+    """With one token per character, the count is the length of the split's reasoning text:
+    the tokens before the first end sequence, less those of start sequences."""
+    reasoning, _ = split_reasoning(text, THINK)
+    assert count_reasoning_tokens([ord(c) for c in text], CHARS) == len(reasoning)
+
+
+def test_single_token_delimiters():
+    tokens = ReasoningTokens((7,), (9,))
+    assert count_reasoning_tokens([7, 1, 2, 3, 9, 4, 5], tokens) == 3
+    assert count_reasoning_tokens([1, 2, 9, 4, 9], tokens) == 2
+    assert count_reasoning_tokens([1, 7, 2], tokens) == 2
+    assert count_reasoning_tokens([], tokens) == 0
