@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable, Sequence
 from functools import cache
 
 from hypothesis import strategies as st
@@ -242,3 +243,46 @@ def byte_offsets_oracle(tb: TokenBytes, ids: list[int]) -> dict[int, int]:
             out[index] = k - min(k, stripped)
         pos += len(data)
     return out
+
+
+FFFD = "\ufffd"
+
+
+def vllm_token_text(decode: Callable[[list[int]], str], own: str, token_id: int,
+                    context: Sequence[int]) -> str:
+    """vLLM's text of a token after the tokens sampled before it (written out from vLLM's
+    LogprobsProcessor._correct_decoded_token, sharing no code with runtime/): `own` unless it
+    ends in U+FFFD; then the first 1..4-token context whose `decode` with the token does not
+    end in U+FFFD, less the decode of the context before its trailing U+FFFD-ending tokens;
+    "" when none does."""
+    if not own.endswith(FFFD):
+        return own
+    context = list(context)
+    for n in range(1, min(len(context), 4) + 1):
+        window = context[-n:]
+        full = decode(window + [token_id])
+        if full.endswith(FFFD):
+            continue
+        clean_end = len(window)
+        for j in range(len(window) - 1, -1, -1):
+            if decode([window[j]]).endswith(FFFD):
+                clean_end = j
+            else:
+                break
+        prefix = decode(window[:clean_end]) if clean_end > 0 else ""
+        if full.startswith(prefix):
+            return full[len(prefix):]
+        common = 0
+        for a, b in zip(prefix, full, strict=False):
+            if a != b:
+                break
+            common += 1
+        return full[common:]
+    return ""
+
+
+def vllm_sequence_texts(decode: Callable[[list[int]], str], owns: Sequence[str],
+                        ids: Sequence[int]) -> list[str]:
+    """`vllm_token_text` of each token of a sequence after the tokens before it."""
+    return [vllm_token_text(decode, own, token_id, ids[:i])
+            for i, (token_id, own) in enumerate(zip(ids, owns, strict=True))]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -29,10 +30,22 @@ from typing import Any
 import tokenizers
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+REPLACEMENT = "\ufffd"
+MAX_CONTEXT = 4
+"""Context tokens vLLM decodes a partial token after (a UTF-8 character has at most 4 bytes)."""
 
 
 class UnsupportedDecoder(ValueError):
     """The tokenizer's decoder cannot be expressed as per-token bytes plus stream cleanup."""
+
+
+def _ends_unfinished(data: bytes) -> bool:
+    """The bytes after the leading continuation bytes (0x80-0xBF) decode to a text ending in
+    U+FFFD (then so does the token after any bytes)."""
+    lead = 0
+    while lead < len(data) and 0x80 <= data[lead] <= 0xBF:
+        lead += 1
+    return lead < len(data) and data[lead:].decode("utf-8", "replace").endswith(REPLACEMENT)
 
 
 @cache
@@ -159,6 +172,14 @@ class TokenBytes:
                 first[token_id] = self.plan.piece_bytes(piece, first=True)
         self._table = table
         self._strings = [data.decode("utf-8", errors="replace") for data in table]
+        self._partial = frozenset(t for t, text in enumerate(self._strings)
+                                  if text.endswith(REPLACEMENT))
+        """Ids whose own text ends in U+FFFD: the ones `token_string_after` corrects."""
+        self._never_completed = frozenset(t for t in self._partial
+                                          if _ends_unfinished(table[t]))
+        """Partial ids no context can complete: their U+FFFD is not in the leading run of
+        continuation bytes, and UTF-8 decodes from the first other byte on alike after any
+        prefix."""
         self._first = first
         self._special = frozenset(
             t["id"] for t in spec.get("added_tokens", []) if t.get("special") and t["id"] < size
@@ -200,6 +221,64 @@ class TokenBytes:
         """
         self._check(token_id)
         return self._strings[token_id]
+
+    def token_string_after(self, token_id: int, context: Sequence[int]) -> str:
+        """The token's text as vLLM reports it after the sequence `context` (the tokens
+        sampled before it, oldest first; vLLM's LogprobsProcessor._correct_decoded_token). A
+        text that does not end in U+FFFD is `token_string`. Otherwise the token is decoded
+        after its last 1, 2, 3 or 4 context tokens, the first time that completes the text;
+        the text of the trailing context tokens that ended in U+FFFD themselves (the earlier
+        bytes of the same character) is attributed to this token, the rest is cut off. When no
+        context completes it (the character continues in a later token): "", so joining the
+        tokens' texts gives the decoded text."""
+        return self.token_strings_after([token_id], context)[0]
+
+    def token_strings_after(self, token_ids: list[int], context: Sequence[int]) -> list[str]:
+        """`token_string_after` of each id, all after the same context (the alternatives of
+        one position)."""
+        strings = self.token_strings(token_ids)
+        partial = self._partial
+        if partial.isdisjoint(token_ids):
+            return strings
+        windows = self._windows(context)
+        return [self._completed(token_id, windows) if token_id in partial else text
+                for token_id, text in zip(token_ids, strings, strict=True)]
+
+    def _windows(self, context: Sequence[int]) -> list[tuple[bytes, str]]:
+        """(bytes, clean prefix text) of the last 1..4 context tokens; the clean prefix is the
+        text of the window before its trailing tokens whose own text ends in U+FFFD. Empty
+        when the last context token is not partial: its bytes then end a character, so every
+        window leaves a partial token's text ending in U+FFFD (nothing can complete it)."""
+        context = list(context[-MAX_CONTEXT:])
+        self._check_all(context)
+        partial, table = self._partial, self._table
+        if not context or context[-1] not in partial:
+            return []
+        windows = []
+        for count in range(1, len(context) + 1):
+            window = context[-count:]
+            clean = len(window)
+            while clean and window[clean - 1] in partial:
+                clean -= 1
+            prefix = b"".join(table[t] for t in window[:clean]).decode("utf-8", "replace")
+            windows.append((b"".join(table[t] for t in window), prefix))
+        return windows
+
+    def _completed(self, token_id: int, windows: list[tuple[bytes, str]]) -> str:
+        if token_id in self._never_completed:
+            return ""
+        data = self._table[token_id]
+        for window, prefix in windows:
+            whole = (window + data).decode("utf-8", "replace")
+            if whole.endswith(REPLACEMENT):
+                continue
+            if whole.startswith(prefix):
+                return whole[len(prefix):]
+            pairs = zip(prefix, whole, strict=False)
+            shared = next((i for i, (a, b) in enumerate(pairs) if a != b),
+                          min(len(prefix), len(whole)))
+            return whole[shared:]
+        return ""
 
     def token_strings(self, token_ids: list[int]) -> list[str]:
         """`token_string` of each id (one range check for the whole list)."""

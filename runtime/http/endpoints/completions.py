@@ -23,6 +23,7 @@ from runtime.http.output.wire import (
     Position,
     WireMode,
     completion_logprobs,
+    prompt_contexts,
     prompt_position,
     request_prompt_logprobs,
 )
@@ -222,8 +223,9 @@ def _logprobs(prep: PreparedCompletion, index: int, prompt: list, items: list[Po
         top_n = prep.request.logprobs or 0
         items = [
             prompt_position(entry, echoed.ids[0],
-                            echoed.offsets[0 if entry is None else entry.position], top_n)
-            for entry in prompt
+                            echoed.offsets[0 if entry is None else entry.position], top_n,
+                            context)
+            for entry, context in zip(prompt, prompt_contexts(prompt), strict=True)
         ] + items
     return completion_logprobs(items, assets.token_bytes, prep.mode)
 

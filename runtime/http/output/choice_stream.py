@@ -12,6 +12,7 @@ first scored chunk) and then the engine's PromptLogprob entries.
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ from runtime.engine.client import (
 from runtime.http.output.wire import Position, positions
 from runtime.text.reasoning import ReasoningTokens, count_reasoning_tokens
 from runtime.text.stops import OutputStream
-from runtime.text.token_bytes import TokenBytes
+from runtime.text.token_bytes import MAX_CONTEXT, TokenBytes
 
 MERGE_QUEUE = 32
 
@@ -166,8 +167,19 @@ async def run_choice(engine: EngineClient, job: ChoiceJob, tb: TokenBytes,
     held: Delta | None = None
     carried: Delta | None = None
 
+    wants_logprobs = job.params.wants_logprobs
+    recent: deque[int] = deque(maxlen=MAX_CONTEXT)
+    contexts: dict[int, tuple[int, ...]] = {}
+    """The context of each token whose entry is not released yet (wire.Position.context)."""
+
     def entries(chunk) -> list:
-        return positions(chunk.entries, job.offset_base, logprobs=job.params.wants_logprobs)
+        if not chunk.entries:
+            return []
+        out = positions(chunk.entries, job.offset_base, logprobs=wants_logprobs,
+                        contexts=contexts)
+        for token, _ in chunk.entries:
+            contexts.pop(token.index, None)
+        return out
 
     if job.params.prompt_logprobs is not None:
         carried = Delta("", [], prompt=[None])
@@ -177,6 +189,9 @@ async def run_choice(engine: EngineClient, job: ChoiceJob, tb: TokenBytes,
                 if isinstance(event, PromptScores):
                     delta = Delta("", [], prompt=list(event.entries))
                 elif isinstance(event, GeneratedToken):
+                    if wants_logprobs and event.logprob is not None:
+                        contexts[event.index] = tuple(recent)
+                    recent.append(event.token_id)
                     chunk = stream.push(event)
                     delta = Delta(chunk.text, entries(chunk), tokens=1,
                                   token_ids=[event.token_id])

@@ -5,10 +5,13 @@ exactly (vLLM clamps with max(x, -9999.0), which also floors finite values), and
 raise NonFiniteLogprob: `max(nan, -9999.0)` is NaN in Python, so a clamp alone would let NaN
 reach JSON.
 
-Tokens: the `token` text is the token's own bytes decoded with errors="replace" (U+FFFD for a
-token holding part of a character, leading spaces kept), or "token_id:N" with
-return_tokens_as_token_ids. Chat `bytes` are always the token's true bytes (vLLM re-encodes the
-replaced string, losing partial UTF-8; with token-id mode it sends the placeholder's bytes).
+Tokens: the `token` text is the token's own bytes decoded with errors="replace" (leading spaces
+kept), or "token_id:N" with return_tokens_as_token_ids. A text ending in U+FFFD (the token holds
+part of a character) is decoded after the position's context, the up to 4 tokens sampled before
+it, as vLLM corrects it (TokenBytes.token_string_after): "" while the character is unfinished,
+the whole character on the token that completes it; each alternative after the same context.
+Chat `bytes` are always the token's true bytes (vLLM re-encodes the corrected string, so a
+character's bytes all go to its last token; with token-id mode it sends the placeholder's).
 
 Completions `top_logprobs` maps token text -> logprob. Natural mode: the chosen token first,
 then the natural alternatives by rank (chosen not repeated), as vLLM orders its dict.
@@ -41,7 +44,7 @@ token's logprob with the first `logprobs` natural alternatives (`prompt_position
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,7 +55,7 @@ from runtime.engine.client import (
     TokenLogprob,
     TokenLogprobs,
 )
-from runtime.text.token_bytes import TokenBytes, token_id_string
+from runtime.text.token_bytes import MAX_CONTEXT, TokenBytes, token_id_string
 
 WIRE_FLOOR = -9999.0
 
@@ -92,21 +95,26 @@ class Position:
     logprob: float | None
     alternatives: Sequence[TokenLogprob] = ()
     text_offset: int = 0
+    context: tuple[int, ...] = ()
+    """The up to 4 tokens sampled before this one, oldest first: what a partial character's
+    text is decoded after."""
 
     @classmethod
-    def generated(cls, token: GeneratedToken, text_offset: int) -> Position:
-        return cls(token.token_id, token.logprob, token.alternatives, text_offset)
+    def generated(cls, token: GeneratedToken, text_offset: int,
+                  context: tuple[int, ...] = ()) -> Position:
+        return cls(token.token_id, token.logprob, token.alternatives, text_offset, context)
 
 
 def positions(
     entries: Iterable[tuple[GeneratedToken, int]], offset_base: int = 0, *,
-    logprobs: bool = False,
+    logprobs: bool = False, contexts: Mapping[int, tuple[int, ...]] | None = None,
 ) -> list[Position]:
     """Positions from (token, offset) entries, e.g. `stops.Chunk.entries`. For a request
     with logprobs, a forced token (no logprob: a thinking budget's end string) has no entry
-    in any format."""
-    return [Position.generated(tok, offset + offset_base) for tok, offset in entries
-            if not (logprobs and tok.logprob is None)]
+    in any format. `contexts`: each token's context by its generated index."""
+    contexts = contexts or {}
+    return [Position.generated(tok, offset + offset_base, contexts.get(tok.index, ()))
+            for tok, offset in entries if not (logprobs and tok.logprob is None)]
 
 
 @dataclass(frozen=True)
@@ -121,14 +129,21 @@ class WireMode:
         return cls(params.logprob_token_ids is not None, as_token_ids)
 
 
-def token_text(tb: TokenBytes, token_id: int, mode: WireMode) -> str:
-    return token_id_string(token_id) if mode.as_token_ids else tb.token_string(token_id)
+def token_text(tb: TokenBytes, token_id: int, mode: WireMode,
+               context: Sequence[int] | None = ()) -> str:
+    """The token's wire text after `context`; None: its own text, uncorrected (vLLM decodes
+    an echoed prompt's first token, which has no logprob, alone)."""
+    if mode.as_token_ids:
+        return token_id_string(token_id)
+    if context is None:
+        return tb.token_string(token_id)
+    return tb.token_string_after(token_id, context)
 
 
-def _keys(tb: TokenBytes, ids: list[int], mode: WireMode) -> list[str]:
+def _keys(tb: TokenBytes, ids: list[int], mode: WireMode, context: Sequence[int]) -> list[str]:
     if mode.as_token_ids:
         return [token_id_string(i) for i in ids]
-    texts = tb.token_strings(ids)
+    texts = tb.token_strings_after(ids, context)
     if len(set(texts)) == len(texts):
         return texts
     keys: list[str] = []
@@ -155,7 +170,7 @@ def top_logprobs_dict(
         at = ids.index(chosen) if chosen in ids else len(ids)
         ids = [chosen, *ids[:at], *ids[at + 1:]]
         values = [position.logprob, *values[:at], *values[at + 1:]]
-    return dict(zip(_keys(tb, ids, mode), wire_logprobs(values), strict=True))
+    return dict(zip(_keys(tb, ids, mode, position.context), wire_logprobs(values), strict=True))
 
 
 def completion_logprobs(
@@ -169,8 +184,9 @@ def completion_logprobs(
         "text_offset": [],
     }
     for position in items:
-        out["tokens"].append(token_text(tb, position.token_id, mode))
         value = position.logprob
+        context = None if value is None else position.context
+        out["tokens"].append(token_text(tb, position.token_id, mode, context))
         out["token_logprobs"].append(None if value is None else wire_logprob(value))
         out["top_logprobs"].append(top_logprobs_dict(position, tb, mode))
         out["text_offset"].append(position.text_offset)
@@ -186,7 +202,8 @@ def chat_token_logprob(
     alternatives = TokenLogprobs.of(position.alternatives)
     ids = [position.token_id, *alternatives.ids]
     values = wire_logprobs([position.logprob, *alternatives.values])
-    texts = [token_id_string(i) for i in ids] if mode.as_token_ids else tb.token_strings(ids)
+    texts = ([token_id_string(i) for i in ids] if mode.as_token_ids
+             else tb.token_strings_after(ids, position.context))
     items = [
         {"token": text, "logprob": value, "bytes": [*raw]}
         for text, value, raw in zip(texts, values, tb.bytes_of_each(ids), strict=True)
@@ -223,16 +240,18 @@ def natural_ranks(alternatives: Sequence[TokenLogprob]) -> list[int]:
 
 
 def prompt_logprobs_entry(
-    entry: PromptLogprob | None, tb: TokenBytes, top_n: int, mode: WireMode = WireMode()
+    entry: PromptLogprob | None, tb: TokenBytes, top_n: int, mode: WireMode = WireMode(),
+    context: Sequence[int] = (),
 ) -> dict[str, dict[str, Any]] | None:
     """vLLM's prompt_logprobs item for one prompt position (None: position 0). The prompt
-    token first, then the first `top_n` natural alternatives without repeating it."""
+    token first, then the first `top_n` natural alternatives without repeating it.
+    `context`: the scored prompt tokens before it (see prompt_contexts)."""
     if entry is None:
         return None
 
     def item(token_id: int, logprob: float, rank: int) -> dict[str, Any]:
         return {"logprob": wire_logprob(logprob), "rank": rank,
-                "decoded_token": token_text(tb, token_id, mode)}
+                "decoded_token": token_text(tb, token_id, mode, context)}
 
     out = {str(entry.token_id): item(entry.token_id, entry.logprob, entry.rank)}
     alternatives = entry.alternatives[:top_n]
@@ -246,7 +265,21 @@ def prompt_logprobs_list(
     entries: Iterable[PromptLogprob | None], tb: TokenBytes, top_n: int,
     mode: WireMode = WireMode(),
 ) -> list[dict[str, dict[str, Any]] | None]:
-    return [prompt_logprobs_entry(entry, tb, top_n, mode) for entry in entries]
+    entries = list(entries)
+    return [prompt_logprobs_entry(entry, tb, top_n, mode, context)
+            for entry, context in zip(entries, prompt_contexts(entries), strict=True)]
+
+
+def prompt_contexts(entries: Sequence[PromptLogprob | None]) -> list[tuple[int, ...]]:
+    """Each prompt position's context: the up to 4 scored prompt tokens before it. Position 0
+    has no entry and so, as in vLLM, is in no context."""
+    out: list[tuple[int, ...]] = []
+    recent: list[int] = []
+    for entry in entries:
+        out.append(tuple(recent[-MAX_CONTEXT:]))
+        if entry is not None:
+            recent.append(entry.token_id)
+    return out
 
 
 def request_prompt_logprobs(
@@ -261,10 +294,12 @@ def request_prompt_logprobs(
 
 
 def prompt_position(
-    entry: PromptLogprob | None, first_token: int, text_offset: int, top_n: int
+    entry: PromptLogprob | None, first_token: int, text_offset: int, top_n: int,
+    context: tuple[int, ...] = (),
 ) -> Position:
     """A prompt position as a Completions position (echo with logprobs): position 0 (None)
     has no logprob; others carry the first `top_n` natural alternatives."""
     if entry is None:
         return Position(first_token, None, (), text_offset)
-    return Position(entry.token_id, entry.logprob, entry.alternatives[:top_n], text_offset)
+    return Position(entry.token_id, entry.logprob, entry.alternatives[:top_n], text_offset,
+                    context)

@@ -27,7 +27,8 @@ PROMPT = "The quick brown fox"
 def word_ids(model_dir) -> tuple[int, ...]:
     """Tokens of two or more ASCII letters/spaces: generated text is then plain and stable."""
     return tuple(i for i, data in vocab_bytes(model_dir).items()
-                 if len(data) >= 2 and all(c == 32 or chr(c).isalpha() for c in data))
+                 if len(data) >= 2 and all(c == 32 or chr(c).isalpha() and c < 128
+                                           for c in data))
 
 
 def body(server, **extra) -> dict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.server.helpers import (
+    encoder,
     expected_offsets,
     post,
     served_name,
@@ -13,6 +14,7 @@ from tests.server.helpers import (
     token_id_of,
     vocab_bytes,
 )
+from tests.tokenizer_fixtures import vllm_sequence_texts, vllm_token_text
 
 pytestmark = pytest.mark.slow
 
@@ -30,6 +32,11 @@ def split_char_ids(model_dir) -> list[int]:
 
 def check_bytes_and_offsets(server, seeds=(1, 2, 3)) -> None:
     name, table = served_name(server), vocab_bytes(server.model_dir)
+    tokenizer = encoder(server.model_dir)
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=False)
+
     allowed = split_char_ids(server.model_dir)
     seen = ""
     for seed in seeds:
@@ -44,7 +51,8 @@ def check_bytes_and_offsets(server, seeds=(1, 2, 3)) -> None:
         assert choice["logprobs"]["text_offset"] == expected_offsets(pieces)
         seen += text
         plain = strict_json(post(server, "/v1/completions", body).content)["choices"][0]
-        assert plain["logprobs"]["tokens"] == [p.decode("utf-8", errors="replace") for p in pieces]
+        owns = [p.decode("utf-8", errors="replace") for p in pieces]
+        assert plain["logprobs"]["tokens"] == vllm_sequence_texts(decode, owns, ids)
         assert plain["logprobs"]["text_offset"] == choice["logprobs"]["text_offset"]
         events = sse_events(post(server, "/v1/completions", {**body, "stream": True}))
         offsets = [o for e in events for o in e["choices"][0]["logprobs"]["text_offset"]]
@@ -54,13 +62,22 @@ def check_bytes_and_offsets(server, seeds=(1, 2, 3)) -> None:
                 "max_tokens": 24, "temperature": 2.0, "seed": seed, "allowed_token_ids": allowed,
                 "logprobs": True, "top_logprobs": 2, "ignore_eos": True}
         message = strict_json(post(server, "/v1/chat/completions", chat).content)["choices"][0]
+        as_ids = strict_json(post(server, "/v1/chat/completions", {
+            **chat, "return_tokens_as_token_ids": True}).content)["choices"][0]
         entries = message["logprobs"]["content"]
         data = b"".join(bytes(e["bytes"]) for e in entries)
         assert message["message"]["content"] == data.decode("utf-8", errors="replace")
-        for entry in entries:
-            assert entry["token"] == bytes(entry["bytes"]).decode("utf-8", errors="replace")
-            for alt in entry["top_logprobs"]:
-                assert alt["token"] == bytes(alt["bytes"]).decode("utf-8", errors="replace")
+        generated = [token_id_of(e["token"]) for e in as_ids["logprobs"]["content"]]
+        for k, (entry, named) in enumerate(zip(entries, as_ids["logprobs"]["content"],
+                                               strict=True)):
+            # Each text as vLLM reports it after the tokens sampled before; bytes the token's.
+            for got, token_id in [(entry, generated[k])] + [
+                    (alt, token_id_of(other["token"]))
+                    for alt, other in zip(entry["top_logprobs"], named["top_logprobs"],
+                                          strict=True)]:
+                own = table[token_id].decode("utf-8", errors="replace")
+                assert got["token"] == vllm_token_text(decode, own, token_id, generated[:k])
+                assert bytes(got["bytes"]) == table[token_id]
     assert any(ord(c) > 127 and c != "\ufffd" for c in seen), "no multi-byte character"
     assert "\ufffd" in seen
 

@@ -29,6 +29,7 @@ from tests.server.helpers import (
     token_id_of,
     vocab_bytes,
 )
+from tests.tokenizer_fixtures import vllm_sequence_texts, vllm_token_text
 
 pytestmark = pytest.mark.slow
 
@@ -58,10 +59,17 @@ def natural_pairs(pairs: list[tuple[int, float]], chosen: int, n: int) -> list[t
     return [*rest[:at], pairs[0], *rest[at:]]
 
 
-def check_prompt_logprobs(items: list, prompt: list[int], model_dir, n: int) -> None:
+def check_prompt_logprobs(items: list, prompt: list[int], model_dir, n: int,
+                          as_ids: bool = False) -> None:
     """vLLM's prompt_logprobs list: null, then per position the prompt token (value, rank)
-    and the natural top-n, each with its rank, against transformers."""
+    and the natural top-n, each with its rank, against transformers; each decoded_token as
+    vLLM decodes it after the prompt tokens before (position 0 excluded), or "token_id:N"."""
     rows = hf_logprobs(model_dir, prompt)  # row i predicts prompt[i + 1]
+    table, tokenizer = vocab_bytes(model_dir), encoder(model_dir)
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=False)
+
     assert len(items) == len(prompt) and items[0] is None
     for position in range(1, len(prompt)):
         item, row, token = items[position], rows[position - 1], prompt[position]
@@ -69,6 +77,9 @@ def check_prompt_logprobs(items: list, prompt: list[int], model_dir, n: int) -> 
         assert keys[0] == str(token)
         for key, entry in item.items():
             assert set(entry) == {"logprob", "rank", "decoded_token"}
+            own = table[int(key)].decode("utf-8", errors="replace")
+            assert entry["decoded_token"] == (f"token_id:{key}" if as_ids else vllm_token_text(
+                decode, own, int(key), prompt[1:position]))
             assert abs(entry["logprob"] - float(row[int(key)])) <= TOLERANCE, (position, key)
             check_rank(entry["rank"], entry["logprob"], row)
         pairs = [(int(k), v["logprob"]) for k, v in item.items()]
@@ -158,8 +169,16 @@ def test_echo_with_logprobs_text_prompt(scoring_server):
     assert same(streamed(server, body)[0], whole(choice))
     # Without token-id strings: token texts, and the first entry still null.
     plain = completion(server, {**body, "return_tokens_as_token_ids": False})["choices"][0]
-    assert plain["logprobs"]["tokens"][:count] == [
-        vocab_bytes(server.model_dir)[t].decode("utf-8", errors="replace") for t in prompt]
+    owns = [vocab_bytes(server.model_dir)[t].decode("utf-8", errors="replace") for t in prompt]
+    tokenizer = encoder(server.model_dir)
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=False)
+
+    # vLLM: position 0 decoded alone; each later one after the prompt tokens before it, less
+    # position 0 (it has no prompt logprob entry, so it is no context).
+    assert plain["logprobs"]["tokens"][:count] == [owns[0]] + vllm_sequence_texts(
+        decode, owns[1:], prompt[1:])
     assert same(plain["logprobs"]["token_logprobs"], lp["token_logprobs"])
 
 
@@ -396,7 +415,7 @@ def test_tp4_echo_with_logprobs(tp4_server):
     assert choice["text"].startswith(text)
     count = check_echoed(choice["logprobs"], prompt, text, server.model_dir, 5)
     assert len(choice["logprobs"]["tokens"]) == count + 1
-    check_prompt_logprobs(choice["prompt_logprobs"], prompt, server.model_dir, 2)
+    check_prompt_logprobs(choice["prompt_logprobs"], prompt, server.model_dir, 2, as_ids=True)
 
 
 # ----------------------------------------------------------------------------- wire builders

@@ -102,10 +102,11 @@ def test_completion_collision_keeps_every_id(level_tokens) -> None:
     tok, tb = level_tokens
     lead, cont = tok.token_to_id("ä"), tok.token_to_id("¸")
     assert tb.token_string(lead) == tb.token_string(cont) == "\ufffd"
+    # Without a context neither completes a character: both read "" (vLLM's correction).
     top = top_logprobs_dict(Position(lead, -0.1, alts((lead, -0.1), (cont, -0.2))), tb)
-    assert top == {"\ufffd": -0.1, f"token_id:{cont}": -0.2}
+    assert top == {"": -0.1, f"token_id:{cont}": -0.2}
     top = top_logprobs_dict(Position(cont, -0.3, alts((lead, -0.1), (cont, -0.3))), tb)
-    assert top == {"\ufffd": -0.3, f"token_id:{lead}": -0.1}
+    assert top == {"": -0.3, f"token_id:{lead}": -0.1}
 
 
 def test_completion_selected_and_token_id_modes(level_tokens) -> None:
@@ -139,12 +140,22 @@ def test_chat_entries_carry_true_bytes(fallback_tokens) -> None:
     hello = tok.token_to_id("▁Hello")
     pos = Position(lead, -2.0, alts((hello, -0.5), (cont, -math.inf)))
     entry = chat_token_logprob(pos, tb)
-    assert entry["token"] == "\ufffd" and entry["bytes"] == [0xE4]
+    assert entry["token"] == "" and entry["bytes"] == [0xE4]
     # Natural top-N by rank, the chosen token not inserted.
     assert [(a["token"], a["logprob"], a["bytes"]) for a in entry["top_logprobs"]] == [
         (" Hello", -0.5, list(b" Hello")),
-        ("\ufffd", -9999.0, [0xB8]),
+        ("", -9999.0, [0xB8]),
     ]
+    # After the two lead bytes of 中 (E4 B8 AD), the token of its last byte reads "中"; an
+    # alternative that ends another character after the same bytes reads that one (E4 B8 A9
+    # is 丩), and one that leaves it open reads ""; the bytes stay each token's own.
+    last, other, open_ = (tok.token_to_id(f"<0x{b:02X}>") for b in (0xAD, 0xA9, 0xE4))
+    completing = Position(last, -1.0, alts((last, -1.0), (other, -2.0), (open_, -2.5),
+                                           (hello, -3.0)), context=(hello, lead, cont))
+    entry = chat_token_logprob(completing, tb)
+    assert (entry["token"], entry["bytes"]) == ("中", [0xAD])
+    assert [(a["token"], a["bytes"]) for a in entry["top_logprobs"]] == [
+        ("中", [0xAD]), ("丩", [0xA9]), ("", [0xE4]), (" Hello", list(b" Hello"))]
     ChatCompletionTokenLogprob.model_validate(json.loads(strict_dumps(entry)))
     entry = chat_token_logprob(pos, tb, AS_IDS)
     assert entry["token"] == f"token_id:{lead}" and entry["bytes"] == [0xE4]
