@@ -86,6 +86,16 @@ def load_reasoning(
     return resolve_tokens(strings, tokenizers.Tokenizer.from_file(str(path)))
 
 
+def prompt_ends_reasoning(prompt_ids: Sequence[int], tokens: ReasoningTokens) -> bool:
+    """The prompt closes a thinking span: its last end sequence comes after its last start
+    sequence (vLLM's is_reasoning_end on the prompt, e.g. Qwen3's template with
+    enable_thinking false ends the prompt with "<think>\\n\\n</think>\\n\\n"). The output is
+    then all content."""
+    ids = list(prompt_ids)
+    end = _rfind(ids, tokens.end)
+    return end >= 0 and end > _rfind(ids, tokens.start)
+
+
 def count_reasoning_tokens(ids: Sequence[int], tokens: ReasoningTokens) -> int:
     """Generated tokens inside the thinking span, split as ReasoningSplit splits the text:
     the tokens before the first end sequence, less those of start sequences (the delimiters
@@ -111,19 +121,28 @@ def _find(ids: list[int], pattern: tuple[int, ...]) -> int:
     return -1
 
 
+def _rfind(ids: list[int], pattern: tuple[int, ...]) -> int:
+    width = len(pattern)
+    for i in range(len(ids) - width, -1, -1):
+        if tuple(ids[i : i + width]) == pattern:
+            return i
+    return -1
+
+
 class ReasoningSplit:
     """Generated text -> (reasoning, content), as vLLM's qwen3 and deepseek_r1 parsers split
     it: everything before the first end string is reasoning (start strings removed), the rest
     is content; the delimiters belong to neither. Fed piece by piece, it holds back a tail that
     could begin a delimiter, so the pieces join to the split of the whole text."""
 
-    def __init__(self, strings: ReasoningStrings) -> None:
+    def __init__(self, strings: ReasoningStrings, *, ended: bool = False) -> None:
+        """`ended`: the prompt closed the thinking span, so all output is content."""
         self.start, self.end = strings.start, strings.end
         self.held = ""
         """Text fed and not released yet (as fed)."""
         self.consumed = 0
         """Characters fed before `held`."""
-        self.content_start: int | None = None
+        self.content_start: int | None = 0 if ended else None
         """Where the content begins in the fed text (None: no end string yet)."""
 
     def feed(self, text: str, final: bool = False) -> tuple[str, str]:

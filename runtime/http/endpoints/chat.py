@@ -33,7 +33,7 @@ from runtime.http.protocol.params import (
     wire_mode,
 )
 from runtime.text.chat_template import ChatTemplateError
-from runtime.text.reasoning import ReasoningSplit, ReasoningStrings
+from runtime.text.reasoning import ReasoningSplit, ReasoningStrings, prompt_ends_reasoning
 from runtime.text.token_bytes import TokenBytes
 
 RESERVED_TEMPLATE_KEYS = {"messages", "add_generation_prompt"}
@@ -53,6 +53,9 @@ class PreparedChat:
     reasoning: ReasoningStrings | None = None
     """The delimiters that split the output into `reasoning` and `content` (a server with a
     reasoning parser), or None: all output is content."""
+    reasoning_ended: bool = False
+    """The prompt closed the thinking span (prompt_ends_reasoning): all output is content and
+    `reasoning` is null."""
     content_entries_only: bool = False
     """Report entries only for tokens whose first text byte is content (the Responses API's
     output text: reasoning, delimiters and tokens without text get none, as the contract
@@ -175,9 +178,11 @@ def prepare_chat(
         echo = messages[-1].content or ""
     reasoning = engine.info.reasoning
     strings = None if reasoning is None else reasoning.strings
+    ended = reasoning is not None and prompt_ends_reasoning(ids, reasoning)
+    totals = Totals(len(ids), reasoning=reasoning, reasoning_ended=ended)
     return PreparedChat(req, messages, jobs, role, echo, len(ids),
-                        wire_mode(req, top is not None), Totals(len(ids), reasoning=reasoning),
-                        strings, content_entries_only)
+                        wire_mode(req, top is not None), totals, strings, ended,
+                        content_entries_only)
 
 
 def _content_positions(prep: PreparedChat, positions: list[Position], content_start: int | None,
@@ -203,11 +208,11 @@ def _choice_body(prep: PreparedChat, text: str, positions: list[Position],
             positions = _content_positions(prep, positions, 0, token_bytes)
         return message, positions
     echo = prep.echo or ""
-    split = ReasoningSplit(prep.reasoning)
+    split = ReasoningSplit(prep.reasoning, ended=prep.reasoning_ended)
     reasoning, content = split.feed(text[len(echo):], final=True)
     message["content"] = (echo + content) or None
     if prep.request.include_reasoning:
-        message["reasoning"] = reasoning
+        message["reasoning"] = None if prep.reasoning_ended else reasoning
     if prep.content_entries_only:
         positions = _content_positions(prep, positions, split.content_start, token_bytes)
     return message, positions
@@ -280,7 +285,8 @@ def stream_chat(
                              "finish_reason": None}, {}))
 
     splits = None if prep.reasoning is None else {
-        index: ReasoningSplit(prep.reasoning) for index in range(len(prep.jobs))}
+        index: ReasoningSplit(prep.reasoning, ended=prep.reasoning_ended)
+        for index in range(len(prep.jobs))}
 
     def choice(index: int, text: str, delta: Delta) -> dict[str, Any]:
         final = delta.finish_reason is not None

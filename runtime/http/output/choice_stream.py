@@ -70,6 +70,8 @@ class Totals:
     per_choice: dict[int, int] = field(default_factory=dict)
     reasoning: ReasoningTokens | None = None
     """A server with a reasoning parser (chat, Responses): usage counts reasoning tokens."""
+    reasoning_ended: bool = False
+    """The prompt closed the thinking span: no generated token is reasoning."""
     generated: dict[int, list[int]] = field(default_factory=dict)
     """Each choice's generated ids (kept only to count reasoning tokens)."""
 
@@ -82,7 +84,7 @@ class Totals:
     @property
     def reasoning_tokens(self) -> int:
         reasoning = self.reasoning
-        if reasoning is None:
+        if reasoning is None or self.reasoning_ended:
             return 0
         return sum(count_reasoning_tokens(ids, reasoning) for ids in self.generated.values())
 

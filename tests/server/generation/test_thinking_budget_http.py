@@ -316,3 +316,35 @@ def test_usage_details_only_with_a_reasoning_parser(silent_server):
     completion = strict_json(post(server, "/v1/completions", body(
         server, thinking_token_budget=None)).content)["usage"]
     assert "completion_tokens_details" not in completion
+
+
+def test_a_prompt_that_closes_its_thinking_span_gets_only_content(thinking_server):
+    """vLLM's prompt_is_reasoning_end: a prompt whose last delimiter is the end string (Qwen3's
+    template with enable_thinking false ends it with <think></think>) makes the whole output
+    content, streamed or not, with null reasoning, no reasoning tokens, and every Responses
+    entry."""
+    server = thinking_server
+    closed = {"model": server.model_dir.name, "temperature": 0.0, "ignore_eos": True,
+              "messages": [{"role": "user", "content": "<think>" + END_THINK}],
+              "max_tokens": 4, "logprobs": True}
+    whole = strict_json(post(server, "/v1/chat/completions", closed).content)
+    message = whole["choices"][0]["message"]
+    assert (message["reasoning"], message["content"]) == (None, "\n012")
+    assert whole["usage"]["completion_tokens_details"] == {"reasoning_tokens": 0}
+    events = sse_events(post(server, "/v1/chat/completions", {**closed, "stream": True}))
+    deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
+    assert not any("reasoning" in d for d in deltas)
+    assert "".join(d.get("content") or "" for d in deltas) == "\n012"
+    response = strict_json(post(server, "/v1/responses", {
+        "model": server.model_dir.name, "input": "<think>" + END_THINK, "temperature": 0.0,
+        "max_output_tokens": 4, "include": ["message.output_text.logprobs"]}).content)
+    [item] = response["output"]
+    assert item["type"] == "message" and item["content"][0]["text"] == "\n012"
+    assert [e["token"] for e in item["content"][0]["logprobs"]] == ["\n", "0", "1", "2"]
+    assert response["usage"]["output_tokens_details"]["reasoning_tokens"] == 0
+    # A span the prompt opens again is reasoning as before.
+    reopened = {**closed, "messages": [{"role": "user",
+                                        "content": "<think>" + END_THINK + "<think>"}]}
+    message = strict_json(post(server, "/v1/chat/completions", reopened).content)[
+        "choices"][0]["message"]
+    assert (message["reasoning"], message["content"]) == ("abcd", None)

@@ -10,6 +10,7 @@ from runtime.text.reasoning import (
     ReasoningStrings,
     ReasoningTokens,
     count_reasoning_tokens,
+    prompt_ends_reasoning,
 )
 
 THINK = ReasoningStrings("<think>", "</think>")
@@ -72,3 +73,13 @@ def test_single_token_delimiters():
     assert count_reasoning_tokens([1, 2, 9, 4, 9], tokens) == 2
     assert count_reasoning_tokens([1, 7, 2], tokens) == 2
     assert count_reasoning_tokens([], tokens) == 0
+
+
+@pytest.mark.parametrize(("prompt", "ended"), [
+    ("", False), ("plain", False), ("<think>", False), ("<think>a</think>", True),
+    ("a</think>b", True), ("<think>a</think>b<think>", False), ("</think><think>", False),
+    ("<think></thin", False),
+])
+def test_a_prompt_ends_reasoning_when_its_last_delimiter_is_the_end(prompt, ended):
+    assert prompt_ends_reasoning([ord(c) for c in prompt], CHARS) is ended
+    assert prompt_ends_reasoning([7, 9] if ended else [9, 7], ReasoningTokens((7,), (9,))) is ended
