@@ -43,7 +43,15 @@ from launch.arguments import add_runtime_arguments  # noqa: E402
 from launch.cluster import join  # noqa: E402
 from launch.heap import settle_heap  # noqa: E402
 from launch.signals import Interrupted, StopSignals, env_rank, exit_process, say  # noqa: E402
-from runtime.http.protocol.defaults import FROM_MODEL  # noqa: E402
+from ranks.model import UnsupportedModelError, WeightLoadError  # noqa: E402
+from runtime.http.protocol.defaults import (  # noqa: E402
+    FROM_MODEL,
+    GenerationConfigError,
+    load_sampling_defaults,
+)
+
+CHECKPOINT_ERRORS = (UnsupportedModelError, WeightLoadError, GenerationConfigError)
+"""What a checkpoint directory can be refused with at start-up."""
 
 DRAIN_S = 3.0
 """How long requests in flight may still finish after a stop (see serve_http)."""
@@ -174,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     stop = StopSignals(env_rank()).install()
     cluster = engine = None
     try:
+        if args.model is not None:  # (a bad generation_config.json fails before the weights load)
+            load_sampling_defaults(args.generation_config, args.model)
         cluster = join(args)
         if not cluster.is_coordinator:
             return cluster.run_peer(stop)
@@ -201,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if healthy else 1
     except Interrupted:
         return 0
+    except CHECKPOINT_ERRORS as exc:  # one line naming the file, buffer or field, no traceback
+        say(f"error: {exc}")
+        return 2
     except SystemExit as exc:  # uvicorn could not start (e.g. the port is taken)
         return exc.code if isinstance(exc.code, int) else 1
     finally:

@@ -43,3 +43,4 @@ def test_a_taken_port_is_not_mistaken_and_the_server_moves(tmp_path, monkeypatch
         server.stop()
         impostor.shutdown()
         impostor.server_close()
+
