@@ -264,7 +264,7 @@ async def chat(prep: PreparedChat, engine: EngineClient, assets: ModelAssets) ->
         "usage": totals.usage(),
         "system_fingerprint": None,
         "prompt_logprobs": request_prompt_logprobs(prep.request, outcomes[0].prompt,
-                                                   assets.token_bytes),
+                                                   assets.token_bytes, prep.jobs[0].prompt_ids),
     }
 
 
@@ -310,7 +310,8 @@ def stream_chat(
     def extra(index: int, delta: Delta) -> dict[str, Any]:
         if not delta.prompt:
             return {}
-        scores = request_prompt_logprobs(prep.request, delta.prompt, assets.token_bytes)
+        scores = request_prompt_logprobs(prep.request, delta.prompt, assets.token_bytes,
+                                         prep.jobs[index].prompt_ids)
         return {"prompt_logprobs": scores}
 
     return stream_chunks(

@@ -23,7 +23,7 @@ from runtime.http.output.wire import (
     Position,
     WireMode,
     completion_logprobs,
-    prompt_contexts,
+    prompt_context,
     prompt_position,
     request_prompt_logprobs,
 )
@@ -224,8 +224,8 @@ def _logprobs(prep: PreparedCompletion, index: int, prompt: list, items: list[Po
         items = [
             prompt_position(entry, echoed.ids[0],
                             echoed.offsets[0 if entry is None else entry.position], top_n,
-                            context)
-            for entry, context in zip(prompt, prompt_contexts(prompt), strict=True)
+                            () if entry is None else prompt_context(echoed.ids, entry))
+            for entry in prompt
         ] + items
     return completion_logprobs(items, assets.token_bytes, prep.mode)
 
@@ -242,6 +242,7 @@ def _token_ids(prep: PreparedCompletion, index: int, ids: list[int], *, first: b
 async def complete(prep: PreparedCompletion, engine: EngineClient, assets: ModelAssets) -> dict:
     """The whole response; raises EngineError (or another error) after admission."""
     totals, tb = prep.totals, assets.token_bytes
+    prompts = {job.index: job.prompt_ids for job in prep.jobs}
     outcomes = await collect(prep.jobs, engine, assets, totals, prep.echo_texts)
     choices = [{
         "index": out.index,
@@ -249,7 +250,8 @@ async def complete(prep: PreparedCompletion, engine: EngineClient, assets: Model
         "logprobs": _logprobs(prep, out.index, out.prompt, out.positions, assets),
         "finish_reason": out.finish_reason,
         "stop_reason": out.stop_reason,
-        "prompt_logprobs": request_prompt_logprobs(prep.request, out.prompt, tb),
+        "prompt_logprobs": request_prompt_logprobs(prep.request, out.prompt, tb,
+                                                   prompts[out.index]),
         **_token_ids(prep, out.index, out.token_ids, first=True),
     } for out in outcomes]
     return {
@@ -267,6 +269,7 @@ def stream_completion(
 
     scored = prep.request.prompt_logprobs is not None
     started: set[int] = set()
+    prompts = {job.index: job.prompt_ids for job in prep.jobs}
 
     def choice(index: int, text: str, delta: Delta) -> dict[str, Any]:
         body = {
@@ -277,7 +280,8 @@ def stream_completion(
             "stop_reason": delta.stop_reason,
         }
         if scored:
-            scores = request_prompt_logprobs(prep.request, delta.prompt, assets.token_bytes)
+            scores = request_prompt_logprobs(prep.request, delta.prompt, assets.token_bytes,
+                                             prompts[index])
             body["prompt_logprobs"] = scores or None
         body.update(_token_ids(prep, index, delta.token_ids, first=index not in started))
         started.add(index)

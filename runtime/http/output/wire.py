@@ -263,34 +263,31 @@ def prompt_logprobs_entry(
 
 def prompt_logprobs_list(
     entries: Iterable[PromptLogprob | None], tb: TokenBytes, top_n: int,
-    mode: WireMode = WireMode(),
+    mode: WireMode = WireMode(), prompt_ids: Sequence[int] = (),
 ) -> list[dict[str, dict[str, Any]] | None]:
-    entries = list(entries)
-    return [prompt_logprobs_entry(entry, tb, top_n, mode, context)
-            for entry, context in zip(entries, prompt_contexts(entries), strict=True)]
+    """`prompt_ids`: the request's prompt (each position's text context)."""
+    return [prompt_logprobs_entry(entry, tb, top_n, mode,
+                                  prompt_context(prompt_ids, entry) if entry else ())
+            for entry in entries]
 
 
-def prompt_contexts(entries: Sequence[PromptLogprob | None]) -> list[tuple[int, ...]]:
-    """Each prompt position's context: the up to 4 scored prompt tokens before it. Position 0
-    has no entry and so, as in vLLM, is in no context."""
-    out: list[tuple[int, ...]] = []
-    recent: list[int] = []
-    for entry in entries:
-        out.append(tuple(recent[-MAX_CONTEXT:]))
-        if entry is not None:
-            recent.append(entry.token_id)
-    return out
+def prompt_context(prompt_ids: Sequence[int], entry: PromptLogprob) -> tuple[int, ...]:
+    """A prompt position's context: the up to 4 prompt tokens before it, position 0 excepted
+    (it has no prompt logprob entry, so vLLM never counts it). From the prompt itself, so a
+    stream's later scored chunks see the tokens of the earlier ones."""
+    return tuple(prompt_ids[max(1, entry.position - MAX_CONTEXT):entry.position])
 
 
 def request_prompt_logprobs(
-    req: Any, entries: Iterable[PromptLogprob | None], tb: TokenBytes
+    req: Any, entries: Iterable[PromptLogprob | None], tb: TokenBytes,
+    prompt_ids: Sequence[int],
 ) -> list[dict[str, dict[str, Any]] | None] | None:
     """A request's `prompt_logprobs` field (None when it asked for none): its top-N and
     return_tokens_as_token_ids (a Completions or Chat request model)."""
     if req.prompt_logprobs is None:
         return None
     mode = WireMode(as_token_ids=bool(req.return_tokens_as_token_ids))
-    return prompt_logprobs_list(entries, tb, req.prompt_logprobs, mode)
+    return prompt_logprobs_list(entries, tb, req.prompt_logprobs, mode, prompt_ids)
 
 
 def prompt_position(

@@ -9,7 +9,7 @@ from openai.types.chat import ChatCompletionTokenLogprob
 from openai.types.chat.chat_completion import ChoiceLogprobs
 from openai.types.completion_choice import Logprobs
 
-from runtime.engine.client import GeneratedToken, SamplingParams, TokenLogprob
+from runtime.engine.client import GeneratedToken, PromptLogprob, SamplingParams, TokenLogprob
 from runtime.http.output.wire import (
     NonFiniteLogprob,
     Position,
@@ -18,6 +18,7 @@ from runtime.http.output.wire import (
     chat_token_logprob,
     completion_logprobs,
     positions,
+    prompt_logprobs_list,
     top_logprobs_dict,
     wire_logprob,
     wire_logprobs,
@@ -223,3 +224,26 @@ def test_streamed_chunks_equal_the_whole_response(fallback_tokens) -> None:
         ChoiceLogprobs.model_validate(json.loads(strict_dumps(part)))
     got = b"".join(bytes(e["bytes"]) for part in chat for e in part["content"])
     assert got.decode().lstrip(" ").startswith(text)
+
+
+def test_prompt_texts_do_not_depend_on_how_the_prompt_was_chunked(fallback_tokens) -> None:
+    """A scored prompt arrives in chunks (and a stream formats each on its own): a position's
+    decoded_token takes its context from the prompt itself, so a character split across a
+    chunk boundary reads the same in any chunking; position 0 is in no context (vLLM)."""
+    tok, tb = fallback_tokens
+    prompt = tok.encode("ab 日本語 x").ids  # (日本語: byte pieces, outside the vocabulary)
+    assert len(prompt) > 10
+    entries = [None] + [PromptLogprob(p, t, -1.0, 1, alts((t, -1.0)))
+                        for p, t in enumerate(prompt) if p]
+
+    def texts(items) -> list:
+        return [None if i is None else [v["decoded_token"] for v in i.values()] for i in items]
+
+    whole = texts(prompt_logprobs_list(entries, tb, 1, prompt_ids=prompt))
+    for cut in range(1, len(entries)):
+        parts = (prompt_logprobs_list(entries[:cut], tb, 1, prompt_ids=prompt)
+                 + prompt_logprobs_list(entries[cut:], tb, 1, prompt_ids=prompt))
+        assert texts(parts) == whole
+    decoded = [t[0] for t in whole[1:]]
+    assert {"日", "本", "語"} <= set(decoded), decoded
+    assert "".join(decoded).endswith("日本語 x"), decoded
