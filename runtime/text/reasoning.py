@@ -97,28 +97,55 @@ def prompt_ends_reasoning(prompt_ids: Sequence[int], tokens: ReasoningTokens) ->
 
 
 def count_reasoning_tokens(ids: Sequence[int], tokens: ReasoningTokens) -> int:
-    """Generated tokens inside the thinking span, split as ReasoningSplit splits the text:
-    the tokens before the first end sequence, less those of start sequences (the delimiters
-    belong to neither part). vLLM's usage.completion_tokens_details.reasoning_tokens."""
-    ids = list(ids)
-    end = _find(ids, tokens.end)
-    span = ids if end < 0 else ids[:end]
-    start, count, i = list(tokens.start), 0, 0
-    while i < len(span):
-        if span[i : i + len(start)] == start:
-            i += len(start)
-        else:
-            count += 1
-            i += 1
-    return count
+    """Generated tokens inside the thinking span (vLLM's
+    usage.completion_tokens_details.reasoning_tokens); see ReasoningCounter."""
+    counter = ReasoningCounter(tokens)
+    counter.feed(ids)
+    return counter.total()
 
 
-def _find(ids: list[int], pattern: tuple[int, ...]) -> int:
-    first, width = pattern[0], len(pattern)
-    for i, token in enumerate(ids):
-        if token == first and tuple(ids[i : i + width]) == pattern:
-            return i
-    return -1
+class ReasoningCounter:
+    """Counts a choice's reasoning tokens as they are generated, as ReasoningSplit splits the
+    text: read left to right, an end sequence ends the span, a start sequence is skipped (the
+    delimiters belong to neither part), any other token counts. It holds only the tokens it
+    cannot place yet (fewer than the longer delimiter), never the output."""
+
+    def __init__(self, tokens: ReasoningTokens) -> None:
+        self.start, self.end = list(tokens.start), list(tokens.end)
+        self.reach = max(len(self.start), len(self.end))
+        self.pending: list[int] = []
+        self.count = 0
+        self.ended = False
+
+    def feed(self, ids: Sequence[int]) -> None:
+        if self.ended:
+            return
+        self.pending.extend(ids)
+        placed, more, self.ended = self._place(self.pending, final=False)
+        self.count += more
+        del self.pending[:placed]
+        if self.ended:
+            self.pending.clear()
+
+    def total(self) -> int:
+        """The count if the output ended here (the held tokens placed; nothing changes)."""
+        _, more, _ = self._place(self.pending, final=True)
+        return self.count + more
+
+    def _place(self, ids: list[int], *, final: bool) -> tuple[int, int, bool]:
+        """(tokens placed, of which reasoning, whether an end sequence was met)."""
+        i, count = 0, 0
+        while i < len(ids):
+            if not final and len(ids) - i < self.reach:
+                break
+            if ids[i : i + len(self.end)] == self.end:
+                return i, count, True
+            if ids[i : i + len(self.start)] == self.start:
+                i += len(self.start)
+            else:
+                count += 1
+                i += 1
+        return i, count, False
 
 
 def _rfind(ids: list[int], pattern: tuple[int, ...]) -> int:

@@ -27,7 +27,7 @@ from runtime.engine.client import (
     SamplingParams,
 )
 from runtime.http.output.wire import Position, positions
-from runtime.text.reasoning import ReasoningTokens, count_reasoning_tokens
+from runtime.text.reasoning import ReasoningCounter, ReasoningTokens
 from runtime.text.stops import OutputStream
 from runtime.text.token_bytes import MAX_CONTEXT, TokenBytes
 
@@ -72,21 +72,21 @@ class Totals:
     """A server with a reasoning parser (chat, Responses): usage counts reasoning tokens."""
     reasoning_ended: bool = False
     """The prompt closed the thinking span: no generated token is reasoning."""
-    generated: dict[int, list[int]] = field(default_factory=dict)
-    """Each choice's generated ids (kept only to count reasoning tokens)."""
+    counters: dict[int, ReasoningCounter] = field(default_factory=dict)
+    """Each choice's reasoning-token count, fed as its tokens arrive."""
 
     def add(self, index: int, delta: Delta) -> None:
         self.completion_tokens += delta.tokens
         self.per_choice[index] = self.per_choice.get(index, 0) + delta.tokens
-        if self.reasoning is not None:
-            self.generated.setdefault(index, []).extend(delta.token_ids)
+        if self.reasoning is not None and not self.reasoning_ended and delta.token_ids:
+            counter = self.counters.get(index)
+            if counter is None:
+                counter = self.counters[index] = ReasoningCounter(self.reasoning)
+            counter.feed(delta.token_ids)
 
     @property
     def reasoning_tokens(self) -> int:
-        reasoning = self.reasoning
-        if reasoning is None or self.reasoning_ended:
-            return 0
-        return sum(count_reasoning_tokens(ids, reasoning) for ids in self.generated.values())
+        return sum(counter.total() for counter in self.counters.values())
 
     def usage(self, completion_tokens: int | None = None) -> dict[str, Any]:
         """OpenAI's usage; with a reasoning parser, vLLM's completion_tokens_details too."""

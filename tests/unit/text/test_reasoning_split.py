@@ -4,8 +4,11 @@ content, the same whichever way the text arrives in pieces."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from runtime.text.reasoning import (
+    ReasoningCounter,
     ReasoningSplit,
     ReasoningStrings,
     ReasoningTokens,
@@ -83,3 +86,25 @@ def test_single_token_delimiters():
 def test_a_prompt_ends_reasoning_when_its_last_delimiter_is_the_end(prompt, ended):
     assert prompt_ends_reasoning([ord(c) for c in prompt], CHARS) is ended
     assert prompt_ends_reasoning([7, 9] if ended else [9, 7], ReasoningTokens((7,), (9,))) is ended
+
+
+@settings(max_examples=300, deadline=None)
+@given(ids=st.lists(st.sampled_from([1, 2, 3, 7, 8, 9]), max_size=30),
+       cuts=st.lists(st.integers(0, 30), max_size=6))
+def test_counting_as_tokens_arrive_equals_counting_the_whole(ids, cuts):
+    """Fed in any pieces, the counter agrees with the whole output at every point: the count
+    of the text read so far, with the held tokens placed as if the output ended there."""
+    tokens = ReasoningTokens((7, 8), (8, 9))
+    counter = ReasoningCounter(tokens)
+    bounds = sorted({0, len(ids), *[c for c in cuts if c <= len(ids)]})
+    for a, b in zip(bounds, bounds[1:], strict=False):
+        counter.feed(ids[a:b])
+        assert counter.total() == count_reasoning_tokens(ids[:b], tokens)
+        assert len(counter.pending) < 2
+
+
+def test_the_count_reads_left_to_right():
+    tokens = ReasoningTokens((7, 8), (8, 9))
+    assert count_reasoning_tokens([1, 7, 8, 2, 8, 9, 3], tokens) == 2  # start skipped, end stops
+    assert count_reasoning_tokens([1, 7, 8, 9], tokens) == 2  # 7 8 is the start; 9 counts
+    assert count_reasoning_tokens([1, 8, 9, 7, 8], tokens) == 1
