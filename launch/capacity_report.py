@@ -46,8 +46,8 @@ class Plan:
         self.model_dir = self.runtime.model_dir
         try:
             self.model = ModelConfig.from_model_dir(self.model_dir)
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise UsageError(f"{self.model_dir}: {exc}") from None
+        except (OSError, ValueError) as exc:  # (ModelConfigError names the file itself)
+            raise UsageError(str(exc)) from None
         try:
             max_seq_len = self.runtime.resolve_max_model_len(self.model)
             self.step = self.runtime.step_config(max_seq_len)

@@ -43,14 +43,15 @@ from launch.arguments import add_runtime_arguments  # noqa: E402
 from launch.cluster import join  # noqa: E402
 from launch.heap import settle_heap  # noqa: E402
 from launch.signals import Interrupted, StopSignals, env_rank, exit_process, say  # noqa: E402
-from ranks.model import UnsupportedModelError, WeightLoadError  # noqa: E402
+from ranks.model import ModelConfigError, UnsupportedModelError, WeightLoadError  # noqa: E402
 from runtime.http.protocol.defaults import (  # noqa: E402
     FROM_MODEL,
     GenerationConfigError,
     load_sampling_defaults,
 )
 
-CHECKPOINT_ERRORS = (UnsupportedModelError, WeightLoadError, GenerationConfigError)
+CHECKPOINT_ERRORS = (ModelConfigError, UnsupportedModelError, WeightLoadError,
+                     GenerationConfigError)
 """What a checkpoint directory can be refused with at start-up."""
 
 DRAIN_S = 3.0

@@ -4,7 +4,7 @@ per-slot KV cache."""
 from __future__ import annotations
 
 from ranks.model.config import ModelConfig
-from ranks.model.errors import UnsupportedModelError
+from ranks.model.errors import ModelConfigError, UnsupportedModelError
 from ranks.model.llama import KVCache, ShardedCausalLM
 from ranks.model.sharding import ShardLayout, head_shard, shard_layout, vocab_shard
 from ranks.model.weights import WeightLoadError
@@ -12,6 +12,7 @@ from ranks.model.weights import WeightLoadError
 __all__ = [
     "KVCache",
     "ModelConfig",
+    "ModelConfigError",
     "ShardLayout",
     "ShardedCausalLM",
     "UnsupportedModelError",

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ranks.model.errors import UnsupportedModelError
+from ranks.model.errors import ModelConfigError, UnsupportedModelError
 from ranks.model.rope import RopeScaling, read_rope
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
@@ -56,26 +56,28 @@ class ModelConfig:
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+                raise ModelConfigError(f"{name} must be a positive integer, got {value!r}")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
+            raise ModelConfigError(
                 f"num_attention_heads {self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads {self.num_key_value_heads}"
             )
         if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+            raise ModelConfigError(
+                f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         if not self.rope_theta > 0:
-            raise ValueError(f"rope_theta must be positive, got {self.rope_theta}")
+            raise ModelConfigError(f"rope_theta must be positive, got {self.rope_theta}")
         if not self.rms_norm_eps > 0:
-            raise ValueError(f"rms_norm_eps must be positive, got {self.rms_norm_eps}")
+            raise ModelConfigError(f"rms_norm_eps must be positive, got {self.rms_norm_eps}")
         if self.sliding_window is not None and (
                 isinstance(self.sliding_window, bool) or not isinstance(self.sliding_window, int)
                 or self.sliding_window <= 0):
-            raise ValueError(f"sliding_window must be a positive integer or null, got "
+            raise ModelConfigError(f"sliding_window must be a positive integer or null, got "
                              f"{self.sliding_window!r}")
         for token in (self.bos_token_id, *self.eos_token_ids):
             if token is not None and not 0 <= token < self.vocab_size:
-                raise ValueError(f"special token id {token} outside vocabulary {self.vocab_size}")
+                raise ModelConfigError(
+                    f"special token id {token} outside vocabulary {self.vocab_size}")
 
     @property
     def kv_groups(self) -> int:
@@ -125,10 +127,25 @@ class ModelConfig:
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> ModelConfig:
+        """The directory's config.json; a missing file, field or malformed value raises
+        ModelConfigError naming it (UnsupportedModelError for what this runtime lacks)."""
         path = Path(model_dir) / "config.json"
         if not path.is_file():
-            raise FileNotFoundError(f"no config.json in {model_dir}")
-        return cls.from_dict(json.loads(path.read_text(encoding="utf-8")))
+            raise ModelConfigError(f"no config.json in {model_dir}")
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except ValueError as exc:
+            raise ModelConfigError(f"{path}: not JSON ({exc})") from None
+        if not isinstance(raw, dict):
+            raise ModelConfigError(f"{path}: expected a JSON object")
+        try:
+            return cls.from_dict(raw)
+        except (UnsupportedModelError, ModelConfigError) as exc:
+            raise type(exc)(f"{path}: {exc}") from None
+        except KeyError as exc:
+            raise ModelConfigError(f"{path}: missing field {exc}") from None
+        except (TypeError, ValueError) as exc:
+            raise ModelConfigError(f"{path}: {exc}") from None
 
 
 def _architecture(raw: dict[str, Any]) -> str:

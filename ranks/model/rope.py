@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ranks.model.errors import UnsupportedModelError
+from ranks.model.errors import ModelConfigError, UnsupportedModelError
 
 DEFAULT_ROPE_THETA = 10000.0
 SCALED_TYPES = ("linear", "llama3", "yarn")
@@ -44,14 +44,15 @@ class RopeScaling:
                 f"{', '.join(SCALED_TYPES)}"
             )
         if not (math.isfinite(self.factor) and self.factor > 0):
-            raise ValueError(f"rope scaling factor must be a positive number, got {self.factor}")
+            raise ModelConfigError(
+                f"rope scaling factor must be a positive number, got {self.factor}")
         original = self.original_max_position_embeddings
         if original is not None and original <= 0:
-            raise ValueError(
+            raise ModelConfigError(
                 f"rope scaling original_max_position_embeddings must be positive, got {original}"
             )
         if self.rope_type == "llama3" and not self.high_freq_factor > self.low_freq_factor:
-            raise ValueError(
+            raise ModelConfigError(
                 f"llama3 rope scaling needs high_freq_factor > low_freq_factor, got "
                 f"{self.high_freq_factor} and {self.low_freq_factor}"
             )
@@ -103,12 +104,13 @@ def _scaling(key: str, rope_type: str, params: dict[str, Any], raw: dict[str, An
     original = raw.get("original_max_position_embeddings") or params.get(
         "original_max_position_embeddings") or raw.get("max_position_embeddings")
     if original is None and rope_type != "linear":
-        raise ValueError(f"{key} of type {rope_type!r} needs original_max_position_embeddings")
+        raise ModelConfigError(
+            f"{key} of type {rope_type!r} needs original_max_position_embeddings")
     factor = params.get("factor")
     if factor is None and rope_type == "yarn":
         factor = raw.get("max_position_embeddings", original) / original
     if factor is None:
-        raise ValueError(f"{key} of type {rope_type!r} needs a 'factor'")
+        raise ModelConfigError(f"{key} of type {rope_type!r} needs a 'factor'")
     return RopeScaling(
         rope_type=rope_type,
         factor=_number(key, "factor", factor),
@@ -119,7 +121,7 @@ def _scaling(key: str, rope_type: str, params: dict[str, Any], raw: dict[str, An
 
 def _number(key: str, name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{key}.{name} must be a number, got {value!r}")
+        raise ModelConfigError(f"{key}.{name} must be a number, got {value!r}")
     return float(value)
 
 
