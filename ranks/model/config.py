@@ -132,12 +132,7 @@ class ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise ModelConfigError(f"no config.json in {model_dir}")
-        try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-        except ValueError as exc:
-            raise ModelConfigError(f"{path}: not JSON ({exc})") from None
-        if not isinstance(raw, dict):
-            raise ModelConfigError(f"{path}: expected a JSON object")
+        raw = read_json_object(path, ModelConfigError)
         try:
             return cls.from_dict(raw)
         except (UnsupportedModelError, ModelConfigError) as exc:
@@ -146,6 +141,17 @@ class ModelConfig:
             raise ModelConfigError(f"{path}: missing field {exc}") from None
         except (TypeError, ValueError) as exc:
             raise ModelConfigError(f"{path}: {exc}") from None
+
+
+def read_json_object(path: Path, error: type[ValueError]) -> dict[str, Any]:
+    """A checkpoint's JSON file as a dict; `error` names the file when it is not one."""
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise error(f"{path}: not JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise error(f"{path}: expected a JSON object")
+    return raw
 
 
 def _architecture(raw: dict[str, Any]) -> str:

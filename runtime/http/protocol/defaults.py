@@ -10,11 +10,12 @@ Values are checked once, at start-up, against the bounds requests are held to.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
+
+from ranks.model.config import read_json_object
 
 NEUTRAL = "vllm"
 FROM_MODEL = "auto"
@@ -74,12 +75,7 @@ def load_sampling_defaults(generation_config: str, model_dir: str | Path) -> Sam
         if generation_config != FROM_MODEL:
             raise GenerationConfigError(f"--generation-config {generation_config}: no {FILE_NAME}")
         return SamplingDefaults(source=str(path))
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except ValueError as exc:
-        raise GenerationConfigError(f"{path}: not JSON ({exc})") from None
-    if not isinstance(raw, dict):
-        raise GenerationConfigError(f"{path}: expected a JSON object")
+    raw = read_json_object(path, GenerationConfigError)
     names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
     values = {name: raw.get(name) for name in names}
     return SamplingDefaults(**values, max_tokens=raw.get("max_new_tokens"), source=str(path))
