@@ -149,9 +149,9 @@ class ReasoningCounter:
 
 
 def _rfind(ids: list[int], pattern: tuple[int, ...]) -> int:
-    width = len(pattern)
+    first, width = pattern[0], len(pattern)
     for i in range(len(ids) - width, -1, -1):
-        if tuple(ids[i : i + width]) == pattern:
+        if ids[i] == first and tuple(ids[i : i + width]) == pattern:
             return i
     return -1
 

@@ -245,7 +245,7 @@ def prompt_logprobs_entry(
 ) -> dict[str, dict[str, Any]] | None:
     """vLLM's prompt_logprobs item for one prompt position (None: position 0). The prompt
     token first, then the first `top_n` natural alternatives without repeating it.
-    `context`: the scored prompt tokens before it (see prompt_contexts)."""
+    `context`: the prompt tokens before it (prompt_context)."""
     if entry is None:
         return None
 
