@@ -227,8 +227,7 @@ def check_sampling(req: SamplingFields, defaults: SamplingDefaults) -> None:
     if req.bad_words is not None and any(not word for word in req.bad_words):
         raise RequestError("bad_words", "bad_words cannot contain an empty string. "
                                         f"Got bad_words={req.bad_words}")
-    t = effective_temperature(req, defaults)
-    if req.n > 1 and 0 <= t < GREEDY_TEMPERATURE:
+    if req.n > 1 and 0 <= effective_temperature(req, defaults) < GREEDY_TEMPERATURE:
         raise RequestError("n", f"n must be 1 when using greedy sampling, got {req.n}.")
 
 
