@@ -1,7 +1,8 @@
 /* The CPU reduction's compiled launches (kernels/torch_impl/compiled.py loads this file).
 
    Every FP32 value here is the one the torch launches (kernels/torch_impl/tiles.py and
-   lean.py) produce: exp and log are MKL's vmsExp / vmsLn in the mode torch's vml.h passes,
+   lean.py) produce: exp and log are MKL's vmsExp / vmsLn in the mode torch's vml.h passes
+   (or exp_lanes.c's copy of that exp where compiled.py's probe finds it the same),
    sums follow torch's cascade_sum order for its sum kernel's vector width, and every
    other step is one IEEE operation. compiled.py checks that on this machine before use.
 */
@@ -473,7 +474,7 @@ static void rows_of(const Job *job)
             }
             job->tmax[r * job->tiles + t] = m;
             /* 2. the shifted tile (shift 0 for an all -inf tile) in FP32 scratch, exp as
-               torch's exp_ does it */
+               torch's exp_ does it (exp_lanes.c) */
             const float shift = m == -INFINITY ? 0.f : m;
             if (job->elem == 2) {
                 const uint16_t *src = (const uint16_t *)row + start;
@@ -482,7 +483,7 @@ static void rows_of(const Job *job)
                 const float *src = (const float *)row + start;
                 for (int64_t i = 0; i < lanes; i++) buf[i] = src[i] - shift;
             }
-            VEXP((int)lanes, buf, buf, MODE);
+            exp_tile(buf, lanes);
             /* 3. the tile's mass in torch.sum's order */
             job->tmass[r * job->tiles + t] = torch_sum(buf, lanes);
         }

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import threading
 from collections import OrderedDict
 from pathlib import Path
@@ -56,14 +57,17 @@ from kernels.native import (
     mkl_routine,
     torch_openmp,
 )
+from kernels.torch_impl import exp_check
 from kernels.torch_impl.tiles import CHUNK_LANES, TileStats, normalization, tile_stats
 
 _LOG = logging.getLogger(__name__)
 
 
-_SOURCE = (Path(__file__).parent / "compiled.c").read_text()
+_SOURCE = "\n".join((Path(__file__).parent / name).read_text()
+                    for name in ("exp_lanes.c", "compiled.c"))
 _FLAGS = ("-O3", "-fPIC", "-shared", "-ffp-contract=off", "-mavx2", "-pthread")
 _SWITCH = "HELIOS_NATIVE_REDUCTION"
+_EXP_SWITCH = "HELIOS_EMULATED_EXP"
 
 
 _LOCK = threading.Lock()
@@ -122,6 +126,11 @@ def _build() -> ctypes.CDLL | None:
     lib.reduce_flagged.restype = i64
     lib.reduce_prepared.argtypes = [ptr, i64]
     lib.reduce_prepared.restype = i64
+    lib.use_emulated_exp.argtypes = [ptr, ctypes.c_longlong, ctypes.c_int]
+    lib.exp_lanes.argtypes = [ptr, i64]
+    lib.exp_lanes.restype = None
+    lib.exp_mismatches.argtypes = [ctypes.c_uint32, ctypes.c_uint64, ptr]
+    lib.exp_mismatches.restype = i64
     configure(lib, width)
     failed = _probe(lib)
     _KEPT.outputs.clear()
@@ -134,10 +143,39 @@ def _build() -> ctypes.CDLL | None:
 
 def configure(lib: ctypes.CDLL, width: int) -> None:
     """Hands the library torch's MKL exp and log, the MKL thread controls (None: MKL threads
-    as configured) and the vector width its sums take."""
+    as configured) and the vector width its sums take, and turns exp_lanes.c's exp on where
+    it may be (HELIOS_EMULATED_EXP=0 keeps vmsExp)."""
     lib.configure(mkl_routine("vmsExp"), mkl_routine("vmsLn"),
                   mkl_routine("MKL_Set_Num_Threads_Local"), mkl_routine("MKL_Get_Max_Threads"),
                   VML_MODE, width)
+    set_emulated_exp(lib, os.environ.get(_EXP_SWITCH, "1") != "0")
+
+
+def set_emulated_exp(lib: ctypes.CDLL, on: bool) -> bool:
+    """Turns exp_lanes.c's copy of torch's FP32 exp on or off; on only where the CPU has
+    AVX-512F and exp_check's probe finds torch.exp's words. Returns whether it is on."""
+    vexp = mkl_routine("vmsExp")
+    if not lib.use_emulated_exp(vexp, VML_MODE, int(on)):
+        return False
+    if lib._handle not in _EXP_PROBED:
+        _EXP_PROBED[lib._handle] = exp_check.differs(lib)
+        if _EXP_PROBED[lib._handle]:
+            _LOG.info("torch.exp here is not the MKL kernel exp_lanes.c repeats (%s); the "
+                      "reduction calls vmsExp", _EXP_PROBED[lib._handle])
+    if _EXP_PROBED[lib._handle]:
+        lib.use_emulated_exp(vexp, VML_MODE, 0)
+        return False
+    return True
+
+
+_EXP_PROBED: dict[int, str] = {}
+"""exp_check's verdict per loaded library: the probe runs once."""
+
+
+def emulated_exp() -> bool:
+    """Whether the compiled reduction takes exp_lanes.c's exp in this process."""
+    lib = _lib()
+    return lib is not None and bool(lib.emulated_exp_on())
 
 
 def _lib() -> ctypes.CDLL | None:
