@@ -39,6 +39,7 @@ from kernels.layout import (
     PROMPT_TARGET_ID,
 )
 from kernels.payload import top_keys
+from kernels.scoring.lean import ShardScan, best_keys, count_above_fast, scan_block
 from kernels.sortkeys import (
     EMPTY_KEY,
     bits_to_float,
@@ -48,8 +49,9 @@ from kernels.sortkeys import (
     keys_to_words,
     words_to_keys,
 )
+from kernels.torch_impl import lean as torch_lean
 from kernels.torch_impl.sharded import global_lse
-from kernels.torch_impl.tiles import TileStats, combine, slab_of, slabs, tile_candidates, tile_stats
+from kernels.torch_impl.tiles import combine, slab_of, slabs, tile_candidates, tile_stats
 
 NAN_BITS = 0x7FC00000
 _NEG_INF_BITS = -8388608  # float_bits(-inf)
@@ -62,22 +64,30 @@ def score_stats(
     vocab_start: int,
     local_valid: int,
     e1_out: torch.Tensor,
-) -> TileStats | None:
-    """Exchange 1 words of this shard into e1_out [n, 64]; returns the tile statistics
-    (their chunk maxima prefilter the candidates), None for a shard without lanes."""
+) -> ShardScan | None:
+    """Exchange 1 words of this shard into e1_out [n, 64]; returns launch 1's findings (the
+    chunk maxima prefilter the candidates), None for a shard without lanes. CPU tensors
+    take kernels/scoring/lean.py's launches, which give the same words."""
     e1_out.zero_()
     e1_out[:, 0] = _NEG_INF_BITS
     if local_valid <= 0:
         return None
-    stats = tile_stats(logits, None, local_valid)
-    big, mass = combine(stats.max, stats.mass)
+    if _lean(logits):
+        scan = scan_block(logits, local_valid)
+    else:
+        scan = ShardScan(tile_stats(logits, None, local_valid), None)
+    big, mass = combine(scan.stats.max, scan.stats.mass)
     e1_out[:, 0] = float_bits(big)
     e1_out[:, 1] = float_bits(mass)
     t = targets.to(torch.int64)
     own = ((t >= vocab_start) & (t < vocab_start + local_valid)).nonzero().flatten()
     if own.numel():
         e1_out[own, 2] = float_bits(logits[own, t[own] - vocab_start].to(torch.float32))
-    return stats
+    return scan
+
+
+def _lean(logits: torch.Tensor) -> bool:
+    return torch_lean.LEAN and logits.device.type == "cpu"
 
 
 def target_values(
@@ -100,6 +110,10 @@ def count_above(
 ) -> torch.Tensor:
     """int64 [n]: lanes of this shard whose reported value fp32(x) - lse exceeds ``value``
     strictly (a NaN value counts nothing), one FP32 slab at a time."""
+    if _lean(logits):
+        counts = count_above_fast(logits, local_valid, lse, value)
+        if counts is not None:
+            return counts
     n = logits.shape[0]
     counts = torch.zeros(n, dtype=torch.int64, device=logits.device)
     tile = max(1, min(local_valid, 4096))
@@ -112,7 +126,7 @@ def count_above(
 
 def score_candidates(
     logits: torch.Tensor,
-    stats: TileStats | None,
+    scan: ShardScan | None,
     lse: torch.Tensor,
     value: torch.Tensor,
     vocab_start: int,
@@ -122,10 +136,14 @@ def score_candidates(
     """Exchange 2 words of this shard into e2_out [n, 64]: count, then 20 keys."""
     n = logits.shape[0]
     e2_out.zero_()
-    if stats is None:
+    if scan is None:
         best = torch.full((n, PROMPT_K), EMPTY_KEY, dtype=torch.int64, device=logits.device)
+    elif _lean(logits):
+        e2_out[:, 0] = count_above(logits, local_valid, lse, value).to(torch.int32)
+        best = best_keys(logits, scan, lse, vocab_start, local_valid)
     else:
         e2_out[:, 0] = count_above(logits, local_valid, lse, value).to(torch.int32)
+        stats = scan.stats
         cand = tile_candidates(
             logits, None, local_valid, lse, stats.chunk_max, stats.tail_max, vocab_start
         )

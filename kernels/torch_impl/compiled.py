@@ -24,6 +24,8 @@ Launch 2 (``compiled_lse``) is lean_lse's arithmetic with the same exp, log and 
 one subtraction per lane, and reports which rows it can vouch for (the others take the
 tile-by-tile launch 3, as before). The shard steps call these three; the one-rank path calls
 ``compiled_reduce``, which runs them and writes the packed payload in a single C call.
+Prompt scoring's rank count (``compiled_count_above``, count.c) is one more pass of the same
+kind: one subtraction and one comparison per lane.
 
 Every FP32 value is therefore the torch path's. Because that equality rests on torch's
 internals (the exp and log routines, the summation order), the library is used only after a
@@ -64,7 +66,7 @@ _LOG = logging.getLogger(__name__)
 
 
 _SOURCE = "\n".join((Path(__file__).parent / name).read_text()
-                    for name in ("exp_lanes.c", "compiled.c"))
+                    for name in ("exp_lanes.c", "compiled.c", "count.c"))
 _FLAGS = ("-O3", "-fPIC", "-shared", "-ffp-contract=off", "-mavx2", "-pthread")
 _SWITCH = "HELIOS_NATIVE_REDUCTION"
 _EXP_SWITCH = "HELIOS_EMULATED_EXP"
@@ -131,6 +133,8 @@ def _build() -> ctypes.CDLL | None:
     lib.exp_lanes.restype = None
     lib.exp_mismatches.argtypes = [ctypes.c_uint32, ctypes.c_uint64, ptr]
     lib.exp_mismatches.restype = i64
+    lib.count_above.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, i64]
+    lib.count_above.restype = None
     configure(lib, width)
     failed = _probe(lib)
     _KEPT.outputs.clear()
@@ -205,6 +209,26 @@ def compiled_tile_stats(
     if lib is None:
         return None
     return _run(lib, logits, rows, valid, tile, cap)
+
+
+def compiled_count_above(logits: torch.Tensor, valid: int, lse: np.ndarray,
+                         value: np.ndarray) -> np.ndarray | None:
+    """int64 [rows]: per row of `logits`, the lanes below `valid` whose reported value
+    fp32(x) - lse exceeds `value` strictly (count.c); None when the compiled path does not
+    apply. lse and value: FP32 [rows]."""
+    if not supports(logits):
+        return None
+    lib = _lib()
+    if lib is None:
+        return None
+    n = logits.shape[0]
+    lse = np.ascontiguousarray(lse, dtype=np.float32)
+    value = np.ascontiguousarray(value, dtype=np.float32)
+    out = np.empty(n, np.int64)
+    threads = torch.get_num_threads() if n > 1 and n * valid >= PARALLEL_LANES else 1
+    lib.count_above(logits.data_ptr(), logits.element_size(), logits.stride(0), n, valid,
+                    lse.ctypes.data, value.ctypes.data, out.ctypes.data, threads)
+    return out
 
 
 class _Outputs:

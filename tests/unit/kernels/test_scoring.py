@@ -15,8 +15,11 @@ from kernels.layout import (
 )
 from kernels.reference import reference_logprobs, score_reference
 from kernels.scoring.driver import PreparedPromptScoring
+from kernels.scoring.lean import count_above_fast
 from kernels.scoring.steps import score_candidates, score_merge, score_stats, target_values
 from kernels.sortkeys import bits_to_float
+from kernels.torch_impl import compiled
+from kernels.torch_impl import lean as torch_lean
 from ranks.step.scoring import scored_capacities
 
 
@@ -163,3 +166,30 @@ def test_scored_capacity_ladder(chunk_limit, ladder):
 def test_scored_capacity_ladder_refuses_a_chunk_limit_below_one():
     with pytest.raises(ValueError, match="chunk limit must be >= 1"):
         scored_capacities(0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("world", "vocab"), [(1, 7), (3, 423), (1, 5000), (3, 40_000),
+                                              (2, 151_936)])
+def test_the_cpu_fast_path_writes_the_torch_paths_words(monkeypatch, world, vocab, dtype):
+    """kernels/scoring/lean.py (the reduction's compiled launches) against the slab-by-slab
+    torch steps: the same rows word for word, with ties made by equal logits, -inf lanes, a
+    NaN row, a +inf row and an invalid target; and the fast path is the one taken where the
+    compiled library loads."""
+    gen = torch.Generator().manual_seed(vocab + world)
+    rows = 9
+    logits = (torch.randn(rows, vocab, generator=gen) * 4).to(dtype)
+    logits[1, ::3] = float("-inf")
+    logits[2] = 0.5
+    logits[4, vocab // 2] = float("nan")
+    logits[5, 0] = float("inf")
+    logits[6, : min(vocab, 40)] = logits[6].max()
+    targets = torch.randint(0, vocab, (rows,), generator=gen)
+    targets[3] = -1
+    fast = simulate(logits, targets, world)
+    if compiled.available():
+        lse, value = torch.zeros(rows), torch.full((rows,), -1.0)
+        assert count_above_fast(logits, vocab, lse, value) is not None
+    monkeypatch.setattr(torch_lean, "LEAN", False)
+    slow = simulate(logits, targets, world)
+    assert torch.equal(fast, slow)
