@@ -204,8 +204,8 @@ def prepare_completion(
                 req.skip_special_tokens, offset_base=len(echo) if echo else 0,
             ))
             prompt_tokens[index] = len(ids)
-            if echo is not None:
-                echo_texts[index] = echo
+            if echo is not None and not req.return_token_ids:
+                echo_texts[index] = echo  # (vLLM: with return_token_ids, not in the text)
             if prompt is not None:
                 echoed[index] = prompt
     mode = wire_mode(req, req.logprobs is not None)

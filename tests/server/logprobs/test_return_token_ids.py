@@ -80,3 +80,33 @@ def test_chat_returns_prompt_and_generated_ids(server):
     assert firsts[0] is events[0] and events[0]["choices"][0]["delta"]["role"] == "assistant"
     streamed = [t for e in events for c in e["choices"] for t in c.get("token_ids", [])]
     assert streamed == ids
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("max_tokens", [0, 6])
+def test_echo_leaves_the_prompt_text_to_the_prompt_ids(scoring_server, stream, max_tokens):
+    """vLLM's serving_completion sets the echoed prompt text to "" under return_token_ids:
+    the text is the generated text alone (the prompt travels as prompt_token_ids), while the
+    logprobs arrays keep the prompt positions and their offsets. Oracle: the same request
+    without return_token_ids, whose text is the prompt then the same generated text."""
+    server = scoring_server  # (echo with logprobs scores the prompt)
+    fields = {"echo": True, "max_tokens": max_tokens}
+    plain = strict_json(post(server, "/v1/completions",
+                             body(server, return_token_ids=False, **fields)).content)
+    plain = plain["choices"][0]
+    assert plain["text"].startswith(TEXT)
+    request = body(server, stream=stream, **fields)
+    response = post(server, "/v1/completions", request)
+    assert response.status_code == 200, response.text
+    if stream:
+        chunks = [e["choices"][0] for e in sse_events(response) if e["choices"]]
+        text = "".join(c["text"] for c in chunks)
+        tokens = [t for c in chunks if c["logprobs"] for t in c["logprobs"]["tokens"]]
+        offsets = [o for c in chunks if c["logprobs"] for o in c["logprobs"]["text_offset"]]
+    else:
+        choice = strict_json(response.content)["choices"][0]
+        text, tokens = choice["text"], choice["logprobs"]["tokens"]
+        offsets = choice["logprobs"]["text_offset"]
+    assert text == plain["text"][len(TEXT):]
+    assert tokens == plain["logprobs"]["tokens"]
+    assert offsets == plain["logprobs"]["text_offset"]
