@@ -163,6 +163,7 @@ class CompletionRequest(SamplingFields):
     add_special_tokens: bool = True
     suffix: str | None = None
     prompt_embeds: Any = None
+    packed_top_logprobs: Any = None
 
 
 class ChatCompletionRequest(SamplingFields):

@@ -70,6 +70,9 @@ REFUSED: dict[str, Refusal] = {
     "prompt_embeds": Refusal("prompt_embeds is not supported by this server", _truthy),
     "suffix": Refusal("suffix is not supported by this server", _truthy),
     "kv_transfer_params": Refusal("kv_transfer_params (disaggregated serving) is not supported"),
+    # output layouts
+    "packed_top_logprobs": Refusal("packed_top_logprobs (base64-packed top logprobs) is not "
+                                   "supported by this server", _truthy),
     # structured outputs
     "response_format": Refusal("only response_format type 'text' is supported",
                                _not_text_format),
@@ -104,7 +107,7 @@ COMMON_REFUSED = (
     "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
     "guided_decoding_backend", "guided_whitespace_pattern",
 )
-COMPLETION_REFUSED = (*COMMON_REFUSED, "suffix", "prompt_embeds")
+COMPLETION_REFUSED = (*COMMON_REFUSED, "suffix", "prompt_embeds", "packed_top_logprobs")
 CHAT_REFUSED = (
     *COMMON_REFUSED, "tools", "tool_choice", "functions", "function_call",
     "chat_template", "documents", "mm_processor_kwargs", "modalities",
