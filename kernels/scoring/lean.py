@@ -50,7 +50,7 @@ def count_above_fast(logits: torch.Tensor, local_valid: int, lse: torch.Tensor,
 def best_keys(logits: torch.Tensor, scan: ShardScan, lse: torch.Tensor, vocab_start: int,
               local_valid: int) -> torch.Tensor:
     """int64 [n, 20]: the shard's best 20 sort keys per row (global ids), EMPTY_KEY where the
-    shard has fewer lanes or the row's normalization is not finite."""
+    shard has fewer lanes (steps.score_candidates empties rows whose lse is not finite)."""
     n = logits.shape[0]
     best, _ = natural_best(logits, np.arange(n), local_valid, scan.stats, scan.picks,
                            np.ascontiguousarray(lse.numpy(), dtype=np.float32), PROMPT_K)
@@ -58,4 +58,4 @@ def best_keys(logits: torch.Tensor, scan: ShardScan, lse: torch.Tensor, vocab_st
     ids = torch.from_numpy(best.ids)
     found = make_keys(torch.from_numpy(best.values), ids + vocab_start)
     keys[:, : ids.shape[1]] = torch.where(ids < 0, EMPTY_KEY, found)
-    return torch.where(torch.isfinite(lse).unsqueeze(1), keys, EMPTY_KEY)
+    return keys

@@ -138,16 +138,16 @@ def score_candidates(
     e2_out.zero_()
     if scan is None:
         best = torch.full((n, PROMPT_K), EMPTY_KEY, dtype=torch.int64, device=logits.device)
-    elif _lean(logits):
-        e2_out[:, 0] = count_above(logits, local_valid, lse, value).to(torch.int32)
-        best = best_keys(logits, scan, lse, vocab_start, local_valid)
     else:
         e2_out[:, 0] = count_above(logits, local_valid, lse, value).to(torch.int32)
-        stats = scan.stats
-        cand = tile_candidates(
-            logits, None, local_valid, lse, stats.chunk_max, stats.tail_max, vocab_start
-        )
-        best = top_keys(cand.flatten(1), PROMPT_K)
+        if _lean(logits):
+            best = best_keys(logits, scan, lse, vocab_start, local_valid)
+        else:
+            stats = scan.stats
+            cand = tile_candidates(
+                logits, None, local_valid, lse, stats.chunk_max, stats.tail_max, vocab_start
+            )
+            best = top_keys(cand.flatten(1), PROMPT_K)
         # A non-finite normalization (NaN or +inf logit) reports no alternatives.
         best = torch.where(torch.isfinite(lse).unsqueeze(1), best, EMPTY_KEY)
     e2_out[:, 1 : 1 + KEY_WORDS] = keys_to_words(best)
