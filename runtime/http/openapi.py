@@ -33,8 +33,9 @@ BODIES: dict[str, tuple[type[BaseModel], ...]] = {
     "/v1/responses": (ResponsesRequest,),
     "/tokenize": (TokenizeCompletionRequest, TokenizeChatRequest),
     "/detokenize": (DetokenizeRequest,),
+    "/invocations": (ChatCompletionRequest, CompletionRequest),
 }
-STREAMING = {"/v1/completions", "/v1/chat/completions", "/v1/responses"}
+STREAMING = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/invocations"}
 GENERATION_ERRORS = {
     400: "refused before admission (the message and `param` name the parameter)",
     404: "unknown model",

@@ -232,13 +232,19 @@ def create_app(engine: EngineClient, model_dir: str | Path, served_model_name: s
         return TrackedStream(framing(observed()), close, media_type="text/event-stream",
                              headers=SSE_HEADERS)
 
-    async def serve_request(request: Request, model: type[BaseModel], prepare, whole, chunks,
-                            framing=sse_stream):
+    handlers = {  # request model -> (prepare, whole response, stream chunks, framing)
+        CompletionRequest: (prepare_completion, complete, stream_completion, sse_stream),
+        ChatCompletionRequest: (prepare_chat, chat, stream_chat, sse_stream),
+        ResponsesRequest: (prepare_responses, respond, stream_responses, sse_events),
+    }
+
+    async def serve_request(request: Request, model) -> Response:
         req = await parse_body(request, model, max_request_bytes)
         if isinstance(req, Response):
             if req.status_code == 413:
                 stats.rejected["too_large"] += 1
             return req
+        prepare, whole, chunks, framing = handlers[type(req)]
         refused = precheck(req)
         if refused is not None:
             return refused
@@ -280,22 +286,19 @@ def create_app(engine: EngineClient, model_dir: str | Path, served_model_name: s
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await serve_request(
-            request, CompletionRequest, prepare_completion, complete, stream_completion
-        )
+        return await serve_request(request, CompletionRequest)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await serve_request(
-            request, ChatCompletionRequest, prepare_chat, chat, stream_chat
-        )
+        return await serve_request(request, ChatCompletionRequest)
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
-        return await serve_request(
-            request, ResponsesRequest, prepare_responses, respond, stream_responses,
-            framing=sse_events,
-        )
+        return await serve_request(request, ResponsesRequest)
+
+    @app.post("/invocations")
+    async def invocations(request: Request) -> Response:
+        return await serve_request(request, invocation_model)
 
     async def serve_tokenizer(request: Request, model, answer) -> Response:
         req = await parse_body(request, model, max_request_bytes)
@@ -333,6 +336,12 @@ def create_app(engine: EngineClient, model_dir: str | Path, served_model_name: s
         return json_response(tokenizer_info(assets))
 
     return app
+
+
+def invocation_model(data: dict[str, Any]) -> type[BaseModel]:
+    """vLLM's /invocations (SageMaker's route): a body with `messages` is a chat completion,
+    any other a completion, answered as on its own route."""
+    return ChatCompletionRequest if "messages" in data else CompletionRequest
 
 
 def finish_reasons(body: dict[str, Any]) -> list[str | None]:

@@ -256,3 +256,49 @@ def test_context_overflow_in_vllm_words(server, route, fields, param):
         assert f"'{param}' is too large: {10**6}." in message
         assert "You passed " in message and f"requested {10**6} output tokens" in message
     assert f"However, the model's context length is only {limit} tokens" in message
+
+
+def _same_but_last_bits(a, b) -> bool:
+    """Equal structures and values, floats within 1e-5."""
+    if isinstance(a, float) and isinstance(b, float):
+        return abs(a - b) <= 1e-5
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_but_last_bits(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(map(_same_but_last_bits, a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_invocations_answers_as_the_route_the_body_belongs_to(server, route):
+    """vLLM's test_invocations (chat and completion): POST /invocations with the body of a
+    greedy request gives the keys and choices of the request's own route, and the official
+    client's response model reads it; streamed, the same text. A body with neither
+    `messages` nor `prompt` is a completion without a prompt: vLLM's 400."""
+    if route == "chat":
+        path, model = "/v1/chat/completions", openai.types.chat.ChatCompletion
+        body = {"model": served_name(server), "messages": MESSAGES, "max_completion_tokens": 5,
+                "temperature": 0.0, "logprobs": True, "top_logprobs": 2}
+    else:
+        path, model = "/v1/completions", openai.types.Completion
+        body = {"model": served_name(server), "prompt": "What is the capital of France?",
+                "max_tokens": 5, "temperature": 0.0, "logprobs": 2}
+    direct = strict_json(post(server, path, body).content)
+    response = post(server, "/invocations", body)
+    assert response.status_code == 200, response.text
+    invoked = strict_json(response.content)
+    assert invoked.keys() == direct.keys()
+    # (logprob values may move in the last bits with the batch other tests' requests share)
+    assert _same_but_last_bits(invoked["choices"], direct["choices"])
+    model.model_validate(invoked)
+    events = [line for line in post(server, "/invocations", {**body, "stream": True}).text
+              .splitlines() if line.startswith("data: {")]
+    chunks = [json.loads(line[6:])["choices"] for line in events]
+    pieces = [(c[0]["delta"].get("content") or "") if route == "chat" else c[0]["text"]
+              for c in chunks if c]
+    choice = direct["choices"][0]
+    assert "".join(pieces) == (choice["message"]["content"] if route == "chat"
+                               else choice["text"])
+    bad = post(server, "/invocations", {"model": served_name(server), "max_tokens": 5})
+    assert bad.status_code == 400
+    assert strict_json(bad.content)["error"]["param"] == "prompt"
