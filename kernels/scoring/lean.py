@@ -1,8 +1,8 @@
 """Prompt scoring's shard steps on CPU tensors through the reduction's fast launches.
 
 kernels/scoring/steps.py's torch path runs launch 1 (tile_stats), the rank count and the
-tiles' candidates slab by slab in tensor ops: ~1.3 s for a 64 x 151,936 block here, twenty
-times the block's projection. The same three steps exist for generation on the CPU
+tiles' candidates slab by slab in tensor ops: ~28 ms for a 64 x 151,936 bf16 block here,
+against ~10 ms through these launches. The same three steps exist for generation on the CPU
 (kernels/torch_impl/lean_stats.py, lean.py, compiled.c) with results equal word for word to
 the torch ones, so scoring takes them: launch 1 from lean_tile_stats, the shard's best 20
 lanes from natural_best (the generation ordering: value desc, id asc, ties made by the
