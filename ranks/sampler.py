@@ -11,7 +11,9 @@ and top-k kept), and a Gumbel-max whose Philox noise is keyed by (seed, position
 so a seeded row samples the same token at every TP degree. The raw logits are never
 modified: all work happens in a scratch buffer, which ``processed`` exposes for target
 verification. NaN logits count as -inf. When every row is greedy and unprocessed, a compiled
-argmax reads the raw rows instead (kernels/greedy: same rule, no scratch copy).
+argmax reads the raw rows instead (kernels/greedy: same rule, no scratch copy); when every row
+is temperature-only (no processor, no filter), compiled code reads the raw rows divided as the
+scratch would hold them (ranks/sampler_gumbel.py, scaled_gumbel_best: the same token).
 
 Exchanges (all fixed-width int32 all-gathers, skipped for a size-1 group):
 - greedy and temperature-only rows: only the final pick, 3 words per row.
@@ -46,7 +48,7 @@ from ranks.sampler_filters import (
     relative_probs,
     score_keys,
 )
-from ranks.sampler_gumbel import gumbel_best
+from ranks.sampler_gumbel import gumbel_best, scaled_gumbel_best
 from ranks.sampling_params import GREEDY_EPS, SEED_MAX, RowSampling
 
 NEG_INF = float("-inf")
@@ -105,6 +107,11 @@ class ShardedSampler:
             picked = self._plain_greedy(logits)
             if picked is not None:
                 return picked
+        elif all(not r.greedy and r.unprocessed and not r.filtered(self.vocab_size)
+                 for r in rows):
+            picked = self._plain_temperature(logits, rows)
+            if picked is not None:
+                return picked
         x = self._transform(logits, rows, prompt_ids, output_ids)
         n = len(rows)
         greedy = [i for i, r in enumerate(rows) if r.greedy]
@@ -114,8 +121,7 @@ class ShardedSampler:
                 return first_argmax(x) + self.vocab_start
             keys, ids = greedy_best(x, self.vocab_start)
             return pick_global(keys, ids, self.pick_exchange)
-        seeds = self._index(rows[i].seed - SEED_MAX if rows[i].seed >= 2**63 else rows[i].seed
-                            for i in seeded)
+        seeds = self._index(_signed_seed(rows[i].seed) for i in seeded)
         positions = self._index(rows[i].position for i in seeded)
         if not greedy:  # (every row: no copy of x)
             keys, ids = gumbel_best(x, seeds, positions, self.vocab_start)
@@ -153,6 +159,21 @@ class ShardedSampler:
         score = raw.gather(1, lane.unsqueeze(1)).squeeze(1).to(torch.float64)
         score = torch.where(score.isnan(), NEG_INF, score)
         return pick_global(score_keys(score), lane + self.vocab_start, self.pick_exchange)
+
+    def _plain_temperature(self, logits: torch.Tensor, rows: Sequence[RowSampling]
+                           ) -> torch.Tensor | None:
+        """Every row temperature-only (no logits processor, no filter): compiled code reads
+        the raw rows, as the scratch would hold them after the copy and the division, and
+        finds the few lanes that can still win; no scratch copy. None where it does not
+        apply (the scratch path)."""
+        temps = torch.tensor([r.temperature for r in rows], dtype=torch.float32)
+        found = scaled_gumbel_best(logits[:, : self.local_valid],
+                                   temps.clamp_(max=FLOAT32_MAX),
+                                   [_signed_seed(r.seed) for r in rows],
+                                   [r.position for r in rows], self.vocab_start)
+        if found is None:
+            return None
+        return pick_global(*found, self.pick_exchange)
 
     def _check(
         self,
@@ -314,6 +335,11 @@ class ShardedSampler:
 
     def _float64(self, values: Sequence[float]) -> torch.Tensor:
         return torch.tensor([float(t) for t in values], dtype=torch.float64, device=self.device)
+
+
+def _signed_seed(seed: int) -> int:
+    """A seed in [0, 2**64) as the int64 the Philox keys are read from."""
+    return seed - SEED_MAX if seed >= 2**63 else seed
 
 
 def _saturated(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:

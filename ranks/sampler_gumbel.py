@@ -25,8 +25,10 @@ from kernels.noise.philox import (
     uniform_of,
 )
 from kernels.noise.philox_native import (
+    Candidates,
     native_candidates,
     native_cutoff_lanes,
+    native_scaled_best,
     native_sparse_best,
 )
 from ranks.sampler_filters import NO_ID, empty_best, score_keys
@@ -135,21 +137,53 @@ def _dense_rows(x: torch.Tensor, dense: list[int], seeds: torch.Tensor, position
         seed_list, position_list = seeds.tolist(), positions.tolist()
         found = native_candidates(x, plain, [seed_list[i] for i in plain],
                                   [position_list[i] for i in plain], vocab_start,
-                                  BOUND_OFFSET, BOUND_SCALE, torch.get_num_threads())
+                                  BOUND_OFFSET, BOUND_SCALE, DENSE_X_LIMIT,
+                                  torch.get_num_threads())
     rest = dense
     if found is not None:
-        left, owners, lanes, bits = found
-        searched = set(plain) - set(left)
+        searched = set(plain) - set(found.left)
         rest = [i for i in dense if i not in searched]
-        if owners:
-            row = torch.tensor(owners, dtype=torch.int64, device=x.device)
-            noise = uniform_of(bits).log_().neg_().log_().neg_()
-            _settle(best, best_id, row, lanes + vocab_start,
-                    x[row, lanes].to(torch.float64) + noise)
+        _settle_candidates(best, best_id, found, vocab_start)
     for i in rest:
         key, lane = dense_row_best(x[i], int(seeds[i]), int(positions[i]), vocab_start,
                                    maxima[i])
         best[i], best_id[i] = key, lane + vocab_start
+
+
+def scaled_gumbel_best(raw: torch.Tensor, temperatures: torch.Tensor, seeds: list[int],
+                       positions: list[int], vocab_start: int
+                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """gumbel_best of the rows raw / temperatures (float32 [n]; NaN lanes as -inf), as the
+    sampler's scratch would hold them, without writing them anywhere: compiled code reads
+    the raw rows once for every lane's bits and bound (the dense path's search) and scores
+    the few candidates (with torch's float64 log where this machine allows, else in torch).
+    None where that does not apply (no compiler, not CPU FP32, ids past 2**31, or a row the
+    search leaves): the caller takes the scratch path."""
+    n, width = raw.shape
+    if width == 0 or vocab_start + width > 2**31:
+        return None
+    scored = native_scaled_best(raw, temperatures, seeds, positions, vocab_start, BOUND_OFFSET,
+                                BOUND_SCALE, DENSE_X_LIMIT, torch.get_num_threads())
+    if scored is not None:
+        return scored
+    found = native_candidates(raw, list(range(n)), seeds, positions, vocab_start, BOUND_OFFSET,
+                              BOUND_SCALE, DENSE_X_LIMIT, torch.get_num_threads(), temperatures)
+    if found is None or found.left:
+        return None
+    best, best_id = empty_best(n, raw.device)
+    _settle_candidates(best, best_id, found, vocab_start)
+    return best, best_id
+
+
+def _settle_candidates(best: torch.Tensor, best_id: torch.Tensor, found: Candidates,
+                       vocab_start: int) -> None:
+    """Fold native_candidates' lanes into best and best_id, each scored exactly as
+    gumbel_noise scores it."""
+    if found.owners:
+        row = torch.tensor(found.owners, dtype=torch.int64, device=best.device)
+        noise = uniform_of(found.bits).log_().neg_().log_().neg_()
+        _settle(best, best_id, row, found.lanes + vocab_start,
+                found.values.to(torch.float64) + noise)
 
 
 class _RowBuffers(threading.local):

@@ -23,78 +23,105 @@ void gumbel_bounds(const int64_t *m, int64_t n, float c0, float c1, float *out)
    A row's score of lane j is float64(x[j]) + noise(m_j), noise = -log(-log(u)), u = (m + 0.5)
    / 2**52; the winner has the largest score. Every lane's bits must be drawn, but only a few
    lanes' noise can decide the winner. Per row:
+   0. x is the row as the sampler's scratch holds it. Given `temps`, x is read from the raw
+      logits: each lane NaN as -inf, then divided by the row's FP32 temperature (IEEE
+      division, as torch's div_), so a temperature-only row needs no scratch copy.
    1. Each lane's bits m and FP32 bound b = x + bound_of(m), above its score by 1e-3 before
       rounding, and the largest b of each block of BLOCK lanes. Jobs of whole blocks,
       several per row when rows are fewer than threads. The lead is the first lane with the
-      row's largest b (its block's bits are drawn again to find it).
+      row's largest b (its block's bits are drawn again to find it). A row whose largest x
+      is not finite or exceeds x_limit in size reports -2 (the caller takes its other path:
+      the margins below assume scores of moderate size).
    2. The lead's score s0, with C's log: within 1e-12 (1 + |s0|) of the score torch computes
       (each log is within a few ulps of the true value). Some lane scores s0, so the winner
       scores >= s0, and a lane that scores >= s0 has b >= s0 - (1e-3 + 2**-20 (1 + |s0|))
-      (dense_row_best in ranks/sampler_gumbel.py gives why); the threshold t is that less
+      (dense_row_best in ranks/sampler_gumbel.py gives why); the threshold h is that less
       another 1e-9 (1 + |s0|) for C's log, as FP32 rounded down.
-   3. Blocks whose maximum reaches t draw their bits again; their lanes with b >= t are the
-      candidates, written with their bits (the caller scores them exactly, as torch does). A
-      row with more than `cap` candidates reports -1 (the caller takes its other path). */
+   3. Blocks whose maximum reaches h draw their bits again; their lanes with b >= h are the
+      candidates, written with their bits and x (the caller scores them exactly, as torch
+      does). A row with more than `cap` candidates reports -1 (the caller takes its other
+      path). */
 
-/* Bits and bounds of lanes [lane0, lane0 + count) of a row; returns their largest bound.
-   Written once, built for AVX-512F, AVX2 and the baseline (bounds_avx512, bounds_avx2,
-   bounds_base). */
+/* A lane's x: NaN as -inf, divided by t (t = 1 leaves it, so rows already scaled pass 1). */
+static inline float scaled(float v, float t)
+{
+    return (v != v ? -INFINITY : v) / t;
+}
+
+/* Bits and bounds of lanes [lane0, lane0 + count) of a row of raw values scaled by t; returns
+   their largest bound, and their largest x in *top. Written once, built for AVX-512F, AVX2
+   and the baseline (bounds_avx512, bounds_avx2, bounds_base). */
 static inline __attribute__((always_inline)) float bounds_body(
     const float *x, int64_t lane0, int64_t count, int64_t first, uint32_t pos, uint32_t k0,
-    uint32_t k1, float c0, float c1, int64_t *m, float *b)
+    uint32_t k1, float c0, float c1, float t, int64_t *m, float *b, float *top)
 {
     int64_t ids[BLOCK];
     for (int64_t i = 0; i < count; i++) ids[i] = first + lane0 + i;
     philox_bits(ids, count, pos, k0, k1, m);
-    float best = -INFINITY;
-#pragma omp simd reduction(max : best)
-    for (int64_t i = 0; i < count; i++) {
-        b[i] = x[lane0 + i] + bound_of(m[i], c0, c1);
-        best = b[i] > best ? b[i] : best;
+    float best = -INFINITY, high = -INFINITY;
+    if (t == 1.0f) { /* (no division) */
+#pragma omp simd reduction(max : best, high)
+        for (int64_t i = 0; i < count; i++) {
+            const float v = x[lane0 + i] != x[lane0 + i] ? -INFINITY : x[lane0 + i];
+            b[i] = v + bound_of(m[i], c0, c1);
+            best = b[i] > best ? b[i] : best;
+            high = v > high ? v : high;
+        }
+    } else {
+#pragma omp simd reduction(max : best, high)
+        for (int64_t i = 0; i < count; i++) {
+            const float v = scaled(x[lane0 + i], t);
+            b[i] = v + bound_of(m[i], c0, c1);
+            best = b[i] > best ? b[i] : best;
+            high = v > high ? v : high;
+        }
     }
+    *top = high;
     return best;
 }
 
 #if defined(__x86_64__)
 __attribute__((target("avx512f"))) static float bounds_avx512(
     const float *x, int64_t lane0, int64_t count, int64_t first, uint32_t pos, uint32_t k0,
-    uint32_t k1, float c0, float c1, int64_t *m, float *b)
+    uint32_t k1, float c0, float c1, float t, int64_t *m, float *b, float *top)
 {
-    return bounds_body(x, lane0, count, first, pos, k0, k1, c0, c1, m, b);
+    return bounds_body(x, lane0, count, first, pos, k0, k1, c0, c1, t, m, b, top);
 }
 
 __attribute__((target("avx2"))) static float bounds_avx2(
     const float *x, int64_t lane0, int64_t count, int64_t first, uint32_t pos, uint32_t k0,
-    uint32_t k1, float c0, float c1, int64_t *m, float *b)
+    uint32_t k1, float c0, float c1, float t, int64_t *m, float *b, float *top)
 {
-    return bounds_body(x, lane0, count, first, pos, k0, k1, c0, c1, m, b);
+    return bounds_body(x, lane0, count, first, pos, k0, k1, c0, c1, t, m, b, top);
 }
 #endif
 
 static float bounds_base(const float *x, int64_t lane0, int64_t count, int64_t first,
-                         uint32_t pos, uint32_t k0, uint32_t k1, float c0, float c1, int64_t *m,
-                         float *b)
+                         uint32_t pos, uint32_t k0, uint32_t k1, float c0, float c1, float t,
+                         int64_t *m, float *b, float *top)
 {
-    return bounds_body(x, lane0, count, first, pos, k0, k1, c0, c1, m, b);
+    return bounds_body(x, lane0, count, first, pos, k0, k1, c0, c1, t, m, b, top);
 }
 
 static float block_bounds(const float *x, int64_t lane0, int64_t count, int64_t first,
-                          uint32_t pos, uint32_t k0, uint32_t k1, float c0, float c1, int64_t *m,
-                          float *b)
+                          uint32_t pos, uint32_t k0, uint32_t k1, float c0, float c1, float t,
+                          int64_t *m, float *b, float *top)
 {
 #if defined(__x86_64__)
     if (has_avx2() && vector_level >= 2)
-        return bounds_avx512(x, lane0, count, first, pos, k0, k1, c0, c1, m, b);
-    if (has_avx2()) return bounds_avx2(x, lane0, count, first, pos, k0, k1, c0, c1, m, b);
+        return bounds_avx512(x, lane0, count, first, pos, k0, k1, c0, c1, t, m, b, top);
+    if (has_avx2())
+        return bounds_avx2(x, lane0, count, first, pos, k0, k1, c0, c1, t, m, b, top);
 #endif
-    return bounds_base(x, lane0, count, first, pos, k0, k1, c0, c1, m, b);
+    return bounds_base(x, lane0, count, first, pos, k0, k1, c0, c1, t, m, b, top);
 }
 
 void gumbel_candidates(const float *x, int64_t row_stride, const int64_t *rows, int64_t n_rows,
                        int64_t width, int64_t first, const int64_t *pos, const int64_t *k0,
-                       const int64_t *k1, float c0, float c1, float *maxima, float *lead_value,
-                       int64_t *lead_block, int64_t cap, int64_t *counts, int64_t *lanes,
-                       int64_t *bits, int64_t threads)
+                       const int64_t *k1, const float *temps, float c0, float c1,
+                       double x_limit, float *maxima, float *lead_value, int64_t *lead_block,
+                       float *lead_x, int64_t cap, int64_t *counts, int64_t *lanes,
+                       int64_t *bits, float *values, int64_t threads)
 {
     const int64_t blocks = (width + BLOCK - 1) / BLOCK;
     int64_t chunks = n_rows >= threads ? 1 : threads / n_rows;
@@ -103,66 +130,77 @@ void gumbel_candidates(const float *x, int64_t row_stride, const int64_t *rows, 
     chunks = (blocks + per_chunk - 1) / per_chunk; /* none empty */
     const int64_t jobs = n_rows * chunks;
 
-    /* 1. block maxima, and each job's first block with its largest maximum */
+    /* 1. block maxima, each job's first block with its largest maximum, and its largest x */
 #pragma omp parallel for num_threads((int)threads) schedule(static)
     for (int64_t job = 0; job < jobs; job++) {
         const int64_t r = job / chunks, c = job % chunks;
         const float *row = x + rows[r] * row_stride;
+        const float t = temps ? temps[r] : 1.0f;
         int64_t m[BLOCK];
-        float b[BLOCK], best = -INFINITY;
+        float b[BLOCK], best = -INFINITY, high = -INFINITY, top;
         int64_t lead = c * per_chunk;
         for (int64_t k = c * per_chunk; k < (c + 1) * per_chunk && k < blocks; k++) {
             int64_t lane0 = k * BLOCK, count = width - lane0 < BLOCK ? width - lane0 : BLOCK;
-            float top = block_bounds(row, lane0, count, first, (uint32_t)pos[r],
-                                     (uint32_t)k0[r], (uint32_t)k1[r], c0, c1, m, b);
-            maxima[r * blocks + k] = top;
-            if (top > best) {
-                best = top;
+            float most = block_bounds(row, lane0, count, first, (uint32_t)pos[r],
+                                      (uint32_t)k0[r], (uint32_t)k1[r], c0, c1, t, m, b, &top);
+            maxima[r * blocks + k] = most;
+            if (most > best) {
+                best = most;
                 lead = k;
             }
+            high = top > high ? top : high;
         }
         lead_value[job] = best;
         lead_block[job] = lead;
+        lead_x[job] = high;
     }
 
     /* 2. and 3. per row: the threshold, then the candidates */
 #pragma omp parallel for num_threads((int)threads) schedule(static)
     for (int64_t r = 0; r < n_rows; r++) {
         const float *row = x + rows[r] * row_stride;
+        const float t = temps ? temps[r] : 1.0f;
         const uint32_t p = (uint32_t)pos[r], a = (uint32_t)k0[r], b1 = (uint32_t)k1[r];
         int64_t block = lead_block[r * chunks];
-        float best = lead_value[r * chunks];
-        for (int64_t c = 1; c < chunks; c++)
+        float best = lead_value[r * chunks], high = lead_x[r * chunks], top;
+        for (int64_t c = 1; c < chunks; c++) {
             if (lead_value[r * chunks + c] > best) {
                 best = lead_value[r * chunks + c];
                 block = lead_block[r * chunks + c];
             }
+            high = lead_x[r * chunks + c] > high ? lead_x[r * chunks + c] : high;
+        }
+        if (!(isfinite(high) && fabs((double)high) <= x_limit)) {
+            counts[r] = -2;
+            continue;
+        }
         int64_t m[BLOCK], lane0 = block * BLOCK, lead = lane0;
         float bound[BLOCK];
         int64_t count = width - lane0 < BLOCK ? width - lane0 : BLOCK;
-        block_bounds(row, lane0, count, first, p, a, b1, c0, c1, m, bound);
+        block_bounds(row, lane0, count, first, p, a, b1, c0, c1, t, m, bound, &top);
         while (lead - lane0 < count - 1 && bound[lead - lane0] != best) lead++;
         const double u = ((double)m[lead - lane0] + 0.5) * 0x1p-52;
-        const double s0 = (double)row[lead] - log(-log(u));
+        const double s0 = (double)scaled(row[lead], t) - log(-log(u));
         const double slack = 1.0 + fabs(s0);
         const double floor_ = s0 - (1e-3 + 0x1p-20 * slack) - 1e-9 * slack;
-        float t = (float)floor_;
-        if ((double)t > floor_) t = nextafterf(t, -INFINITY);
+        float threshold = (float)floor_;
+        if ((double)threshold > floor_) threshold = nextafterf(threshold, -INFINITY);
 
         int64_t found = 0;
         for (int64_t k = 0; k < blocks && found >= 0; k++) {
-            if (!(maxima[r * blocks + k] >= t)) continue;
+            if (!(maxima[r * blocks + k] >= threshold)) continue;
             lane0 = k * BLOCK;
             count = width - lane0 < BLOCK ? width - lane0 : BLOCK;
-            block_bounds(row, lane0, count, first, p, a, b1, c0, c1, m, bound);
+            block_bounds(row, lane0, count, first, p, a, b1, c0, c1, t, m, bound, &top);
             for (int64_t i = 0; i < count; i++) {
-                if (!(bound[i] >= t)) continue;
+                if (!(bound[i] >= threshold)) continue;
                 if (found == cap) {
                     found = -1;
                     break;
                 }
                 lanes[r * cap + found] = lane0 + i;
                 bits[r * cap + found] = m[i];
+                values[r * cap + found] = scaled(row[lane0 + i], t);
                 found++;
             }
         }

@@ -7,7 +7,8 @@ as ``kernels.noise.philox.philox_bits`` (integer arithmetic only, so the bits ar
 merely close). ``native_gumbel_bounds`` is the same for kernels.noise.philox.gumbel_bounds
 (float32, rounded as the torch path rounds it). ``native_candidates`` finds the few lanes of
 each sampled row that can still win its Gumbel-max (ranks/sampler_gumbel.py scores them);
-``native_sparse_best`` scores a sparse row's lanes itself, with torch's float64 log. The
+``native_sparse_best`` scores a sparse row's lanes itself, with torch's float64 log, and
+``native_scaled_best`` a temperature-only row's candidates, read from its raw logits. The
 C file is compiled once per source hash with the system C compiler (``$CC``, else ``cc``) into
 a per-user cache directory and loaded with ctypes. Without a compiler, on failure, off
 x86/aarch64 CPUs, or with ``HELIOS_NATIVE_PHILOX=0``, ``available()`` is False and callers
@@ -19,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import threading
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -63,8 +65,8 @@ def _build() -> ctypes.CDLL | None:
     fn = lib.gumbel_candidates
     fn.restype = None
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-    fn.argtypes = [ptr, i64, ptr, i64, i64, i64, ptr, ptr, ptr, f32, f32, ptr, ptr, ptr, i64,
-                   ptr, ptr, ptr, i64]
+    fn.argtypes = [ptr, i64, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, f32, f32,
+                   ctypes.c_double, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64]
     lib.cutoff_counts.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, i64]
     lib.cutoff_counts.restype = None
     lib.cutoff_lanes.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, i64]
@@ -72,6 +74,9 @@ def _build() -> ctypes.CDLL | None:
     lib.sparse_best.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, ptr, i64, ptr,
                                 ctypes.c_longlong, ptr, ptr, ptr, ptr, i64]
     lib.sparse_best.restype = None
+    lib.score_candidates.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ctypes.c_longlong,
+                                     ptr, ptr, ptr, ptr, i64]
+    lib.score_candidates.restype = None
     lib.log_routines = _log_routines()
     return lib
 
@@ -175,20 +180,85 @@ BLOCK_LANES = 128
 """philox.c's BLOCK: lanes per block maximum."""
 
 
+class Candidates(NamedTuple):
+    """native_candidates' answer: the rows it left (more than CANDIDATE_CAP candidates, or a
+    largest value not finite or above x_limit in size: not searched), and every other row's
+    candidates: the row of each, its lane, its bits (int64) and its value x (float32)."""
+
+    left: list[int]
+    owners: list[int]
+    lanes: torch.Tensor
+    bits: torch.Tensor
+    values: torch.Tensor
+
+
 def native_candidates(x: torch.Tensor, rows: list[int], seeds: list[int], positions: list[int],
-                      vocab_start: int, c0: float, c1: float, threads: int
-                      ) -> tuple[list[int], list[int], torch.Tensor, torch.Tensor] | None:
-    """The lanes of rows `rows` of x (float32 [n, width], CPU, unit lane stride; each row's
-    maximum finite and of size <= 1e6; ids below 2**31) that can still win the row's
-    Gumbel-max with its seed and position, and their bits (gumbel.c's gumbel_candidates says
-    how they are found; c0 and c1 are gumbel_bounds' constants). Returns (left, owners,
-    lanes, bits): the rows that had more than CANDIDATE_CAP candidates (not searched), and
-    every other row's candidates: the row of each, its lane and its bits (int64 tensors).
-    None when not applicable (nothing computed)."""
+                      vocab_start: int, c0: float, c1: float, x_limit: float, threads: int,
+                      temperatures: torch.Tensor | None = None) -> Candidates | None:
+    """The lanes of rows `rows` of x (float32 [n, width], CPU, unit lane stride; ids below
+    2**31) that can still win the row's Gumbel-max with its seed and position, with their
+    bits and values (gumbel.c's gumbel_candidates says how they are found; c0 and c1 are
+    gumbel_bounds' constants). Given `temperatures` (float32 [len(rows)]), x holds raw logits
+    and each row's values are x / temperature, NaN as -inf, as the sampler's scratch would
+    hold them. None when not applicable (nothing computed)."""
+    search = _search(x, rows, seeds, positions, vocab_start, c0, c1, x_limit, threads,
+                     temperatures)
+    if search is None:
+        return None
+    found, lanes, bits, values = search
+    left = [row for row, count in zip(rows, found, strict=True) if count < 0]
+    owners, slots = [], []
+    for k, count in enumerate(found):
+        owners += [rows[k]] * max(count, 0)
+        slots += range(k * CANDIDATE_CAP, k * CANDIDATE_CAP + count)
+    index = torch.tensor(slots, dtype=torch.int64)
+    return Candidates(left, owners, lanes.index_select(0, index), bits.index_select(0, index),
+                      values.index_select(0, index))
+
+
+def native_scaled_best(x: torch.Tensor, temperatures: torch.Tensor, seeds: list[int],
+                       positions: list[int], vocab_start: int, c0: float, c1: float,
+                       x_limit: float, threads: int
+                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Every row's Gumbel-max of the raw rows x / temperatures (as native_candidates reads
+    them) as (score key, global id) int64 [n]: the candidates scored in compiled code as the
+    torch path scores them (sparse.c's score_candidates). None when not applicable: no
+    compiler, no torch-exact log on this machine, or a row the search leaves."""
+    lib = _lib()
+    if lib is None or lib.log_routines is None:
+        return None
+    n_rows = x.shape[0] if x.dim() == 2 else 0
+    search = _search(x, list(range(n_rows)), seeds, positions, vocab_start, c0, c1, x_limit,
+                     threads, temperatures)
+    if search is None or min(search[0]) <= 0:  # (every searched row holds its lead lane)
+        return None
+    found, lanes, bits, values = search
+    counts = torch.tensor(found, dtype=torch.int64)
+    key = torch.full((n_rows,), -(2**63), dtype=torch.int64)
+    best_id = torch.full((n_rows,), 2**63 - 1, dtype=torch.int64)
+    ln, set_local, get_max = lib.log_routines
+    lib.score_candidates(counts.data_ptr(), n_rows, CANDIDATE_CAP, lanes.data_ptr(),
+                         bits.data_ptr(), values.data_ptr(), vocab_start, ln, VML_MODE,
+                         set_local, get_max, key.data_ptr(), best_id.data_ptr(),
+                         max(1, min(threads, n_rows)))
+    return key, best_id
+
+
+def _search(x: torch.Tensor, rows: list[int], seeds: list[int], positions: list[int],
+            vocab_start: int, c0: float, c1: float, x_limit: float, threads: int,
+            temperatures: torch.Tensor | None
+            ) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """gumbel_candidates over rows `rows`: each row's count (< 0: left) and the lanes, bits
+    and values buffers, CANDIDATE_CAP slots per row."""
     n_rows = len(rows)
     if (x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2
             or x.stride(1) != 1 or n_rows == 0):
         return None
+    if temperatures is not None and (temperatures.dtype != torch.float32
+                                     or tuple(temperatures.shape) != (n_rows,)
+                                     or not temperatures.is_contiguous()):
+        raise ValueError(f"temperatures: expected float32 [{n_rows}], got "
+                         f"{temperatures.dtype} {tuple(temperatures.shape)}")
     lib = _lib()
     if lib is None:
         return None
@@ -199,22 +269,19 @@ def native_candidates(x: torch.Tensor, rows: list[int], seeds: list[int], positi
     maxima = torch.empty(n_rows * blocks, dtype=torch.float32)
     lead_value = torch.empty(jobs, dtype=torch.float32)
     lead_block = torch.empty(jobs, dtype=torch.int64)
+    lead_x = torch.empty(jobs, dtype=torch.float32)
     counts = torch.empty(n_rows, dtype=torch.int64)
     lanes = torch.empty(n_rows * CANDIDATE_CAP, dtype=torch.int64)
     bits = torch.empty(n_rows * CANDIDATE_CAP, dtype=torch.int64)
+    values = torch.empty(n_rows * CANDIDATE_CAP, dtype=torch.float32)
     row_ptr, pos_ptr, k0_ptr, k1_ptr = (keys[i].data_ptr() for i in range(4))
     lib.gumbel_candidates(
         x.data_ptr(), x.stride(0), row_ptr, n_rows, width, vocab_start, pos_ptr, k0_ptr,
-        k1_ptr, c0, c1, maxima.data_ptr(), lead_value.data_ptr(), lead_block.data_ptr(),
-        CANDIDATE_CAP, counts.data_ptr(), lanes.data_ptr(), bits.data_ptr(), max(1, threads))
-    found = counts.tolist()
-    left = [row for row, count in zip(rows, found, strict=True) if count < 0]
-    owners, slots = [], []
-    for k, count in enumerate(found):
-        owners += [rows[k]] * max(count, 0)
-        slots += range(k * CANDIDATE_CAP, k * CANDIDATE_CAP + count)
-    index = torch.tensor(slots, dtype=torch.int64)
-    return left, owners, lanes.index_select(0, index), bits.index_select(0, index)
+        k1_ptr, None if temperatures is None else temperatures.data_ptr(), c0, c1, x_limit,
+        maxima.data_ptr(), lead_value.data_ptr(), lead_block.data_ptr(), lead_x.data_ptr(),
+        CANDIDATE_CAP, counts.data_ptr(), lanes.data_ptr(), bits.data_ptr(), values.data_ptr(),
+        max(1, threads))
+    return counts.tolist(), lanes, bits, values
 
 
 def native_cutoff_lanes(x: torch.Tensor, rows: list[int], low: torch.Tensor

@@ -86,3 +86,45 @@ void sparse_best(const float *x, int64_t row_stride, const int64_t *rows, int64_
         if (toggle) set_local(previous);
     }
 }
+
+/* ---- The candidates of dense rows, scored (ranks/sampler_gumbel.py, scaled_gumbel_best) ----
+
+   gumbel_candidates leaves row r's counts[r] candidates at lanes, bits and values [r * cap
+   ...]. Each is scored as step 3 above scores a lane (its value is the row's x there) and the
+   row's best (key, id) is written to key[r], id[r]; a row with no candidates (counts[r] < 0:
+   the caller takes its other path) is left as it was. */
+void score_candidates(const int64_t *counts, int64_t n_rows, int64_t cap, const int64_t *lanes,
+                      const int64_t *bits, const float *values, int64_t first, void *vln,
+                      long long mode, void *local_threads, void *max_threads, int64_t *key,
+                      int64_t *id, int64_t threads)
+{
+    const mkl_threads_t set_local = (mkl_threads_t)local_threads;
+    const mkl_max_threads_t get_max = (mkl_max_threads_t)max_threads;
+    const int toggle = set_local && (!get_max || get_max() > 1);
+#pragma omp parallel for num_threads((int)threads) schedule(static)
+    for (int64_t r = 0; r < n_rows; r++) {
+        if (counts[r] <= 0) continue;
+        const int previous = toggle ? set_local(1) : 0;
+        int64_t best_key = key[r], best_id = id[r];
+        double t[SCORE_WINDOW];
+        for (int64_t w0 = 0; w0 < counts[r]; w0 += SCORE_WINDOW) {
+            const int64_t n = counts[r] - w0 < SCORE_WINDOW ? counts[r] - w0 : SCORE_WINDOW;
+            const int64_t at = r * cap + w0;
+            for (int64_t i = 0; i < n; i++) t[i] = ((double)bits[at + i] + 0.5) * 0x1p-52;
+            ((vml_d)vln)((int)n, t, t, mode);
+            for (int64_t i = 0; i < n; i++) t[i] = -t[i];
+            ((vml_d)vln)((int)n, t, t, mode);
+            for (int64_t i = 0; i < n; i++) {
+                const int64_t k = score_key((double)values[at + i] + -t[i]);
+                const int64_t lane_id = first + lanes[at + i];
+                if (k > best_key || (k == best_key && lane_id < best_id)) {
+                    best_key = k;
+                    best_id = lane_id;
+                }
+            }
+        }
+        key[r] = best_key;
+        id[r] = best_id;
+        if (toggle) set_local(previous);
+    }
+}

@@ -106,11 +106,12 @@ def test_dense_row_tie_picks_the_smallest_id(monkeypatch, path):
         real_search = gumbel.native_candidates
 
         def tied_candidates(*args):
-            left, owners, lanes, bits = real_search(*args)
+            left, owners, lanes, bits, values = real_search(*args)
             assert winner in lanes.tolist()
             copies = torch.tensor([width - 1, 100])
-            return (left, owners + [0, 0], torch.cat((lanes, copies)),
-                    torch.cat((bits, first[[winner, winner]])))
+            return native.Candidates(left, owners + [0, 0], torch.cat((lanes, copies)),
+                                     torch.cat((bits, first[[winner, winner]])),
+                                     torch.cat((values, torch.zeros(2))))
 
         monkeypatch.setattr(gumbel, "native_candidates", tied_candidates)
     key, gid = gumbel_best(torch.zeros(1, width), torch.tensor([4]), torch.tensor([8]), 0)
@@ -135,8 +136,9 @@ def test_native_candidates_hold_the_winner_with_its_bits_at_any_thread_count(kin
     want = exhaustive(x, torch.tensor(seeds), torch.tensor(positions), 5)[1]
     found = {}
     for threads in (1, 6, 13):
-        left, owners, lanes, bits = native.native_candidates(
-            x, [0, 1, 2], seeds, positions, 5, gumbel.BOUND_OFFSET, gumbel.BOUND_SCALE, threads)
+        left, owners, lanes, bits, values = native.native_candidates(
+            x, [0, 1, 2], seeds, positions, 5, gumbel.BOUND_OFFSET, gumbel.BOUND_SCALE,
+            gumbel.DENSE_X_LIMIT, threads)
         assert left == []
         found[threads] = (owners, lanes.tolist(), bits.tolist())
         for row in range(rows):
@@ -145,6 +147,7 @@ def test_native_candidates_hold_the_winner_with_its_bits_at_any_thread_count(kin
         for owner, lane, m in zip(owners, lanes.tolist(), bits.tolist(), strict=True):
             k0, k1 = seed_words(seeds[owner])
             assert m == int(philox_bits(torch.tensor([lane + 5]), positions[owner], k0, k1)[0])
+        assert torch.equal(values, x[torch.tensor(owners, dtype=torch.int64), lanes])
     assert found[1] == found[6] == found[13]
 
 
@@ -207,3 +210,74 @@ def test_sharded_sampler_tp1_equals_tp4_simulation(params, path):
     keys, ids = torch.stack(keys), torch.stack(ids)
     best = keys.max(0).values
     assert torch.equal(torch.where(keys == best, ids, 2**40).min(0).values, want)
+
+
+RAW_KINDS = [*KINDS, "nan", "pos_inf", "all_nan"]
+
+
+def raw_rows(kind: str, rows: int, width: int, seed: int) -> torch.Tensor:
+    """Raw logits as a model may hand them over: NaN and +inf lanes too."""
+    if kind not in ("nan", "pos_inf", "all_nan"):
+        return rows_of(kind, rows, width, seed)
+    x = rows_of("normal", rows, width, seed)
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "nan":
+        x[torch.rand(rows, width, generator=gen) < 0.4] = float("nan")
+    elif kind == "pos_inf":
+        x[0, 33] = float("inf")
+    else:
+        x[1] = float("nan")
+    return x
+
+
+@pytest.mark.parametrize("kind", RAW_KINDS)
+@pytest.mark.parametrize("temperature", [1.0, 0.8, 1.7, 0.013])
+def test_temperature_rows_sample_the_exhaustive_winner_from_the_raw_logits(kind, temperature,
+                                                                           path):
+    """Temperature-only rows (no processor, no filter) are searched in the raw logits; the
+    token is the exhaustive Gumbel-max of the scratch rows (NaN as -inf, divided by the
+    temperature) that `processed` returns. Rows the search cannot take (a largest value
+    that is infinite, beyond the margins' limit, or -inf everywhere) take the scratch path
+    and still pick that token."""
+    vocab, n = 20_011, 3
+    logits = raw_rows(kind, n, vocab, 7 + RAW_KINDS.index(kind))
+    rows = [RowSampling(seed=seed, position=pos, temperature=temperature)
+            for seed, pos in ((3, 0), (2**64 - 1, 2**32 - 1), (2**63, 41))]
+    empty = [[] for _ in range(n)]
+    sampler = ShardedSampler(None, 0, vocab, vocab, vocab, max_rows=n)
+    x = sampler.processed(logits, rows, empty, empty).clone()
+    seeds = torch.tensor([r.seed - 2**64 if r.seed >= 2**63 else r.seed for r in rows])
+    positions = torch.tensor([r.position for r in rows])
+    want = exhaustive(x, seeds, positions, 0)[1]
+    assert torch.equal(sampler.sample(logits, rows, empty, empty), want)
+
+
+@needs_native
+@pytest.mark.parametrize("width", [1, 127, 128, 129, 20_011])
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("scoring", ["compiled", "torch"])
+def test_scaled_search_reads_the_raw_rows_as_the_scratch_holds_them(width, threads, scoring,
+                                                                    monkeypatch):
+    """scaled_gumbel_best on raw rows equals the exhaustive Gumbel-max of the divided rows,
+    at widths around a block, with rows split over threads, and with its candidates scored
+    in compiled code (torch's log) or in torch; rows it cannot take are handed back (None),
+    never guessed."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    if scoring == "torch":
+        monkeypatch.setattr(native._lib(), "log_routines", None)
+    elif native._lib().log_routines is None:
+        pytest.skip("vmdLn does not give torch's log on this machine")
+    gen = torch.Generator().manual_seed(width)
+    raw = torch.randn(4, width, generator=gen) * 4
+    raw[raw > 5] = float("nan")
+    temps = torch.tensor([0.7, 1.0, 2.5, 0.05])
+    x = torch.nan_to_num(raw, nan=NEG_INF) / temps.unsqueeze(1)
+    seeds, positions = [1, -5, 2**62, 9], [4, 0, 77, 2**31]
+    want = exhaustive(x, torch.tensor(seeds), torch.tensor(positions), 1000)
+    got = gumbel.scaled_gumbel_best(raw, temps, seeds, positions, 1000)
+    assert got is not None
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    for limit in (float("inf"), 3e6):
+        beyond = raw.clone()
+        beyond[2, 0] = limit
+        assert gumbel.scaled_gumbel_best(beyond, temps, seeds, positions, 1000) is None
