@@ -11,9 +11,10 @@ and top-k kept), and a Gumbel-max whose Philox noise is keyed by (seed, position
 so a seeded row samples the same token at every TP degree. The raw logits are never
 modified: all work happens in a scratch buffer, which ``processed`` exposes for target
 verification. NaN logits count as -inf. When every row is greedy and unprocessed, a compiled
-argmax reads the raw rows instead (kernels/greedy: same rule, no scratch copy); when every row
-is temperature-only (no processor, no filter), compiled code reads the raw rows divided as the
-scratch would hold them (ranks/sampler_gumbel.py, scaled_gumbel_best: the same token).
+argmax reads the raw rows instead (kernels/greedy: same rule, no scratch copy); rows that are
+temperature-only (no processor, no filter) are searched by compiled code in the raw rows,
+divided as the scratch would hold them (ranks/sampler_gumbel.py, scaled_gumbel_best: the same
+token), and only the other rows reach the scratch.
 
 Exchanges (all fixed-width int32 all-gathers, skipped for a size-1 group):
 - greedy and temperature-only rows: only the final pick, 3 words per row.
@@ -107,31 +108,48 @@ class ShardedSampler:
             picked = self._plain_greedy(logits)
             if picked is not None:
                 return picked
-        elif all(not r.greedy and r.unprocessed and not r.filtered(self.vocab_size)
-                 for r in rows):
-            picked = self._plain_temperature(logits, rows)
-            if picked is not None:
-                return picked
-        x = self._transform(logits, rows, prompt_ids, output_ids)
         n = len(rows)
+        plain = [i for i, r in enumerate(rows)
+                 if not r.greedy and r.unprocessed and not r.filtered(self.vocab_size)]
+        searched = self._plain_temperature(logits, rows, plain) if plain else None
+        if searched is None:
+            plain = []
+        elif len(plain) == n:
+            return pick_global(*searched, self.pick_exchange)
+        taken = set(plain)
+        rest = [i for i in range(n) if i not in taken]
+        which = self._index(rest) if plain else None
+        rest_rows = [rows[i] for i in rest]
+        x = self._transform(logits, rest_rows, [prompt_ids[i] for i in rest],
+                            [output_ids[i] for i in rest], which)
+        if self.pick_exchange.world == 1 and all(r.greedy for r in rows):
+            return first_argmax(x) + self.vocab_start  # (one rank: its argmax is the pick)
+        keys, ids = self._scratch_best(x, rest_rows)
+        if plain:  # (both halves back in row order)
+            merged = torch.empty(2, n, dtype=torch.int64, device=self.device)
+            merged[:, self._index(plain)] = torch.stack(searched)
+            merged[:, which] = torch.stack((keys, ids))
+            keys, ids = merged.unbind(0)
+        return pick_global(keys, ids, self.pick_exchange)
+
+    def _scratch_best(self, x: torch.Tensor, rows: Sequence[RowSampling]
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This shard's best (score key, global id) of each scratch row: the argmax of greedy
+        rows, the Gumbel-max of the others."""
         greedy = [i for i, r in enumerate(rows) if r.greedy]
         seeded = [i for i, r in enumerate(rows) if not r.greedy]
         if not seeded:
-            if self.pick_exchange.world == 1:  # (one rank: its argmax is the pick)
-                return first_argmax(x) + self.vocab_start
-            keys, ids = greedy_best(x, self.vocab_start)
-            return pick_global(keys, ids, self.pick_exchange)
+            return greedy_best(x, self.vocab_start)
         seeds = self._index(_signed_seed(rows[i].seed) for i in seeded)
         positions = self._index(rows[i].position for i in seeded)
         if not greedy:  # (every row: no copy of x)
-            keys, ids = gumbel_best(x, seeds, positions, self.vocab_start)
-            return pick_global(keys, ids, self.pick_exchange)
-        keys = torch.empty(n, dtype=torch.int64, device=self.device)
+            return gumbel_best(x, seeds, positions, self.vocab_start)
+        keys = torch.empty(len(rows), dtype=torch.int64, device=self.device)
         ids = torch.empty_like(keys)
         picked, drawn = self._index(greedy), self._index(seeded)
         keys[picked], ids[picked] = greedy_best(x[picked], self.vocab_start)
         keys[drawn], ids[drawn] = gumbel_best(x[drawn], seeds, positions, self.vocab_start)
-        return pick_global(keys, ids, self.pick_exchange)
+        return keys, ids
 
     def processed(
         self,
@@ -160,20 +178,17 @@ class ShardedSampler:
         score = torch.where(score.isnan(), NEG_INF, score)
         return pick_global(score_keys(score), lane + self.vocab_start, self.pick_exchange)
 
-    def _plain_temperature(self, logits: torch.Tensor, rows: Sequence[RowSampling]
-                           ) -> torch.Tensor | None:
-        """Every row temperature-only (no logits processor, no filter): compiled code reads
-        the raw rows, as the scratch would hold them after the copy and the division, and
-        finds the few lanes that can still win; no scratch copy. None where it does not
-        apply (the scratch path)."""
-        temps = torch.tensor([r.temperature for r in rows], dtype=torch.float32)
-        found = scaled_gumbel_best(logits[:, : self.local_valid],
-                                   temps.clamp_(max=FLOAT32_MAX),
-                                   [_signed_seed(r.seed) for r in rows],
-                                   [r.position for r in rows], self.vocab_start)
-        if found is None:
-            return None
-        return pick_global(*found, self.pick_exchange)
+    def _plain_temperature(self, logits: torch.Tensor, rows: Sequence[RowSampling],
+                           plain: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """This shard's best (score key, global id) of the temperature-only rows `plain` (no
+        logits processor, no filter): compiled code reads their raw rows, as the scratch
+        would hold them after the copy and the division, and finds the few lanes that can
+        still win; no scratch copy. None where it does not apply (the scratch path)."""
+        temps = torch.tensor([rows[i].temperature for i in plain], dtype=torch.float32)
+        return scaled_gumbel_best(logits[:, : self.local_valid], plain,
+                                  temps.clamp_(max=FLOAT32_MAX),
+                                  [_signed_seed(rows[i].seed) for i in plain],
+                                  [rows[i].position for i in plain], self.vocab_start)
 
     def _check(
         self,
@@ -201,10 +216,14 @@ class ShardedSampler:
         rows: Sequence[RowSampling],
         prompt_ids: Sequence[Sequence[int]],
         output_ids: Sequence[Sequence[int]],
+        which: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """The scratch rows of `rows` (the rows `which` of logits; default all of them)."""
         n = len(rows)
         x = self.scratch[:n, : self.local_valid]
         source = logits[:, : self.local_valid]
+        if which is not None:
+            source = source.index_select(0, which)
         if source.dtype == x.dtype:  # (the copy and the NaN rule in one pass)
             torch.nan_to_num(source, nan=NEG_INF, posinf=float("inf"), neginf=NEG_INF, out=x)
         else:

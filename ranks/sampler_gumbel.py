@@ -150,29 +150,32 @@ def _dense_rows(x: torch.Tensor, dense: list[int], seeds: torch.Tensor, position
         best[i], best_id[i] = key, lane + vocab_start
 
 
-def scaled_gumbel_best(raw: torch.Tensor, temperatures: torch.Tensor, seeds: list[int],
-                       positions: list[int], vocab_start: int
+def scaled_gumbel_best(raw: torch.Tensor, rows: list[int], temperatures: torch.Tensor,
+                       seeds: list[int], positions: list[int], vocab_start: int
                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """gumbel_best of the rows raw / temperatures (float32 [n]; NaN lanes as -inf), as the
-    sampler's scratch would hold them, without writing them anywhere: compiled code reads
-    the raw rows once for every lane's bits and bound (the dense path's search) and scores
-    the few candidates (with torch's float64 log where this machine allows, else in torch).
-    None where that does not apply (no compiler, not CPU FP32, ids past 2**31, or a row the
-    search leaves): the caller takes the scratch path."""
-    n, width = raw.shape
+    """gumbel_best of rows `rows` of raw divided by their temperatures (float32
+    [len(rows)]; NaN lanes as -inf), as the sampler's scratch would hold them, without
+    writing them anywhere: compiled code reads the raw rows once for every lane's bits and
+    bound (the dense path's search) and scores the few candidates (with torch's float64 log
+    where this machine allows, else in torch). (score key, id) [len(rows)]; None where that
+    does not apply (no compiler, not CPU FP32, ids past 2**31, or a row the search leaves):
+    the caller takes the scratch path."""
+    width = raw.shape[1]
     if width == 0 or vocab_start + width > 2**31:
         return None
-    scored = native_scaled_best(raw, temperatures, seeds, positions, vocab_start, BOUND_OFFSET,
-                                BOUND_SCALE, DENSE_X_LIMIT, torch.get_num_threads())
+    threads = torch.get_num_threads()
+    scored = native_scaled_best(raw, rows, temperatures, seeds, positions, vocab_start,
+                                BOUND_OFFSET, BOUND_SCALE, DENSE_X_LIMIT, threads)
     if scored is not None:
         return scored
-    found = native_candidates(raw, list(range(n)), seeds, positions, vocab_start, BOUND_OFFSET,
-                              BOUND_SCALE, DENSE_X_LIMIT, torch.get_num_threads(), temperatures)
+    found = native_candidates(raw, rows, seeds, positions, vocab_start, BOUND_OFFSET,
+                              BOUND_SCALE, DENSE_X_LIMIT, threads, temperatures)
     if found is None or found.left:
         return None
-    best, best_id = empty_best(n, raw.device)
+    best, best_id = empty_best(raw.shape[0], raw.device)
     _settle_candidates(best, best_id, found, vocab_start)
-    return best, best_id
+    index = torch.tensor(rows, dtype=torch.int64, device=raw.device)
+    return best.index_select(0, index), best_id.index_select(0, index)
 
 
 def _settle_candidates(best: torch.Tensor, best_id: torch.Tensor, found: Candidates,

@@ -216,20 +216,21 @@ def native_candidates(x: torch.Tensor, rows: list[int], seeds: list[int], positi
                       values.index_select(0, index))
 
 
-def native_scaled_best(x: torch.Tensor, temperatures: torch.Tensor, seeds: list[int],
-                       positions: list[int], vocab_start: int, c0: float, c1: float,
-                       x_limit: float, threads: int
+def native_scaled_best(x: torch.Tensor, rows: list[int], temperatures: torch.Tensor,
+                       seeds: list[int], positions: list[int], vocab_start: int, c0: float,
+                       c1: float, x_limit: float, threads: int
                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Every row's Gumbel-max of the raw rows x / temperatures (as native_candidates reads
-    them) as (score key, global id) int64 [n]: the candidates scored in compiled code as the
-    torch path scores them (sparse.c's score_candidates). None when not applicable: no
-    compiler, no torch-exact log on this machine, or a row the search leaves."""
+    """The Gumbel-max of rows `rows` of the raw logits x, divided by their temperatures (as
+    native_candidates reads them), as (score key, global id) int64 [len(rows)]: the
+    candidates scored in compiled code as the torch path scores them (sparse.c's
+    score_candidates). None when not applicable: no compiler, no torch-exact log on this
+    machine, or a row the search leaves."""
     lib = _lib()
     if lib is None or lib.log_routines is None:
         return None
-    n_rows = x.shape[0] if x.dim() == 2 else 0
-    search = _search(x, list(range(n_rows)), seeds, positions, vocab_start, c0, c1, x_limit,
-                     threads, temperatures)
+    n_rows = len(rows)
+    search = _search(x, rows, seeds, positions, vocab_start, c0, c1, x_limit, threads,
+                     temperatures)
     if search is None or min(search[0]) <= 0:  # (every searched row holds its lead lane)
         return None
     found, lanes, bits, values = search

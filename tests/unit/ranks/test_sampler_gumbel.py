@@ -274,10 +274,41 @@ def test_scaled_search_reads_the_raw_rows_as_the_scratch_holds_them(width, threa
     x = torch.nan_to_num(raw, nan=NEG_INF) / temps.unsqueeze(1)
     seeds, positions = [1, -5, 2**62, 9], [4, 0, 77, 2**31]
     want = exhaustive(x, torch.tensor(seeds), torch.tensor(positions), 1000)
-    got = gumbel.scaled_gumbel_best(raw, temps, seeds, positions, 1000)
+    got = gumbel.scaled_gumbel_best(raw, [0, 1, 2, 3], temps, seeds, positions, 1000)
     assert got is not None
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    some = gumbel.scaled_gumbel_best(raw, [3, 1], temps[[3, 1]], seeds[3::-2], positions[3::-2],
+                                     1000)
+    assert torch.equal(some[0], want[0][[3, 1]]) and torch.equal(some[1], want[1][[3, 1]])
     for limit in (float("inf"), 3e6):
         beyond = raw.clone()
         beyond[2, 0] = limit
-        assert gumbel.scaled_gumbel_best(beyond, temps, seeds, positions, 1000) is None
+        assert gumbel.scaled_gumbel_best(beyond, [0, 1, 2, 3], temps, seeds, positions,
+                                         1000) is None
+
+
+def test_mixed_batches_pick_each_rows_own_winner(path):
+    """A batch mixing temperature-only rows (searched in the raw logits) with greedy,
+    filtered and processed rows (through the scratch) picks, row by row, the argmax or the
+    exhaustive Gumbel-max of the scratch rows `processed` returns, with FP32 and BF16 logits."""
+    vocab = 20_011
+    params = [dict(temperature=0.8), dict(temperature=0.0), dict(temperature=0.9, top_p=0.9),
+              dict(temperature=1.0), dict(temperature=1.3, repetition_penalty=1.4),
+              dict(temperature=0.0, logit_bias={5: 30.0}), dict(temperature=0.6)]
+    rows = [RowSampling(seed=11 * i + 2, position=i, **p) for i, p in enumerate(params)]
+    n = len(rows)
+    prompt = [[1, 2, 3, 500]] * n
+    output = [[2, 9, 30, 4000]] * n
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = rows_of("normal", n, vocab, 21).to(dtype)
+        logits[3, ::3] = float("nan")
+        sampler = ShardedSampler(None, 0, vocab, vocab, vocab, max_rows=n)
+        x = sampler.processed(logits, rows, prompt, output).clone()
+        want = []
+        for i, r in enumerate(rows):
+            if r.greedy:
+                want.append(int(torch.argmax(x[i])))
+            else:
+                seeds, positions = torch.tensor([r.seed]), torch.tensor([r.position])
+                want.append(int(exhaustive(x[i : i + 1], seeds, positions, 0)[1][0]))
+        assert sampler.sample(logits, rows, prompt, output).tolist() == want
