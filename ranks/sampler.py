@@ -5,8 +5,8 @@ or beyond ``local_valid`` are padding and never sampled. Transformations, in vLL
 (vllm/v1/sample/sampler.py, ``Sampler.apply_logits_processors`` then ``Sampler.sample``; each
 step is cited in tests/sampler_oracle.py and docs/api.md, "Sampling order"):
 allowed_token_ids (grammar mask), bad_words and min_tokens (their ids masked), logit_bias,
-repetition/frequency/presence penalties; greedy
-rows take the argmax here; then temperature, min-p, top-k, top-p (its mass is over what min-p
+repetition/frequency/presence penalties (ranks/sampler_processors.py); greedy rows take the
+argmax here; then temperature, min-p, top-k, top-p (its mass is over what min-p
 and top-k kept), and a Gumbel-max whose Philox noise is keyed by (seed, position, global id),
 so a seeded row samples the same token at every TP degree. The raw logits are never
 modified: all work happens in a scratch buffer, which ``processed`` exposes for target
@@ -50,16 +50,8 @@ from ranks.sampler_filters import (
     score_keys,
 )
 from ranks.sampler_gumbel import gumbel_best, scaled_gumbel_best
-from ranks.sampling_params import GREEDY_EPS, SEED_MAX, RowSampling
-
-NEG_INF = float("-inf")
-FLOAT32_MAX = torch.finfo(torch.float32).max
-FLOAT32_TINY = float(torch.finfo(torch.float32).smallest_normal) * 2.0**-23
-"""The smallest positive float32 (subnormal): a repetition penalty below it would round to 0."""
-LOGIT_LIMIT = FLOAT32_MAX * GREEDY_EPS / 2
-"""The largest magnitude bias and penalties leave on a finite lane, so that dividing by any
-sampling temperature (>= GREEDY_EPS) keeps it finite: a finite lane never becomes -inf, the
-mark of a masked one, nor +inf."""
+from ranks.sampler_processors import FLOAT32_MAX, NEG_INF, ShardLanes, apply_processors
+from ranks.sampling_params import SEED_MAX, RowSampling
 
 
 class ShardedSampler:
@@ -88,6 +80,7 @@ class ShardedSampler:
         self.vocab_size = vocab_size
         self.max_rows = max_rows
         self.device = torch.device(device)
+        self.lanes = ShardLanes(vocab_start, local_valid, vocab_size, self.device)
         self.scratch = torch.empty(max_rows, local_width, dtype=torch.float32, device=self.device)
         self.filter_exchange = WordExchange(group, max_rows, FILTER_WORDS, self.device)
         self.pick_exchange = WordExchange(group, max_rows, PICK_WORDS, self.device)
@@ -228,27 +221,7 @@ class ShardedSampler:
             torch.nan_to_num(source, nan=NEG_INF, posinf=float("inf"), neginf=NEG_INF, out=x)
         else:
             x.copy_(source).nan_to_num_(nan=NEG_INF, posinf=float("inf"), neginf=NEG_INF)
-        for i, r in enumerate(rows):
-            if r.allowed_token_ids is not None:
-                lanes, _ = self._local(r.allowed_token_ids)
-                blocked = torch.ones(self.local_valid, dtype=torch.bool, device=self.device)
-                blocked[lanes] = False
-                x[i].masked_fill_(blocked, NEG_INF)
-            masked = list(r.blocked_ids)
-            if r.bad_words:
-                masked += r.banned_ids(output_ids[i])
-            if masked:
-                lanes, _ = self._local(masked)
-                x[i].index_fill_(0, lanes, NEG_INF)
-            if r.logit_bias:
-                lanes, bias = self._local(
-                    [t for t, _ in r.logit_bias], [b for _, b in r.logit_bias]
-                )
-                old = x[i, lanes]
-                x[i, lanes] = _saturated(old + bias.clamp_(-FLOAT32_MAX, FLOAT32_MAX), old)
-            # After logit_bias, as in vLLM: the repetition penalty scales the biased logit.
-            if r.penalized:
-                self._penalize(x[i], r, prompt_ids[i], output_ids[i])
+        apply_processors(x, rows, prompt_ids, output_ids, self.lanes)
         temps = [1.0 if r.greedy else r.temperature for r in rows]
         if any(t != 1.0 for t in temps):
             scale = torch.tensor(temps, dtype=torch.float32, device=self.device)
@@ -307,50 +280,8 @@ class ShardedSampler:
             block = x[idx]
             x[idx] = block.masked_fill_(removed(block), NEG_INF)
 
-    def _penalize(
-        self, row: torch.Tensor, r: RowSampling, prompt: Sequence[int], output: Sequence[int]
-    ) -> None:
-        out_lanes, _ = self._local(output)
-        lanes, counts = torch.unique(out_lanes, return_counts=True)
-        # Every factor and term is a positive / finite float32, so no lane becomes NaN: a
-        # penalty that rounds to 0 or inf in float32 would turn a masked lane's -inf (times
-        # 0) or a zero logit (times inf) into NaN, which no pick can rank. Finite lanes
-        # saturate at +-LOGIT_LIMIT (_saturated).
-        if r.repetition_penalty != 1:
-            prompt_lanes, _ = self._local(prompt)
-            seen = torch.unique(torch.cat((prompt_lanes, lanes)))
-            vals = row[seen]
-            rep = self._float32(r.repetition_penalty).clamp_(FLOAT32_TINY, FLOAT32_MAX)
-            row[seen] = _saturated(torch.where(vals > 0, vals / rep, vals * rep), vals)
-        if r.frequency_penalty != 0:
-            freq = self._float32(r.frequency_penalty).clamp_(-FLOAT32_MAX, FLOAT32_MAX)
-            old = row[lanes]
-            term = (freq * counts.to(torch.float32)).clamp_(-FLOAT32_MAX, FLOAT32_MAX)
-            row[lanes] = _saturated(old - term, old)
-        if r.presence_penalty != 0:
-            old = row[lanes]
-            pres = self._float32(r.presence_penalty).clamp_(-FLOAT32_MAX, FLOAT32_MAX)
-            row[lanes] = _saturated(old - pres, old)
-
-    def _local(
-        self, token_ids: Sequence[int], values: Sequence[float] | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Lanes of this shard among global ids (and the matching float32 values)."""
-        ids = torch.tensor(list(token_ids), dtype=torch.int64, device=self.device)
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
-            raise ValueError(f"token ids outside vocabulary [0, {self.vocab_size})")
-        lanes = ids - self.vocab_start
-        mine = (lanes >= 0) & (lanes < self.local_valid)
-        if values is None:
-            return lanes[mine], None
-        vals = torch.tensor(list(values), dtype=torch.float32, device=self.device)
-        return lanes[mine], vals[mine]
-
     def _index(self, values: Iterable[int]) -> torch.Tensor:
         return torch.tensor(list(values), dtype=torch.int64, device=self.device)
-
-    def _float32(self, value: float) -> torch.Tensor:
-        return torch.tensor(value, dtype=torch.float32, device=self.device)
 
     def _float64(self, values: Sequence[float]) -> torch.Tensor:
         return torch.tensor([float(t) for t in values], dtype=torch.float64, device=self.device)
@@ -360,11 +291,3 @@ def _signed_seed(seed: int) -> int:
     """A seed in [0, 2**64) as the int64 the Philox keys are read from."""
     return seed - SEED_MAX if seed >= 2**63 else seed
 
-
-def _saturated(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-    """``new`` with the lanes that were finite in ``old`` kept within +-LOGIT_LIMIT: a finite
-    logit that a penalty or bias pushes past float32's range (or past what a temperature can
-    divide) stays the most extreme finite value instead of becoming +-inf, so the only -inf
-    lanes are masked ones and every row keeps a lane to pick. Values within the limit, and
-    lanes that were already infinite, are unchanged."""
-    return torch.where(old.isfinite(), new.clamp(-LOGIT_LIMIT, LOGIT_LIMIT), new)
