@@ -256,29 +256,37 @@ class ShardedSampler:
             kept = torch.where(torch.tensor(small, device=self.device), key_values(kth), NEG_INF)
             self._remove(x, filtered, lambda b: b < kept.unsqueeze(1))
 
-        def radix_cut(which: list[int], block: torch.Tensor, top_p: bool) -> torch.Tensor:
+        def radix_cut(which: list[int], block: torch.Tensor, top_p: bool) -> None:
             lanes = radix_lanes(block, row_max(which) if top_p else None, v)
             targets = self._float64([rows[i].top_p if top_p else rows[i].top_k for i in which])
-            return lanes.below(radix_thresholds(lanes, targets, top_p, self.filter_exchange))
+            cut = radix_thresholds(lanes, targets, top_p, self.filter_exchange)
+            lanes.remove_below(block, cut)
 
         large = [i for i in filtered if rows[i].top_k_active(v) and rows[i].top_k > TOPK_WIDTH]
         if large:
-            self._remove(x, large, lambda b: radix_cut(large, b, False))
+            self._change(x, large, lambda b: radix_cut(large, b, False))
         top_p = [i for i in filtered if rows[i].top_p < 1]
         if top_p:
             # Lanes already at -inf (min-p, top-k) weigh 0: top-p's mass is over the rest.
-            self._remove(x, top_p, lambda b: radix_cut(top_p, b, True))
+            self._change(x, top_p, lambda b: radix_cut(top_p, b, True))
 
     def _remove(
         self, x: torch.Tensor, which: list[int], removed: Callable[[torch.Tensor], torch.Tensor]
     ) -> None:
         """Set the lanes that ``removed(rows block)`` marks to -inf, in rows ``which`` of x."""
+        self._change(x, which, lambda block: block.masked_fill_(removed(block), NEG_INF))
+
+    def _change(
+        self, x: torch.Tensor, which: list[int], change: Callable[[torch.Tensor], object]
+    ) -> None:
+        """``change(rows block)`` in place on rows ``which`` of x."""
         if len(which) == x.shape[0]:
-            x.masked_fill_(removed(x), NEG_INF)
+            change(x)
         else:
             idx = self._index(which)
             block = x[idx]
-            x[idx] = block.masked_fill_(removed(block), NEG_INF)
+            change(block)
+            x[idx] = block
 
     def _index(self, values: Iterable[int]) -> torch.Tensor:
         return torch.tensor(list(values), dtype=torch.int64, device=self.device)

@@ -82,7 +82,9 @@ def max_and_topk(
     n, width = x.shape
     take = min(int(ks.max()), width) if n else 0
     local = torch.full((n, FILTER_WORDS), PAD_WORD, dtype=torch.int32, device=x.device)
-    if take:
+    if take == 1:  # (each row's maximum: amax is several times cheaper than topk(x, 1))
+        local[:, :1] = ordered_high(x.amax(dim=1, keepdim=True))
+    elif take:
         local[:, :take] = ordered_high(torch.topk(x, take, dim=1, sorted=True).values)
     merged = exchange.gather(local, rows=n).permute(1, 0, 2).reshape(n, -1)
     merged = torch.sort(merged, dim=1, descending=True).values.to(torch.int64) + 2**31
@@ -122,6 +124,10 @@ class TorchRadixLanes:
     def below(self, cut: torch.Tensor) -> torch.Tensor:
         """bool [rows, width]: lanes whose key is below their row's cut."""
         return self.block_keys < cut.unsqueeze(1)
+
+    def remove_below(self, block: torch.Tensor, cut: torch.Tensor) -> None:
+        """Set block's lanes (the rows these keys came from) below their row's cut to -inf."""
+        block.masked_fill_(self.below(cut), float("-inf"))
 
 
 def radix_lanes(x: torch.Tensor, row_max: torch.Tensor | None,

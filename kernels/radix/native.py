@@ -81,7 +81,8 @@ def _build() -> ctypes.CDLL | None:
     lib.radix_round.argtypes = [ptr, ptr, ptr, i64, i64, c_int, c_int, ptr, c_int, c_int,
                                 ptr, i64]
     lib.radix_below.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64]
-    for fn in (lib.radix_start, lib.radix_round, lib.radix_below):
+    lib.radix_fill_below.argtypes = [ptr, i64, i64, i64, ptr, i64]
+    for fn in (lib.radix_start, lib.radix_round, lib.radix_below, lib.radix_fill_below):
         fn.restype = None
     lib.routines = routines
     return lib
@@ -151,3 +152,14 @@ class RadixLanes:
         self.lib.radix_below(self.x.data_ptr(), self.x.stride(0), rows, width, cut.data_ptr(),
                              out.data_ptr(), parallel_threads(rows * width))
         return out
+
+    def remove_below(self, block: torch.Tensor, cut: torch.Tensor) -> None:
+        """Set block's lanes whose key is below their row's cut to -inf, in place (block: the
+        rows this started on), in one compiled pass."""
+        x = self.x
+        if (block.data_ptr(), block.shape, block.stride()) != (x.data_ptr(), x.shape, x.stride()):
+            raise ValueError("remove_below: block is not the rows these lanes started on")
+        rows, width = x.shape
+        cut = cut.to(device="cpu", dtype=torch.int64).contiguous()
+        self.lib.radix_fill_below(x.data_ptr(), x.stride(0), rows, width, cut.data_ptr(),
+                                  parallel_threads(rows * width))

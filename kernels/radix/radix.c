@@ -149,3 +149,18 @@ void radix_below(const float *x, int64_t row_stride, int64_t n_rows, int64_t wid
     for (int64_t r = 0; r < n_rows; r++)
         below_row(x + r * row_stride, width, cut[r], out + r * width);
 }
+
+CLONES static void fill_below_row(float *row, int64_t width, int64_t cut)
+{
+    for (int64_t i = 0; i < width; i++)
+        row[i] = (int64_t)value_key(row[i]) < cut ? -INFINITY : row[i];
+}
+
+/* x[r, i] = -inf where value_keys(x[r, i]) < cut[r], in place: radix_below and a masked fill
+   in one pass. */
+void radix_fill_below(float *x, int64_t row_stride, int64_t n_rows, int64_t width,
+                      const int64_t *cut, int64_t threads)
+{
+#pragma omp parallel for num_threads((int)threads) schedule(static)
+    for (int64_t r = 0; r < n_rows; r++) fill_below_row(x + r * row_stride, width, cut[r]);
+}

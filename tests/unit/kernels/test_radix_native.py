@@ -88,6 +88,13 @@ def test_cuts_and_masks_equal_the_torch_path(unit):
     mask = ours.below(cut)
     assert torch.equal(mask, theirs.below(cut))
     assert 0 < int(mask.sum()) < mask.numel()
+    removed, want = x.clone(), x.masked_fill(mask, float("-inf"))
+    theirs.remove_below(removed, cut)
+    assert torch.equal(removed, want)
+    ours.remove_below(x, cut)  # (in place, on the rows it started on)
+    assert torch.equal(x, want)
+    with pytest.raises(ValueError, match="not the rows"):
+        ours.remove_below(x.clone(), cut)
 
 
 @needs_native
