@@ -47,6 +47,7 @@ from ranks.sampler_filters import (
     radix_lanes,
     radix_thresholds,
     relative_probs,
+    remove_below_kth,
     score_keys,
 )
 from ranks.sampler_gumbel import gumbel_best, scaled_gumbel_best
@@ -253,8 +254,8 @@ class ShardedSampler:
         # The k-th largest values were exchanged before min-p; that is the same cut, because
         # min-p only drops values below every value it keeps.
         if any(small):
-            kept = torch.where(torch.tensor(small, device=self.device), key_values(kth), NEG_INF)
-            self._remove(x, filtered, lambda b: b < kept.unsqueeze(1))
+            small_rows = torch.tensor(small, device=self.device)
+            self._change(x, filtered, lambda b: remove_below_kth(b, kth, small_rows))
 
         def radix_cut(which: list[int], block: torch.Tensor, top_p: bool) -> None:
             lanes = radix_lanes(block, row_max(which) if top_p else None, v)

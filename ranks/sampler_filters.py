@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from collectives.exchange import WordExchange
-from kernels.radix.native import RadixLanes
+from kernels.radix.native import RadixLanes, fill_below, top_values
 from kernels.sortkeys import keys_to_words, ordered_high, ordered_high_to_float, words_to_keys
 
 TOPK_WIDTH = 256
@@ -85,11 +85,24 @@ def max_and_topk(
     if take == 1:  # (each row's maximum: amax is several times cheaper than topk(x, 1))
         local[:, :1] = ordered_high(x.amax(dim=1, keepdim=True))
     elif take:
-        local[:, :take] = ordered_high(torch.topk(x, take, dim=1, sorted=True).values)
+        top = top_values(x, take)  # (compiled, on the CPU: a heap per row)
+        if top is None:
+            top = torch.topk(x, take, dim=1, sorted=True).values
+        local[:, :take] = ordered_high(top)
     merged = exchange.gather(local, rows=n).permute(1, 0, 2).reshape(n, -1)
     merged = torch.sort(merged, dim=1, descending=True).values.to(torch.int64) + 2**31
     kth = merged.gather(1, (ks.to(torch.int64) - 1).unsqueeze(1)).squeeze(1)
     return merged[:, 0], kth
+
+
+def remove_below_kth(x: torch.Tensor, kth: torch.Tensor, small: torch.Tensor) -> None:
+    """Set the lanes of rows x below their row's k-th largest value (kth: keys, as
+    max_and_topk returns them) to -inf, in the rows where `small` (bool [rows]) is set. A key
+    test is the value test: keys keep the FP32 order and give -0.0 the key of +0.0, and the
+    scratch holds no NaN (a cut of 0 leaves a row alone)."""
+    if not fill_below(x, torch.where(small, kth, 0)):
+        kept = torch.where(small, key_values(kth), float("-inf"))
+        x.masked_fill_(x < kept.unsqueeze(1), float("-inf"))
 
 
 class TorchRadixLanes:

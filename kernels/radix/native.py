@@ -82,7 +82,9 @@ def _build() -> ctypes.CDLL | None:
                                 ptr, i64]
     lib.radix_below.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64]
     lib.radix_fill_below.argtypes = [ptr, i64, i64, i64, ptr, i64]
-    for fn in (lib.radix_start, lib.radix_round, lib.radix_below, lib.radix_fill_below):
+    lib.radix_top_values.argtypes = [ptr, i64, i64, i64, i64, ptr, i64]
+    for fn in (lib.radix_start, lib.radix_round, lib.radix_below, lib.radix_fill_below,
+               lib.radix_top_values):
         fn.restype = None
     lib.routines = routines
     return lib
@@ -90,6 +92,40 @@ def _build() -> ctypes.CDLL | None:
 
 def available() -> bool:
     return built_once(_STATE, _LOCK, _build) is not None
+
+
+def _takes(x: torch.Tensor) -> ctypes.CDLL | None:
+    """The library, where x is rows it can read: FP32 [rows, width], CPU, unit lane stride."""
+    if (x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2
+            or x.stride(1) != 1 or not x.numel()):
+        return None
+    return built_once(_STATE, _LOCK, _build)
+
+
+def top_values(x: torch.Tensor, k: int) -> torch.Tensor | None:
+    """torch.topk(x, k, dim=1).values (FP32 [rows, k], largest first) of NaN-free rows;
+    None where compiled code does not apply (the caller keeps torch.topk)."""
+    lib = _takes(x)
+    if lib is None or not 1 <= k <= x.shape[1]:
+        return None
+    rows, width = x.shape
+    out = torch.empty(rows, k, dtype=torch.float32)
+    lib.radix_top_values(x.data_ptr(), x.stride(0), rows, width, k, out.data_ptr(),
+                         parallel_threads(rows * width))
+    return out
+
+
+def fill_below(x: torch.Tensor, cut: torch.Tensor) -> bool:
+    """x[r, i] = -inf where value_keys(x[r, i]) < cut[r] (int64 keys in [0, 2**32); a cut of 0
+    leaves the row), in place; False where compiled code does not apply (nothing done)."""
+    lib = _takes(x)
+    if lib is None:
+        return False
+    rows, width = x.shape
+    cut = cut.to(device="cpu", dtype=torch.int64).contiguous()
+    lib.radix_fill_below(x.data_ptr(), x.stride(0), rows, width, cut.data_ptr(),
+                         parallel_threads(rows * width))
+    return True
 
 
 class RadixLanes:
@@ -159,7 +195,4 @@ class RadixLanes:
         x = self.x
         if (block.data_ptr(), block.shape, block.stride()) != (x.data_ptr(), x.shape, x.stride()):
             raise ValueError("remove_below: block is not the rows these lanes started on")
-        rows, width = x.shape
-        cut = cut.to(device="cpu", dtype=torch.int64).contiguous()
-        self.lib.radix_fill_below(x.data_ptr(), x.stride(0), rows, width, cut.data_ptr(),
-                                  parallel_threads(rows * width))
+        fill_below(x, cut)

@@ -164,3 +164,60 @@ void radix_fill_below(float *x, int64_t row_stride, int64_t n_rows, int64_t widt
 #pragma omp parallel for num_threads((int)threads) schedule(static)
     for (int64_t r = 0; r < n_rows; r++) fill_below_row(x + r * row_stride, width, cut[r]);
 }
+
+/* ---- Each row's k largest values, in descending order (max_and_topk) --------------------
+
+   Only values leave here (the exchange sends their words), so which of two equal lanes is
+   kept does not matter, and NaN never occurs (the scratch has none). Per row, a min-heap of
+   k values: a lane enters when it exceeds the heap's smallest. Lanes are read 16 at a time
+   and a block whose maximum does not exceed that smallest value is skipped whole, which is
+   nearly every block once the heap holds large values. The heap is then sorted in place. */
+static void sift_down(float *heap, int64_t n, int64_t i)
+{
+    const float v = heap[i];
+    for (;;) {
+        int64_t c = 2 * i + 1;
+        if (c >= n) break;
+        if (c + 1 < n && heap[c + 1] < heap[c]) c++;
+        if (!(heap[c] < v)) break;
+        heap[i] = heap[c];
+        i = c;
+    }
+    heap[i] = v;
+}
+
+static inline void offer(float *heap, int64_t k, float v)
+{
+    if (v > heap[0]) {
+        heap[0] = v;
+        sift_down(heap, k, 0);
+    }
+}
+
+CLONES static void top_row(const float *row, int64_t width, int64_t k, float *heap)
+{
+    for (int64_t i = 0; i < k; i++) heap[i] = row[i];
+    for (int64_t i = k / 2 - 1; i >= 0; i--) sift_down(heap, k, i);
+    int64_t i = k;
+    for (; i + 16 <= width; i += 16) {
+        float most = row[i];
+        for (int j = 1; j < 16; j++) most = row[i + j] > most ? row[i + j] : most;
+        if (!(most > heap[0])) continue;
+        for (int j = 0; j < 16; j++) offer(heap, k, row[i + j]);
+    }
+    for (; i < width; i++) offer(heap, k, row[i]);
+    for (int64_t n = k; n > 1; n--) { /* the smallest to the end: descending order */
+        const float least = heap[0];
+        heap[0] = heap[n - 1];
+        sift_down(heap, n - 1, 0);
+        heap[n - 1] = least;
+    }
+}
+
+/* out [n_rows, k]: row r's k largest values, largest first (1 <= k <= width). */
+void radix_top_values(const float *x, int64_t row_stride, int64_t n_rows, int64_t width,
+                      int64_t k, float *out, int64_t threads)
+{
+#pragma omp parallel for num_threads((int)threads) schedule(static)
+    for (int64_t r = 0; r < n_rows; r++) top_row(x + r * row_stride, width, k, out + r * k);
+}

@@ -159,3 +159,43 @@ def test_rows_split_across_threads_cut_where_one_thread_cuts():
     assert torch.equal(cuts[0], cuts[1])
     assert torch.equal(cuts[0], radix_thresholds(torch_lanes(x, x.amax(1), 100_003), targets,
                                                  True, exchange))
+
+
+@needs_native
+@pytest.mark.parametrize("rows,width,k", [(1, 423, 1), (3, 1031, 50), (2, 17, 17), (4, 4099, 256),
+                                          (16, 151_936, 50), (2, 40, 16)])
+def test_top_values_are_torch_topk_values(rows, width, k):
+    """Each row's k largest values, largest first, as torch.topk gives them: ties, both
+    zeros, -inf lanes and a maximum repeated, at widths that leave a partial block."""
+    x = awkward_rows(rows, width, seed=width + k)
+    x[:, ::5] = x[:, ::5].round()
+    want = torch.topk(x, k, dim=1, sorted=True).values
+    got = native.top_values(x, k)
+    assert torch.equal(got, want)
+    assert native.top_values(x[:, :0], 1) is None and native.top_values(x, width + 1) is None
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_kth_cut_keeps_the_values_at_or_above_each_rows_kth(compiled, monkeypatch):
+    """remove_below_kth drops exactly the lanes below the k-th largest value in the rows it
+    is asked to cut (ties at the k-th value all stay; +0.0 and -0.0 are one value) and leaves
+    the others, compiled or in torch."""
+    from ranks.sampler_filters import max_and_topk, remove_below_kth
+
+    if not compiled:
+        monkeypatch.setattr("ranks.sampler_filters.fill_below", lambda x, cut: False)
+    elif not native.available():
+        pytest.skip("no C compiler or no MKL")
+    x = awkward_rows(4, 3001, seed=5)
+    x[1] = -x[1].abs() - 1.0  # (row 1's 7th largest value is a zero: all 20 zeros stay)
+    x[:, 100:110] = 0.0
+    x[:, 110:120] = -0.0
+    ks = torch.tensor([1, 7, 250, 3])
+    small = torch.tensor([True, True, True, False])
+    _, kth = max_and_topk(x, ks, WordExchange(None, 4, FILTER_WORDS))
+    want = x.clone()
+    for r in range(3):
+        bound = torch.topk(x[r], int(ks[r])).values[-1]
+        want[r][x[r] < bound] = float("-inf")
+    remove_below_kth(x, kth, small)
+    assert torch.equal(x, want)
