@@ -46,8 +46,8 @@ from ranks.sampler_filters import (
     pick_global,
     radix_lanes,
     radix_thresholds,
-    relative_probs,
     remove_below_kth,
+    remove_below_min_p,
     score_keys,
 )
 from ranks.sampler_gumbel import gumbel_best, scaled_gumbel_best
@@ -249,8 +249,8 @@ class ShardedSampler:
         # runs; but top-p below then measures mass over what min-p kept.
         min_p = [i for i in filtered if rows[i].min_p > 0]
         if min_p:
-            floors = self._float64([rows[i].min_p for i in min_p]).unsqueeze(1)
-            self._remove(x, min_p, lambda b: relative_probs(b, row_max(min_p)) < floors)
+            floors = self._float64([rows[i].min_p for i in min_p])
+            self._change(x, min_p, lambda b: remove_below_min_p(b, row_max(min_p), floors))
         # The k-th largest values were exchanged before min-p; that is the same cut, because
         # min-p only drops values below every value it keeps.
         if any(small):
@@ -270,12 +270,6 @@ class ShardedSampler:
         if top_p:
             # Lanes already at -inf (min-p, top-k) weigh 0: top-p's mass is over the rest.
             self._change(x, top_p, lambda b: radix_cut(top_p, b, True))
-
-    def _remove(
-        self, x: torch.Tensor, which: list[int], removed: Callable[[torch.Tensor], torch.Tensor]
-    ) -> None:
-        """Set the lanes that ``removed(rows block)`` marks to -inf, in rows ``which`` of x."""
-        self._change(x, which, lambda block: block.masked_fill_(removed(block), NEG_INF))
 
     def _change(
         self, x: torch.Tensor, which: list[int], change: Callable[[torch.Tensor], object]

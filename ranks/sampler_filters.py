@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from collectives.exchange import WordExchange
-from kernels.radix.native import RadixLanes, fill_below, top_values
+from kernels.radix.native import RadixLanes, fill_below, fill_min_p, top_values
 from kernels.sortkeys import keys_to_words, ordered_high, ordered_high_to_float, words_to_keys
 
 TOPK_WIDTH = 256
@@ -103,6 +103,13 @@ def remove_below_kth(x: torch.Tensor, kth: torch.Tensor, small: torch.Tensor) ->
     if not fill_below(x, torch.where(small, kth, 0)):
         kept = torch.where(small, key_values(kth), float("-inf"))
         x.masked_fill_(x < kept.unsqueeze(1), float("-inf"))
+
+
+def remove_below_min_p(x: torch.Tensor, row_max: torch.Tensor, floors: torch.Tensor) -> None:
+    """Set the lanes of rows x whose relative_probs are below their row's floor (float64
+    [rows], min_p) to -inf, in place."""
+    if not fill_min_p(x, row_max, floors):
+        x.masked_fill_(relative_probs(x, row_max) < floors.unsqueeze(1), float("-inf"))
 
 
 class TorchRadixLanes:

@@ -83,8 +83,10 @@ def _build() -> ctypes.CDLL | None:
     lib.radix_below.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64]
     lib.radix_fill_below.argtypes = [ptr, i64, i64, i64, ptr, i64]
     lib.radix_top_values.argtypes = [ptr, i64, i64, i64, i64, ptr, i64]
+    lib.radix_min_p.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ctypes.c_longlong, ptr,
+                                ptr, i64]
     for fn in (lib.radix_start, lib.radix_round, lib.radix_below, lib.radix_fill_below,
-               lib.radix_top_values):
+               lib.radix_top_values, lib.radix_min_p):
         fn.restype = None
     lib.routines = routines
     return lib
@@ -125,6 +127,27 @@ def fill_below(x: torch.Tensor, cut: torch.Tensor) -> bool:
     cut = cut.to(device="cpu", dtype=torch.int64).contiguous()
     lib.radix_fill_below(x.data_ptr(), x.stride(0), rows, width, cut.data_ptr(),
                          parallel_threads(rows * width))
+    return True
+
+
+def fill_min_p(x: torch.Tensor, row_max: torch.Tensor, floors: torch.Tensor) -> bool:
+    """x[r, i] = -inf where relative_probs(x, row_max)[r, i] < floors[r] (floors in (0, 1]),
+    in place, with torch's float64 exp where the test is close (radix.c says how); False
+    where compiled code does not apply (nothing done)."""
+    lib = _takes(x)
+    if lib is None:
+        return False
+    rows, width = x.shape
+    maxima = row_max.to(device="cpu", dtype=torch.float64).contiguous()
+    floors = floors.to(device="cpu", dtype=torch.float64).contiguous()
+    if maxima.shape != (rows,) or floors.shape != (rows,):
+        raise ValueError(f"fill_min_p: row_max and floors must be [{rows}]")
+    if not bool(((floors > 0) & (floors <= 1)).all()):
+        raise ValueError("fill_min_p: floors must lie in (0, 1]")
+    exp, set_local, get_max = lib.routines
+    lib.radix_min_p(x.data_ptr(), x.stride(0), rows, width, maxima.data_ptr(),
+                    floors.data_ptr(), exp, VML_MODE, set_local, get_max,
+                    parallel_threads(rows * width))
     return True
 
 

@@ -221,3 +221,56 @@ void radix_top_values(const float *x, int64_t row_stride, int64_t n_rows, int64_
 #pragma omp parallel for num_threads((int)threads) schedule(static)
     for (int64_t r = 0; r < n_rows; r++) top_row(x + r * row_stride, width, k, out + r * k);
 }
+
+/* ---- min-p: drop the lanes whose relative probability is below the row's floor -----------
+
+   The torch path keeps a lane when p >= floor, p = 1 where float64(x) equals the row maximum
+   m, else exp(float64(x) - m) through torch's float64 exp (vmdExp). exp is within an ulp or
+   two of the true value, so only a lane whose d = float64(x) - m lies within a hair of
+   log(floor) can go either way: a lane with d above log(floor) + 1e-9 keeps (its p exceeds
+   floor by a factor e**1e-9 before any rounding), one below log(floor) - 1e-9 goes, and
+   only the lanes between get p from vmdExp, a tile at a time, to compare as torch does.
+   -inf lanes give d = -inf (dropped; floor > 0); an infinite maximum is equal to itself. */
+static void min_p_row(float *row, int64_t width, double m, double floor_, vml_d vexp,
+                      long long mode)
+{
+    const double low = log(floor_) - 1e-9, high = log(floor_) + 1e-9;
+    int64_t near[TILE];
+    double d[TILE], p[TILE];
+    for (int64_t t = 0; t < width; t += TILE) {
+        const int64_t n = width - t < TILE ? width - t : TILE;
+        int64_t found = 0;
+        for (int64_t i = t; i < t + n; i++) {
+            const double xd = (double)row[i];
+            if (xd == m) continue;
+            const double gap = xd - m;
+            if (gap > high) continue;
+            if (gap < low) {
+                row[i] = -INFINITY;
+                continue;
+            }
+            near[found] = i;
+            d[found++] = gap;
+        }
+        if (!found) continue;
+        vexp((int)found, d, p, mode);
+        for (int64_t j = 0; j < found; j++)
+            if (p[j] < floor_) row[near[j]] = -INFINITY;
+    }
+}
+
+/* Rows x[r] with maximum row_max[r] and floor floors[r] (in (0, 1]), in place. */
+void radix_min_p(float *x, int64_t row_stride, int64_t n_rows, int64_t width,
+                 const double *row_max, const double *floors, void *vexp, long long mode,
+                 void *local_threads, void *max_threads, int64_t threads)
+{
+    const threads_t set_local = (threads_t)local_threads;
+    const max_threads_t get_max = (max_threads_t)max_threads;
+    const int toggle = set_local && (!get_max || get_max() > 1);
+#pragma omp parallel for num_threads((int)threads) schedule(static)
+    for (int64_t r = 0; r < n_rows; r++) {
+        const int previous = toggle ? set_local(1) : 0;
+        min_p_row(x + r * row_stride, width, row_max[r], floors[r], (vml_d)vexp, mode);
+        if (toggle) set_local(previous);
+    }
+}

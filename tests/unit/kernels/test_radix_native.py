@@ -3,6 +3,8 @@ the same histograms round by round, the same cuts and masks, the same sampled to
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -199,3 +201,29 @@ def test_kth_cut_keeps_the_values_at_or_above_each_rows_kth(compiled, monkeypatc
         want[r][x[r] < bound] = float("-inf")
     remove_below_kth(x, kth, small)
     assert torch.equal(x, want)
+
+
+@needs_native
+def test_min_p_cut_is_the_torch_cut_at_the_boundary():
+    """fill_min_p drops what `relative_probs(x, max) < min_p` drops, with lanes placed on each
+    row's boundary and on its FP32 neighbours (where only torch's exp can decide), floors of
+    1 and of 1e-30, a row whose maximum is +inf and a row of -inf only."""
+    from ranks.sampler_filters import relative_probs
+
+    x = awkward_rows(6, 5003, seed=9)
+    floors = torch.tensor([0.05, 0.5, 1.0, 1e-30, 0.3, 0.1], dtype=torch.float64)
+    x[4, 17] = float("inf")
+    x[5] = float("-inf")
+    row_max = x.amax(1)
+    for r in range(4):
+        edge = torch.tensor(float(row_max[r]) + math.log(float(floors[r])), dtype=torch.float32)
+        for j in range(-3, 4):
+            x[r, 40 + j] = edge
+            edge = torch.nextafter(edge, torch.tensor(float("inf")))
+    want = x.masked_fill(relative_probs(x, row_max) < floors.unsqueeze(1), float("-inf"))
+    got = x.clone()
+    assert native.fill_min_p(got, row_max, floors)
+    assert torch.equal(got, want)
+    assert int((want[:4, 37:44] == float("-inf")).sum()) not in (0, 28)  # (a boundary crossed)
+    with pytest.raises(ValueError, match="floors"):
+        native.fill_min_p(got, row_max, torch.zeros(6, dtype=torch.float64))
