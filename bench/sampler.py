@@ -1,8 +1,8 @@
 """Time per step of the sharded sampler at TP1 (one process, CPU torch path).
 
-Rows: greedy, temperature-only (T=0.8), top-k (k=50), top-p (p=0.9); batch 1 and 16; vocabulary
-32,000 and 151,936. Logits are N(0, 3^2) with one spike per row. Prints the median over
-repeats and the ratio of each kind to greedy at the same batch and vocabulary.
+Rows: greedy, temperature-only (T=0.8), top-k (k=50), top-p (p=0.9), min-p (0.05); batch 1
+and 16; vocabulary 32,000 and 151,936. Logits are N(0, 3^2) with one spike per row. Prints the
+median over repeats and the ratio of each kind to greedy at the same batch and vocabulary.
 
 Top-p does NOT gather the vocabulary row at any TP degree: its boundary comes from a 5-round
 radix select over fixed-point probability-mass histograms (256 int32 words per row per rank
@@ -28,6 +28,7 @@ KINDS = {
     "temperature": dict(temperature=0.8),
     "top-k 50": dict(temperature=0.8, top_k=50),
     "top-p 0.9": dict(temperature=0.8, top_p=0.9),
+    "min-p 0.05": dict(temperature=0.8, min_p=0.05),
 }
 
 
