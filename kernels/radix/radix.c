@@ -1,5 +1,6 @@
-/* The sampler's radix select over CPU rows, in compiled code (kernels/radix/native.py binds
-   it; ranks/sampler_filters.py holds the rounds, their exchanges and the torch path).
+/* The sampler's filters over CPU rows, in compiled code (kernels/radix/native.py binds them;
+   ranks/sampler_filters.py holds the rounds, their exchanges and the torch path): the radix
+   select, each row's best k values, and the cuts (at a key, and min-p's).
 
    Every value here is the one the torch path computes:
    - key of a lane = value_keys(x): the FP32 value's order-preserving 32-bit pattern (-0.0 as
