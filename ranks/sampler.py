@@ -35,6 +35,7 @@ from collectives.exchange import WordExchange
 from kernels.greedy import native as greedy_native
 from kernels.greedy.native import native_argmax
 from kernels.noise import philox_native
+from kernels.noise.philox_native import native_scaled_rows
 from ranks.sampler_filters import (
     FILTER_WORDS,
     PICK_WORDS,
@@ -218,15 +219,19 @@ class ShardedSampler:
         source = logits[:, : self.local_valid]
         if which is not None:
             source = source.index_select(0, which)
-        if source.dtype == x.dtype:  # (the copy and the NaN rule in one pass)
-            torch.nan_to_num(source, nan=NEG_INF, posinf=float("inf"), neginf=NEG_INF, out=x)
-        else:
-            x.copy_(source).nan_to_num_(nan=NEG_INF, posinf=float("inf"), neginf=NEG_INF)
-        apply_processors(x, rows, prompt_ids, output_ids, self.lanes)
         temps = [1.0 if r.greedy else r.temperature for r in rows]
-        if any(t != 1.0 for t in temps):
-            scale = torch.tensor(temps, dtype=torch.float32, device=self.device)
-            x.div_(scale.clamp_(max=FLOAT32_MAX).unsqueeze(1))  # (+inf / +inf would be NaN)
+        scale = torch.tensor(temps, dtype=torch.float32, device=self.device)
+        scale.clamp_(max=FLOAT32_MAX)  # (+inf / +inf would be NaN)
+        # No processor in the batch: the copy, the NaN rule and the division in one pass.
+        if not (all(r.unprocessed for r in rows) and native_scaled_rows(source, scale, x)):
+            if source.dtype == x.dtype:  # (the copy and the NaN rule in one pass)
+                torch.nan_to_num(source, nan=NEG_INF, posinf=float("inf"), neginf=NEG_INF,
+                                 out=x)
+            else:
+                x.copy_(source).nan_to_num_(nan=NEG_INF, posinf=float("inf"), neginf=NEG_INF)
+            apply_processors(x, rows, prompt_ids, output_ids, self.lanes)
+            if any(t != 1.0 for t in temps):
+                x.div_(scale.unsqueeze(1))
         self._filter(x, rows)
         return x
 

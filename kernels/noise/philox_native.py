@@ -74,6 +74,8 @@ def _build() -> ctypes.CDLL | None:
     lib.sparse_best.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, ptr, i64, ptr,
                                 ctypes.c_longlong, ptr, ptr, ptr, ptr, i64]
     lib.sparse_best.restype = None
+    lib.scaled_rows.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, i64]
+    lib.scaled_rows.restype = None
     lib.score_candidates.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ctypes.c_longlong,
                                      ptr, ptr, ptr, ptr, i64]
     lib.score_candidates.restype = None
@@ -283,6 +285,26 @@ def _search(x: torch.Tensor, rows: list[int], seeds: list[int], positions: list[
         CANDIDATE_CAP, counts.data_ptr(), lanes.data_ptr(), bits.data_ptr(), values.data_ptr(),
         max(1, threads))
     return counts.tolist(), lanes, bits, values
+
+
+def native_scaled_rows(src: torch.Tensor, temperatures: torch.Tensor, dst: torch.Tensor) -> bool:
+    """dst = src with NaN as -inf, divided by each row's temperature (float32 [rows]): the
+    sampler's scratch copy and division in one pass (both FP32 [rows, width] on the CPU with
+    unit lane stride). False when not applicable (nothing written)."""
+    if not all(t.device.type == "cpu" and t.dtype == torch.float32 for t in
+               (src, temperatures, dst)):
+        return False
+    if (src.dim() != 2 or src.shape != dst.shape or src.stride(1) != 1 or dst.stride(1) != 1
+            or tuple(temperatures.shape) != (src.shape[0],)
+            or not temperatures.is_contiguous()):
+        return False
+    lib = _lib()
+    if lib is None:
+        return False
+    rows, width = src.shape
+    lib.scaled_rows(src.data_ptr(), src.stride(0), rows, width, temperatures.data_ptr(),
+                    dst.data_ptr(), dst.stride(0), parallel_threads(rows * width))
+    return True
 
 
 def native_cutoff_lanes(x: torch.Tensor, rows: list[int], low: torch.Tensor

@@ -184,3 +184,31 @@ def test_cutoff_lanes_split_across_threads_equal_one_thread():
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(a, b) for a, b in zip(two, one, strict=True))
+
+
+@pytest.mark.parametrize("level", ["avx512", "avx2", "scalar"])
+def test_scaled_rows_are_the_scratch_copy_and_division(level):
+    """native_scaled_rows writes what torch's nan_to_num copy and div_ write, word for word,
+    at every vector level: NaN, both infinities, both zeros, subnormals, temperatures of 1
+    (a copy), FLOAT32_MAX and tiny ones, a row width that leaves a vector tail, and a
+    destination with a row stride of its own."""
+    if not native.available():
+        pytest.skip("no C compiler")
+    used = native.vector_level(level)
+    try:
+        gen = torch.Generator().manual_seed(3)
+        src = torch.randn(6, 1001, generator=gen) * 50
+        src[:, 1::7] = float("nan")
+        src[:, 2::11] = float("inf")
+        src[:, 3::13] = float("-inf")
+        src[:, 4::17] = -0.0
+        src[:, 5::19] = 1e-42
+        temps = torch.tensor([1.0, 0.7, 3.4e38, 1e-5, 2.0, 1.3], dtype=torch.float32)
+        inf = float("inf")
+        want = torch.nan_to_num(src, nan=-inf, posinf=inf, neginf=-inf).div_(temps.unsqueeze(1))
+        out = torch.full((6, 1100), 7.0)[:, :1001]
+        assert native.native_scaled_rows(src, temps, out)
+        assert torch.equal(out.view(torch.int32), want.view(torch.int32)), used
+        assert not native.native_scaled_rows(src.double(), temps, out)
+    finally:
+        native.vector_level("avx512")
