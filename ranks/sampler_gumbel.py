@@ -30,6 +30,7 @@ from kernels.noise.philox_native import (
     native_cutoff_lanes,
     native_scaled_best,
     native_sparse_best,
+    scores_candidates,
 )
 from ranks.sampler_filters import NO_ID, empty_best, score_keys
 
@@ -165,10 +166,9 @@ def scaled_gumbel_best(raw: torch.Tensor, rows: list[int], temperatures: torch.T
     if width == 0 or vocab_start + width > 2**31:
         return None
     threads = torch.get_num_threads()
-    scored = native_scaled_best(raw, rows, temperatures, seeds, positions, vocab_start,
-                                BOUND_OFFSET, BOUND_SCALE, DENSE_X_LIMIT, threads)
-    if scored is not None:
-        return scored
+    if scores_candidates():  # (None from here: a row the search left, not worth a second one)
+        return native_scaled_best(raw, rows, temperatures, seeds, positions, vocab_start,
+                                  BOUND_OFFSET, BOUND_SCALE, DENSE_X_LIMIT, threads)
     found = native_candidates(raw, rows, seeds, positions, vocab_start, BOUND_OFFSET,
                               BOUND_SCALE, DENSE_X_LIMIT, threads, temperatures)
     if found is None or found.left:

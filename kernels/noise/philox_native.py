@@ -218,6 +218,13 @@ def native_candidates(x: torch.Tensor, rows: list[int], seeds: list[int], positi
                       values.index_select(0, index))
 
 
+def scores_candidates() -> bool:
+    """Whether native_scaled_best can score candidates here (a C compiler, and MKL's vmdLn
+    giving torch's float64 log on this machine)."""
+    lib = _lib()
+    return lib is not None and lib.log_routines is not None
+
+
 def native_scaled_best(x: torch.Tensor, rows: list[int], temperatures: torch.Tensor,
                        seeds: list[int], positions: list[int], vocab_start: int, c0: float,
                        c1: float, x_limit: float, threads: int
@@ -226,10 +233,10 @@ def native_scaled_best(x: torch.Tensor, rows: list[int], temperatures: torch.Ten
     native_candidates reads them), as (score key, global id) int64 [len(rows)]: the
     candidates scored in compiled code as the torch path scores them (sparse.c's
     score_candidates). None when not applicable: no compiler, no torch-exact log on this
-    machine, or a row the search leaves."""
-    lib = _lib()
-    if lib is None or lib.log_routines is None:
+    machine (scores_candidates), or a row the search leaves."""
+    if not scores_candidates():
         return None
+    lib = _lib()
     n_rows = len(rows)
     search = _search(x, rows, seeds, positions, vocab_start, c0, c1, x_limit, threads,
                      temperatures)
