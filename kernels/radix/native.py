@@ -166,9 +166,8 @@ class RadixLanes:
         """x: FP32 [rows, width] on the CPU with unit lane stride. row_max None: unit
         weights; else probability weights floor(exp(x - row_max) * scale). The lanes live in
         the thread's buffers: valid until the thread's next start."""
-        lib = built_once(_STATE, _LOCK, _build)
-        if (lib is None or x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2
-                or x.stride(1) != 1 or not x.numel()):
+        lib = _takes(x)
+        if lib is None:
             return None
         maxima = None
         if row_max is not None:
