@@ -1,8 +1,9 @@
 """Time per step of the sharded sampler at TP1 (one process, CPU torch path).
 
-Rows: greedy, temperature-only (T=0.8), top-k (k=50), top-p (p=0.9), min-p (0.05); batch 1
-and 16; vocabulary 32,000 and 151,936. Logits are N(0, 3^2) with one spike per row. Prints the
-median over repeats and the ratio of each kind to greedy at the same batch and vocabulary.
+Rows: greedy, temperature-only (T=0.8), top-k (k=50), top-p (p=0.9), min-p (0.05), and a
+batch alternating greedy and temperature-only rows ("mixed"); batch 1 and 16; vocabulary
+32,000 and 151,936. Logits are N(0, 3^2) with one spike per row. Prints the median over
+repeats and the ratio of each kind to greedy at the same batch and vocabulary.
 
 Top-p does NOT gather the vocabulary row at any TP degree: its boundary comes from a 5-round
 radix select over fixed-point probability-mass histograms (256 int32 words per row per rank
@@ -29,7 +30,9 @@ KINDS = {
     "top-k 50": dict(temperature=0.8, top_k=50),
     "top-p 0.9": dict(temperature=0.8, top_p=0.9),
     "min-p 0.05": dict(temperature=0.8, min_p=0.05),
+    "mixed": (dict(temperature=0.0), dict(temperature=0.8)),
 }
+"""Each kind's sampling parameters; a tuple is cycled over the batch's rows."""
 
 
 def time_kinds(vocab: int, batch: int, repeats: int) -> dict[str, float]:
@@ -43,7 +46,9 @@ def time_kinds(vocab: int, batch: int, repeats: int) -> dict[str, float]:
     times: dict[str, list[float]] = {name: [] for name in KINDS}
     for step in range(repeats + 1):
         for name, params in KINDS.items():
-            rows = [RowSampling(seed=1000 + i, position=step, **params) for i in range(batch)]
+            cycle = params if isinstance(params, tuple) else (params,)
+            rows = [RowSampling(seed=1000 + i, position=step, **cycle[i % len(cycle)])
+                    for i in range(batch)]
             start = time.perf_counter()
             sampler.sample(logits, rows, empty, empty)
             if step:

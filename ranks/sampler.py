@@ -10,11 +10,11 @@ argmax here; then temperature, min-p, top-k, top-p (its mass is over what min-p
 and top-k kept), and a Gumbel-max whose Philox noise is keyed by (seed, position, global id),
 so a seeded row samples the same token at every TP degree. The raw logits are never
 modified: all work happens in a scratch buffer, which ``processed`` exposes for target
-verification. NaN logits count as -inf. When every row is greedy and unprocessed, a compiled
-argmax reads the raw rows instead (kernels/greedy: same rule, no scratch copy); rows that are
+verification. NaN logits count as -inf. Greedy rows without processors are picked by a
+compiled argmax of the raw rows (kernels/greedy: the same rule, no scratch copy); rows that are
 temperature-only (no processor, no filter) are searched by compiled code in the raw rows,
 divided as the scratch would hold them (ranks/sampler_gumbel.py, scaled_gumbel_best: the same
-token), and only the other rows reach the scratch.
+token); only the other rows reach the scratch.
 
 Exchanges (all fixed-width int32 all-gathers, skipped for a size-1 group):
 - greedy and temperature-only rows: only the final pick, 3 words per row.
@@ -99,33 +99,38 @@ class ShardedSampler:
     ) -> torch.Tensor:
         """Global token ids int64 [rows], identical on every rank of the group."""
         self._check(logits, rows, prompt_ids, output_ids)
-        if all(r.greedy and r.unprocessed for r in rows):
-            picked = self._plain_greedy(logits)
-            if picked is not None:
-                return picked
         n = len(rows)
+        plain_greedy = [i for i, r in enumerate(rows) if r.greedy and r.unprocessed]
+        if len(plain_greedy) == n and self.pick_exchange.world == 1:
+            lane = self._raw_argmax(logits, None)
+            if lane is not None:  # (one rank: its argmax is the pick)
+                return lane + self.vocab_start
         plain = [i for i, r in enumerate(rows)
                  if not r.greedy and r.unprocessed and not r.filtered(self.vocab_size)]
-        searched = self._plain_temperature(logits, rows, plain) if plain else None
-        if searched is None:
-            plain = []
-        elif len(plain) == n:
-            return pick_global(*searched, self.pick_exchange)
-        taken = set(plain)
+        found = [(plain_greedy, self._plain_greedy(logits, plain_greedy)),
+                 (plain, self._plain_temperature(logits, rows, plain))]
+        parts = [(which, best) for which, best in found if which and best is not None]
+        taken = {i for which, _ in parts for i in which}
         rest = [i for i in range(n) if i not in taken]
-        which = self._index(rest) if plain else None
-        rest_rows = [rows[i] for i in rest]
-        x = self._transform(logits, rest_rows, [prompt_ids[i] for i in rest],
-                            [output_ids[i] for i in rest], which)
-        if self.pick_exchange.world == 1 and all(r.greedy for r in rows):
-            return first_argmax(x) + self.vocab_start  # (one rank: its argmax is the pick)
-        keys, ids = self._scratch_best(x, rest_rows)
-        if plain:  # (both halves back in row order)
-            merged = torch.empty(2, n, dtype=torch.int64, device=self.device)
-            merged[:, self._index(plain)] = torch.stack(searched)
-            merged[:, which] = torch.stack((keys, ids))
-            keys, ids = merged.unbind(0)
-        return pick_global(keys, ids, self.pick_exchange)
+        if rest:
+            rest_rows = [rows[i] for i in rest]
+            x = self._transform(logits, rest_rows, [prompt_ids[i] for i in rest],
+                                [output_ids[i] for i in rest],
+                                self._index(rest) if taken else None)
+            if self.pick_exchange.world == 1 and not taken and all(r.greedy for r in rows):
+                return first_argmax(x) + self.vocab_start
+            parts.append((rest, self._scratch_best(x, rest_rows)))
+        return pick_global(*self._in_row_order(parts, n), self.pick_exchange)
+
+    def _in_row_order(self, parts: list[tuple[list[int], tuple[torch.Tensor, torch.Tensor]]],
+                      n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys, ids) [n] from parts that each found the rows they name."""
+        if len(parts) == 1:  # (it names every row, in order)
+            return parts[0][1]
+        merged = torch.empty(2, n, dtype=torch.int64, device=self.device)
+        for which, best in parts:
+            merged[:, self._index(which)] = torch.stack(best)
+        return merged[0], merged[1]
 
     def _scratch_best(self, x: torch.Tensor, rows: Sequence[RowSampling]
                       ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,19 +164,25 @@ class ShardedSampler:
         self._check(logits, rows, prompt_ids, output_ids)
         return self._transform(logits, rows, prompt_ids, output_ids)
 
-    def _plain_greedy(self, logits: torch.Tensor) -> torch.Tensor | None:
-        """Every row greedy and unprocessed: the compiled argmax of the raw rows (NaN as -inf,
-        as in the scratch), with no scratch copy; None where it does not apply (the torch
-        path). A shard's best score is its raw value, widened as the scratch widens it."""
-        raw = logits[:, : self.local_valid]
-        lane = native_argmax(raw) if self.local_valid else None
+    def _raw_argmax(self, logits: torch.Tensor, which: list[int] | None) -> torch.Tensor | None:
+        """The compiled argmax lane of raw rows `which` (default all; NaN as -inf, as in the
+        scratch), or None where it does not apply (the scratch path)."""
+        if not self.local_valid:
+            return None
+        index = None if which is None else self._index(which)
+        return native_argmax(logits[:, : self.local_valid], index)
+
+    def _plain_greedy(self, logits: torch.Tensor, which: list[int]
+                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """This shard's best (score key, global id) of the unprocessed greedy rows `which`, read
+        from the raw rows with no scratch copy; None where it does not apply. A shard's best
+        score is its raw value, widened as the scratch widens it."""
+        lane = self._raw_argmax(logits, which) if which else None
         if lane is None:
             return None
-        if self.pick_exchange.world == 1:
-            return lane + self.vocab_start
-        score = raw.gather(1, lane.unsqueeze(1)).squeeze(1).to(torch.float64)
+        score = logits[self._index(which), lane].to(torch.float64)
         score = torch.where(score.isnan(), NEG_INF, score)
-        return pick_global(score_keys(score), lane + self.vocab_start, self.pick_exchange)
+        return score_keys(score), lane + self.vocab_start
 
     def _plain_temperature(self, logits: torch.Tensor, rows: Sequence[RowSampling],
                            plain: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -179,6 +190,8 @@ class ShardedSampler:
         logits processor, no filter): compiled code reads their raw rows, as the scratch
         would hold them after the copy and the division, and finds the few lanes that can
         still win; no scratch copy. None where it does not apply (the scratch path)."""
+        if not plain:
+            return None
         temps = torch.tensor([rows[i].temperature for i in plain], dtype=torch.float32)
         return scaled_gumbel_best(logits[:, : self.local_valid], plain,
                                   temps.clamp_(max=FLOAT32_MAX),

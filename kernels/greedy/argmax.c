@@ -75,13 +75,16 @@ static int64_t row_argmax(const void *row, int64_t elem, int64_t n)
     return 0; /* (unreachable: some tile holds the maximum) */
 }
 
-/* out[r] = row_argmax of rows r < rows (each `lanes` wide, `row_stride` elements apart);
-   rows are split across `threads` OpenMP threads when built with -fopenmp. */
-void greedy_argmax(const void *base, int64_t elem, int64_t row_stride, int64_t rows,
-                   int64_t lanes, int64_t threads, int64_t *out)
+/* out[r] = row_argmax of row which[r] (of row r when `which` is NULL) for r < rows; rows are
+   `lanes` wide and `row_stride` elements apart, and split across `threads` OpenMP threads when
+   built with -fopenmp. */
+void greedy_argmax(const void *base, int64_t elem, int64_t row_stride, const int64_t *which,
+                   int64_t rows, int64_t lanes, int64_t threads, int64_t *out)
 {
     const char *bytes = (const char *)base;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && rows > 1)
-    for (int64_t r = 0; r < rows; r++)
-        out[r] = row_argmax(bytes + r * row_stride * elem, elem, lanes);
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t source = which ? which[r] : r;
+        out[r] = row_argmax(bytes + source * row_stride * elem, elem, lanes);
+    }
 }

@@ -40,7 +40,8 @@ def _build() -> ctypes.CDLL | None:
         return None
     i64 = ctypes.c_int64
     lib.greedy_argmax.restype = None
-    lib.greedy_argmax.argtypes = [ctypes.c_void_p, i64, i64, i64, i64, i64, ctypes.c_void_p]
+    lib.greedy_argmax.argtypes = [ctypes.c_void_p, i64, i64, ctypes.c_void_p, i64, i64, i64,
+                                  ctypes.c_void_p]
     return lib
 
 
@@ -48,18 +49,28 @@ def available() -> bool:
     return built_once(_STATE, _LOCK, _build) is not None
 
 
-def native_argmax(logits: torch.Tensor) -> torch.Tensor | None:
+def native_argmax(logits: torch.Tensor, which: torch.Tensor | None = None) -> torch.Tensor | None:
     """First lane of each row's largest value (NaN as -inf; lane 0 for a row of -inf and NaN
-    only), int64 [rows]; None where the compiled path does not apply."""
+    only), int64 [rows], of the rows `which` (int64 row indices, default every row) in that
+    order; None where the compiled path does not apply."""
     lib = built_once(_STATE, _LOCK, _build)
     if (lib is None or logits.device.type != "cpu" or logits.dim() != 2
             or logits.dtype not in _ELEMENTS or logits.stride(1) != 1):
         return None
     rows, lanes = logits.shape
+    if which is not None:
+        if which.dtype != torch.int64 or which.dim() != 1 or which.device.type != "cpu":
+            raise ValueError(f"which: expected int64 [rows] on the CPU, got {which.dtype} "
+                             f"{tuple(which.shape)} on {which.device}")
+        which = which.contiguous()
+        if which.numel() and not (0 <= int(which.min()) and int(which.max()) < rows):
+            raise ValueError(f"which: row indices must lie in [0, {rows})")
+        rows = which.numel()
     out = torch.empty(rows, dtype=torch.int64)
     if rows and lanes:
-        lib.greedy_argmax(logits.data_ptr(), _ELEMENTS[logits.dtype], logits.stride(0), rows,
-                          lanes, parallel_threads(rows * lanes), out.data_ptr())
+        lib.greedy_argmax(logits.data_ptr(), _ELEMENTS[logits.dtype], logits.stride(0),
+                          None if which is None else which.data_ptr(), rows, lanes,
+                          parallel_threads(rows * lanes), out.data_ptr())
     else:
         out.zero_()
     return out

@@ -73,18 +73,42 @@ def test_it_declines_what_it_cannot_read() -> None:
 
 
 @needs_native
-def test_the_sampler_takes_it_only_for_unprocessed_greedy_rows(monkeypatch) -> None:
-    """With the compiled pick replaced by a marker, unprocessed greedy batches return the
-    marker and any processor or sampled row takes the scratch path (the real tokens)."""
+def test_rows_named_by_which_are_picked_in_its_order() -> None:
+    x = planted(10, 5000, 12)
+    for which in ([3, 0, 9], [5, 5], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0], []):
+        index = torch.tensor(which, dtype=torch.int64)
+        got = native.native_argmax(x, index)
+        assert got is not None and torch.equal(got, oracle(x[index]) if which else got[:0])
+    for bad in (torch.tensor([10]), torch.tensor([-1]), torch.tensor([0], dtype=torch.int32),
+                torch.zeros(1, 1, dtype=torch.int64)):
+        with pytest.raises(ValueError, match="which"):
+            native.native_argmax(x, bad)
+
+
+@needs_native
+def test_the_sampler_takes_it_for_unprocessed_greedy_rows_only(monkeypatch) -> None:
+    """With the compiled pick replaced by a marker (lane 7 for every row it is asked for),
+    unprocessed greedy rows get the marker, in a batch of their own or beside rows with a
+    processor or a temperature; those rows take the scratch path and get their real tokens."""
     x = planted(4, 3000, 4)
     sampler = ShardedSampler(None, 0, 3000, 3000, 3000, 4)
-    marker = torch.tensor([7, 7, 7, 7])
-    monkeypatch.setattr("ranks.sampler.native_argmax", lambda raw: marker)
+    asked: list[list[int] | None] = []
+
+    def marker(raw: torch.Tensor, which: torch.Tensor | None = None) -> torch.Tensor:
+        asked.append(None if which is None else which.tolist())
+        return torch.full((raw.shape[0] if which is None else which.numel(),), 7)
+
     plain = [RowSampling(seed=0, position=0, temperature=0.0)] * 4
-    assert sampler.sample(x, plain, [[]] * 4, [[]] * 4).tolist() == [7] * 4
     for change in ({"logit_bias": {5: 1.0}}, {"repetition_penalty": 1.1},
                    {"allowed_token_ids": (1, 2)}, {"bad_words": ((9,),)}, {"temperature": 0.5},
                    {"min_tokens": 3, "min_tokens_ids": (2,)}):
-        rows = [*plain[:3], RowSampling(seed=0, position=0, **({"temperature": 0.0} | change))]
+        rows = [RowSampling(seed=0, position=0, **({"temperature": 0.0} | change)), *plain[:3]]
+        real = sampler.sample(x, rows, [[1]] * 4, [[1]] * 4).tolist()
+        assert real[1:] == oracle(x[1:]).tolist(), change
+        monkeypatch.setattr("ranks.sampler.native_argmax", marker)
         picked = sampler.sample(x, rows, [[1]] * 4, [[1]] * 4).tolist()
-        assert picked[:3] == oracle(x[:3]).tolist(), change
+        monkeypatch.undo()
+        assert picked == [real[0], 7, 7, 7] and asked.pop() == [1, 2, 3], change
+    monkeypatch.setattr("ranks.sampler.native_argmax", marker)
+    assert sampler.sample(x, plain, [[]] * 4, [[]] * 4).tolist() == [7] * 4
+    assert asked == [None]

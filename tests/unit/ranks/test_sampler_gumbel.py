@@ -287,14 +287,19 @@ def test_scaled_search_reads_the_raw_rows_as_the_scratch_holds_them(width, threa
                                          1000) is None
 
 
-def test_mixed_batches_pick_each_rows_own_winner(path):
-    """A batch mixing temperature-only rows (searched in the raw logits) with greedy,
-    filtered and processed rows (through the scratch) picks, row by row, the argmax or the
-    exhaustive Gumbel-max of the scratch rows `processed` returns, with FP32 and BF16 logits."""
+@pytest.mark.parametrize("greedy_pick", ["compiled", "torch"])
+def test_mixed_batches_pick_each_rows_own_winner(path, greedy_pick, monkeypatch):
+    """A batch mixing temperature-only rows (searched in the raw logits) and unprocessed
+    greedy rows (the compiled argmax of the raw rows) with filtered and processed rows
+    (through the scratch) picks, row by row, the argmax or the exhaustive Gumbel-max of the
+    scratch rows `processed` returns, with FP32 and BF16 logits, NaN lanes and NaN rows."""
+    if greedy_pick == "torch":
+        monkeypatch.setattr("ranks.sampler.native_argmax", lambda raw, which=None: None)
     vocab = 20_011
     params = [dict(temperature=0.8), dict(temperature=0.0), dict(temperature=0.9, top_p=0.9),
               dict(temperature=1.0), dict(temperature=1.3, repetition_penalty=1.4),
-              dict(temperature=0.0, logit_bias={5: 30.0}), dict(temperature=0.6)]
+              dict(temperature=0.0, logit_bias={5: 30.0}), dict(temperature=0.6),
+              dict(temperature=0.0), dict(temperature=0.0)]
     rows = [RowSampling(seed=11 * i + 2, position=i, **p) for i, p in enumerate(params)]
     n = len(rows)
     prompt = [[1, 2, 3, 500]] * n
@@ -302,6 +307,8 @@ def test_mixed_batches_pick_each_rows_own_winner(path):
     for dtype in (torch.float32, torch.bfloat16):
         logits = rows_of("normal", n, vocab, 21).to(dtype)
         logits[3, ::3] = float("nan")
+        logits[7, 1::2] = float("nan")
+        logits[8] = float("nan")
         sampler = ShardedSampler(None, 0, vocab, vocab, vocab, max_rows=n)
         x = sampler.processed(logits, rows, prompt, output).clone()
         want = []
