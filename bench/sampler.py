@@ -2,15 +2,18 @@
 
 Rows: greedy, temperature-only (T=0.8), top-k (k=50), top-p (p=0.9), min-p (0.05), and a
 batch alternating greedy and temperature-only rows ("mixed"); batch 1 and 16; vocabulary
-32,000 and 151,936. Logits are N(0, 3^2) with one spike per row. Prints the median over
-repeats and the ratio of each kind to greedy at the same batch and vocabulary.
+32,000 and 151,936. Logits are N(0, 3^2) with a spike of +12 per row (`--logits flat`, the
+default: nearly every lane keeps a probability above 2^-44), or N(0, 2.5^2) with a spike of
++30 (`--logits peaked`, a confident model's row: at T=0.8 most lanes' probability is below
+2^-44, a top-p weight of 0). Prints the median over repeats and the ratio of each kind to
+greedy at the same batch and vocabulary.
 
 Top-p does NOT gather the vocabulary row at any TP degree: its boundary comes from a 5-round
 radix select over fixed-point probability-mass histograms (256 int32 words per row per rank
 per round). Top-k <= 256 exchanges each shard's best k values; greedy and temperature-only
 rows exchange only the final (score, id) pick, 3 words per row.
 
-Usage: python -m bench.sampler [--repeats N] [--threads N]
+Usage: python -m bench.sampler [--repeats N] [--threads N] [--logits flat|peaked]
 """
 
 from __future__ import annotations
@@ -35,12 +38,17 @@ KINDS = {
 """Each kind's sampling parameters; a tuple is cycled over the batch's rows."""
 
 
-def time_kinds(vocab: int, batch: int, repeats: int) -> dict[str, float]:
+LOGITS = {"flat": (3.0, 12.0), "peaked": (2.5, 30.0)}
+"""Standard deviation of the logits and the spike added to one lane of each row."""
+
+
+def time_kinds(vocab: int, batch: int, repeats: int, logits_kind: str) -> dict[str, float]:
     """Median seconds per step of each kind; kinds are interleaved within every repeat so
     that load from other processes affects them alike."""
+    spread, spike = LOGITS[logits_kind]
     gen = torch.Generator().manual_seed(vocab + batch)
-    logits = torch.randn(batch, vocab, generator=gen) * 3
-    logits[torch.arange(batch), torch.randint(vocab, (batch,), generator=gen)] += 12
+    logits = torch.randn(batch, vocab, generator=gen) * spread
+    logits[torch.arange(batch), torch.randint(vocab, (batch,), generator=gen)] += spike
     sampler = ShardedSampler(None, 0, vocab, vocab, vocab, max_rows=batch)
     empty = [[] for _ in range(batch)]
     times: dict[str, list[float]] = {name: [] for name in KINDS}
@@ -60,13 +68,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--logits", choices=sorted(LOGITS), default="flat")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {args.threads} thread(s), median of {args.repeats}")
+    print(f"torch {torch.__version__}, {args.threads} thread(s), median of {args.repeats}, "
+          f"{args.logits} logits")
     print(f"{'vocab':>7} {'batch':>5} {'kind':>12} {'ms/step':>9} {'x greedy':>9}")
     for vocab in (32_000, 151_936):
         for batch in (1, 16):
-            medians = time_kinds(vocab, batch, args.repeats)
+            medians = time_kinds(vocab, batch, args.repeats, args.logits)
             for name, seconds in medians.items():
                 ratio = seconds / medians["greedy"]
                 print(f"{vocab:>7} {batch:>5} {name:>12} {1e3 * seconds:>9.2f} {ratio:>9.1f}")

@@ -42,35 +42,94 @@ static inline uint32_t value_key(float v)
 #define CLONES
 #endif
 
-/* Keys and weights of every lane of one row (a lane of weight 0 adds nothing to any sum, so
-   it needs no dropping here; the rounds' compactions drop it with the other lanes outside
-   their bucket). No branch and no data-dependent store, so the loops vectorize. */
-CLONES static void start_row(const float *row, int64_t width, double maximum, double scale,
-                             vml_d vexp, long long mode, uint32_t *keys, int64_t *weights)
+/* The int64 of p, an integer in [0, 2**52) held as a double: adding 2**52 puts it in the low
+   mantissa bits exactly, which is (int64_t)p without a scalar conversion. */
+static inline int64_t small_integer(double p)
 {
-    for (int64_t i = 0; i < width; i++) keys[i] = value_key(row[i]);
-    if (!vexp) {
-        for (int64_t i = 0; i < width; i++) weights[i] = 1;
-        return;
+    union { double d; int64_t i; } u = { .d = p + 0x1p52 };
+    return u.i - 0x4330000000000000ll;
+}
+
+/* w[i] = floor(p * scale) of n lanes, p = 1 where x[i] equals the maximum; p is overwritten.
+   The branch on the scale stays outside the loops, so both vectorize. */
+static inline void weights_of(const float *x, double *p, int n, double maximum, double scale,
+                              int64_t *w)
+{
+    for (int i = 0; i < n; i++) p[i] = floor(((double)x[i] == maximum ? 1.0 : p[i]) * scale);
+    if (scale < 0x1p52) {
+        for (int i = 0; i < n; i++) w[i] = small_integer(p[i]);
+    } else { /* (vocabularies of at most 1,024 ids: a larger scale) */
+        for (int i = 0; i < n; i++) w[i] = (int64_t)p[i];
     }
+}
+
+/* Keys and weights of the lanes of one row; returns how many it wrote. Unit weights (vexp
+   NULL): every lane, with no branch and no data-dependent store, so the loops vectorize.
+   Probability weights, tile by tile:
+   1. d = float64(x) - maximum per lane. A lane is live when d >= zero_below, where
+      zero_below = -log(scale) - 1/64: below it exp(d) * scale < e^(-1/64) < 1 for any exp
+      within a few ulps of the true one, so torch's weight floor(p * scale) is 0, the lane
+      adds nothing to any round's sum, and dropping it here changes no histogram. The live
+      lanes are counted in FP32 (x >= maximum + zero_below, rounded): the count only picks
+      step 2 or 3, and both give every live lane its exact weight.
+   2. Most lanes live (rows of flat logits): vmdExp over the whole tile, every lane written,
+      as the vector loops write them.
+   3. Fewer than a quarter live (the peaked rows of confident models, low temperatures): only
+      the lanes live by the exact test are gathered, passed to vmdExp and written. vmdExp's value of a lane does not
+      depend on its neighbours or its place in the call (torch calls it in chunks of its own
+      choosing), so the weights are torch's. */
+CLONES static int64_t start_row(const float *row, int64_t width, double maximum, double scale,
+                                vml_d vexp, long long mode, uint32_t *keys, int64_t *weights)
+{
+    if (!vexp) {
+        for (int64_t i = 0; i < width; i++) keys[i] = value_key(row[i]);
+        for (int64_t i = 0; i < width; i++) weights[i] = 1;
+        return width;
+    }
+    const double zero_below = -log(scale) - 0x1p-6;
+    const float live_from = (float)(maximum + zero_below);
     double shifted[TILE], p[TILE];
+    int32_t at[TILE];
+    int64_t written = 0;
     for (int64_t t = 0; t < width; t += TILE) {
         const int n = (int)(width - t < TILE ? width - t : TILE);
-        for (int i = 0; i < n; i++) shifted[i] = (double)row[t + i] - maximum;
-        vexp(n, shifted, p, mode);
-        for (int i = 0; i < n; i++)
-            p[i] = floor(((double)row[t + i] == maximum ? 1.0 : p[i]) * scale);
-        if (scale < 0x1p52) {
-            /* p is an integer in [0, 2**52): adding 2**52 puts it in the low mantissa bits
-               exactly, which is (int64_t)p without a scalar conversion. */
-            for (int i = 0; i < n; i++) {
-                union { double d; int64_t i; } u = { .d = p[i] + 0x1p52 };
-                weights[t + i] = u.i - 0x4330000000000000ll;
-            }
-        } else { /* (vocabularies of at most 1,024 ids: a larger scale) */
-            for (int i = 0; i < n; i++) weights[t + i] = (int64_t)p[i];
+        const float *x = row + t;
+        int live = 0; /* (a count to choose the branch by: FP32 is close enough) */
+        for (int i = 0; i < n; i++) live += x[i] >= live_from;
+        for (int i = 0; i < n; i++) shifted[i] = (double)x[i] - maximum;
+        uint32_t *k = keys + written;
+        int64_t *w = weights + written;
+        if (4 * live >= n) {
+            vexp(n, shifted, p, mode);
+            for (int i = 0; i < n; i++) k[i] = value_key(x[i]);
+            weights_of(x, p, n, maximum, scale, w);
+            written += n;
+            continue;
         }
+        int m = 0, i = 0;
+        for (; i + 16 <= n; i += 16) { /* (groups without a live lane are skipped whole) */
+            int any = 0;
+            for (int j = i; j < i + 16; j++) any |= !(shifted[j] < zero_below);
+            if (!any) continue;
+            for (int j = i; j < i + 16; j++) {
+                shifted[m] = shifted[j]; /* (m <= j: read before it can be overwritten) */
+                at[m] = j;
+                m += !(shifted[j] < zero_below);
+            }
+        }
+        for (; i < n; i++) {
+            shifted[m] = shifted[i];
+            at[m] = i;
+            m += !(shifted[i] < zero_below);
+        }
+        float live_x[TILE];
+        for (int j = 0; j < m; j++) live_x[j] = x[at[j]];
+        if (m) vexp(m, shifted, p, mode);
+        for (int j = 0; j < m; j++) k[j] = value_key(live_x[j]);
+        weights_of(live_x, p, m, maximum, scale, w);
+        written += m;
     }
+    return written;
 }
 
 /* vexp NULL: unit weights (row_max and scale unused). Rows of keys and weights are `width`
@@ -87,9 +146,8 @@ void radix_start(const float *x, int64_t row_stride, int64_t n_rows, int64_t wid
 #pragma omp parallel for num_threads((int)threads) schedule(static)
     for (int64_t r = 0; r < n_rows; r++) {
         const int previous = toggle ? set_local(1) : 0;
-        start_row(x + r * row_stride, width, vexp ? row_max[r] : 0.0, scale, (vml_d)vexp, mode,
-                  keys + r * width, weights + r * width);
-        counts[r] = width;
+        counts[r] = start_row(x + r * row_stride, width, vexp ? row_max[r] : 0.0, scale,
+                              (vml_d)vexp, mode, keys + r * width, weights + r * width);
         if (toggle) set_local(previous);
     }
 }

@@ -44,6 +44,26 @@ def awkward_rows(rows: int, width: int, seed: int) -> torch.Tensor:
     return x
 
 
+def peaked_rows(rows: int, width: int, seed: int, vocab: int) -> torch.Tensor:
+    """FP32 rows of a confident model: one lane far above the rest, so most lanes' weight is 0
+    and radix.c's start takes exp only of the live lanes of most tiles. Planted: lanes on
+    both sides of the weight-0 boundary (d = -log(scale)) and of the cut that skips the exp
+    (1/64 below it), a tile with a quarter of its lanes live and one with a lane fewer, and
+    a tile of lanes near the maximum."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, width, generator=gen) * 2.5
+    x[:, width // 2] = 40.0
+    boundary = 40.0 - math.log(probability_scale(vocab))
+    offsets = [-0.03, -2.0**-6 - 1e-5, -2.0**-6 + 1e-5, -1e-4, -1e-6, 0.0, 1e-6, 1e-4, 0.02]
+    plants = torch.tensor([boundary + o for o in offsets])
+    x[:, 7 : 7 + len(plants)] = plants
+    if width >= 4 * 1024:
+        x[:, 1024 : 1024 + 256] = 39.0  # (a quarter of the tile live)
+        x[:, 2048 : 2048 + 255] = 38.0  # (a lane fewer)
+        x[:, 3072 : 4096] += 38.0
+    return x
+
+
 def torch_lanes(x: torch.Tensor, row_max: torch.Tensor | None, vocab: int) -> TorchRadixLanes:
     keys = value_keys(x)
     if row_max is None:
@@ -54,9 +74,11 @@ def torch_lanes(x: torch.Tensor, row_max: torch.Tensor | None, vocab: int) -> To
 @needs_native
 @pytest.mark.parametrize("rows,width", [(1, 423), (3, 1031), (5, 4096), (2, 151_936)])
 @pytest.mark.parametrize("unit", [False, True])
-def test_every_round_sums_what_the_torch_lanes_sum(rows, width, unit):
-    x = awkward_rows(rows, width, seed=rows * width)
+@pytest.mark.parametrize("logits", ["awkward", "peaked"])
+def test_every_round_sums_what_the_torch_lanes_sum(rows, width, unit, logits):
     vocab = width + 7
+    x = (awkward_rows(rows, width, seed=rows * width) if logits == "awkward"
+         else peaked_rows(rows, width, rows * width, vocab))
     row_max = None if unit else x.amax(1)
     ours = RadixLanes.start(x, row_max, probability_scale(vocab))
     theirs = torch_lanes(x, row_max, vocab)
