@@ -75,9 +75,9 @@ static inline void weights_of(const float *x, double *p, int n, double maximum, 
    2. Most lanes live (rows of flat logits): vmdExp over the whole tile, every lane written,
       as the vector loops write them.
    3. Fewer than a quarter live (the peaked rows of confident models, low temperatures): only
-      the lanes live by the exact test are gathered, passed to vmdExp and written. vmdExp's value of a lane does not
-      depend on its neighbours or its place in the call (torch calls it in chunks of its own
-      choosing), so the weights are torch's. */
+      the lanes live by the exact test are gathered, passed to vmdExp and written. vmdExp's
+      value of a lane does not depend on its neighbours or its place in the call (torch calls
+      it in chunks of its own choosing), so the weights are torch's. */
 CLONES static int64_t start_row(const float *row, int64_t width, double maximum, double scale,
                                 vml_d vexp, long long mode, uint32_t *keys, int64_t *weights)
 {
