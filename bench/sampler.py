@@ -1,7 +1,8 @@
 """Time per step of the sharded sampler at TP1 (one process, CPU torch path).
 
-Rows: greedy, temperature-only (T=0.8), top-k (k=50), top-p (p=0.9), min-p (0.05), and a
-batch alternating greedy and temperature-only rows ("mixed"); batch 1 and 16; vocabulary
+Rows: greedy, temperature-only (T=0.8), top-k (k=50), top-p (p=0.9), min-p (0.05), a
+repetition penalty of 1.1 over a 200-token prompt and 64 generated tokens ("rep 1.1", T=0.8),
+and a batch alternating greedy and temperature-only rows ("mixed"); batch 1 and 16; vocabulary
 32,000 and 151,936. Logits are N(0, 3^2) with a spike of +12 per row (`--logits flat`, the
 default: nearly every lane keeps a probability above 2^-44), or N(0, 2.5^2) with a spike of
 +30 (`--logits peaked`, a confident model's row: at T=0.8 most lanes' probability is below
@@ -33,6 +34,7 @@ KINDS = {
     "top-k 50": dict(temperature=0.8, top_k=50),
     "top-p 0.9": dict(temperature=0.8, top_p=0.9),
     "min-p 0.05": dict(temperature=0.8, min_p=0.05),
+    "rep 1.1": dict(temperature=0.8, repetition_penalty=1.1),
     "mixed": (dict(temperature=0.0), dict(temperature=0.8)),
 }
 """Each kind's sampling parameters; a tuple is cycled over the batch's rows."""
@@ -50,7 +52,8 @@ def time_kinds(vocab: int, batch: int, repeats: int, logits_kind: str) -> dict[s
     logits = torch.randn(batch, vocab, generator=gen) * spread
     logits[torch.arange(batch), torch.randint(vocab, (batch,), generator=gen)] += spike
     sampler = ShardedSampler(None, 0, vocab, vocab, vocab, max_rows=batch)
-    empty = [[] for _ in range(batch)]
+    prompts = [torch.randint(vocab, (200,), generator=gen).tolist() for _ in range(batch)]
+    outputs = [torch.randint(vocab, (64,), generator=gen).tolist() for _ in range(batch)]
     times: dict[str, list[float]] = {name: [] for name in KINDS}
     for step in range(repeats + 1):
         for name, params in KINDS.items():
@@ -58,7 +61,7 @@ def time_kinds(vocab: int, batch: int, repeats: int, logits_kind: str) -> dict[s
             rows = [RowSampling(seed=1000 + i, position=step, **cycle[i % len(cycle)])
                     for i in range(batch)]
             start = time.perf_counter()
-            sampler.sample(logits, rows, empty, empty)
+            sampler.sample(logits, rows, prompts, outputs)
             if step:
                 times[name].append(time.perf_counter() - start)
     return {name: statistics.median(t) for name, t in times.items()}

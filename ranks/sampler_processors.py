@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 
+import numpy as np
 import torch
 
 from ranks.sampling_params import GREEDY_EPS, RowSampling
@@ -53,7 +55,9 @@ class ShardLanes:
 def apply_processors(x: torch.Tensor, rows: Sequence[RowSampling],
                      prompt_ids: Sequence[Sequence[int]], output_ids: Sequence[Sequence[int]],
                      shard: ShardLanes) -> None:
-    """Each row's processors on its scratch row x[i] (float32 [local_valid]), in place."""
+    """Each row's processors on its scratch row x[i] (float32 [local_valid]), in place. The
+    penalties come last on every row (after logit_bias, as in vLLM: the repetition penalty
+    scales the biased logit), so they run batched over the rows once the rest is done."""
     for i, r in enumerate(rows):
         if r.allowed_token_ids is not None:
             lanes, _ = shard.local(r.allowed_token_ids)
@@ -70,33 +74,94 @@ def apply_processors(x: torch.Tensor, rows: Sequence[RowSampling],
             lanes, bias = shard.local([t for t, _ in r.logit_bias], [b for _, b in r.logit_bias])
             old = x[i, lanes]
             x[i, lanes] = saturated(old + bias.clamp_(-FLOAT32_MAX, FLOAT32_MAX), old)
-        # After logit_bias, as in vLLM: the repetition penalty scales the biased logit.
-        if r.penalized:
-            _penalize(x[i], r, prompt_ids[i], output_ids[i], shard)
+    penalized = [i for i, r in enumerate(rows) if r.penalized]
+    if penalized:
+        _penalize(x, [rows[i] for i in penalized], penalized,
+                  [prompt_ids[i] for i in penalized], [output_ids[i] for i in penalized], shard)
 
 
-def _penalize(row: torch.Tensor, r: RowSampling, prompt: Sequence[int], output: Sequence[int],
+def _penalize(x: torch.Tensor, rows: Sequence[RowSampling], which: list[int],
+              prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]],
               shard: ShardLanes) -> None:
-    out_lanes, _ = shard.local(output)
-    lanes, counts = torch.unique(out_lanes, return_counts=True)
+    """The repetition, frequency and presence penalties of rows x[which] (rows[k] is row
+    which[k]), one after the other, each over the (row, lane) cells it changes in all rows
+    at once: per cell the same float32 operations as one row at a time. A row whose penalty
+    is off is left out of that step (a factor of 1 or a term of 0 would still clamp a logit
+    past LOGIT_LIMIT). The cells are found with numpy (a few small arrays: torch's per-op
+    cost would exceed the work), the values change in torch."""
+    n_rows = x.shape[0]
+    cells, counts = np.unique(_cells(shard, which, outputs), return_counts=True)
     # Every factor and term is a positive / finite float32, so no lane becomes NaN: a
     # penalty that rounds to 0 or inf in float32 would turn a masked lane's -inf (times
     # 0) or a zero logit (times inf) into NaN, which no pick can rank.
-    if r.repetition_penalty != 1:
-        prompt_lanes, _ = shard.local(prompt)
-        seen = torch.unique(torch.cat((prompt_lanes, lanes)))
-        vals = row[seen]
-        rep = _float32(r.repetition_penalty, shard).clamp_(FLOAT32_TINY, FLOAT32_MAX)
-        row[seen] = saturated(torch.where(vals > 0, vals / rep, vals * rep), vals)
-    if r.frequency_penalty != 0:
-        freq = _float32(r.frequency_penalty, shard).clamp_(-FLOAT32_MAX, FLOAT32_MAX)
-        old = row[lanes]
-        term = (freq * counts.to(torch.float32)).clamp_(-FLOAT32_MAX, FLOAT32_MAX)
-        row[lanes] = saturated(old - term, old)
-    if r.presence_penalty != 0:
-        old = row[lanes]
-        pres = _float32(r.presence_penalty, shard).clamp_(-FLOAT32_MAX, FLOAT32_MAX)
-        row[lanes] = saturated(old - pres, old)
+    repeated = [k for k, r in enumerate(rows) if r.repetition_penalty != 1]
+    if repeated:
+        rows_of = [which[k] for k in repeated]
+        seen = np.unique(np.concatenate((
+            _cells(shard, rows_of, [prompts[k] for k in repeated]),
+            cells[_of_rows(cells, rows_of, n_rows, shard)])))
+        rep = _per_cell(seen, rows_of, [rows[k].repetition_penalty for k in repeated], n_rows,
+                        shard).clamp_(FLOAT32_TINY, FLOAT32_MAX)
+        row, lane = _indices(seen, shard)
+        vals = x[row, lane]
+        x[row, lane] = saturated(torch.where(vals > 0, vals / rep, vals * rep), vals)
+    frequency = [k for k, r in enumerate(rows) if r.frequency_penalty != 0]
+    if frequency:
+        rows_of = [which[k] for k in frequency]
+        mine = _of_rows(cells, rows_of, n_rows, shard)
+        freq = _per_cell(cells[mine], rows_of, [rows[k].frequency_penalty for k in frequency],
+                         n_rows, shard).clamp_(-FLOAT32_MAX, FLOAT32_MAX)
+        row, lane = _indices(cells[mine], shard)
+        old = x[row, lane]
+        times = torch.from_numpy(counts[mine]).to(device=shard.device, dtype=torch.float32)
+        term = (freq * times).clamp_(-FLOAT32_MAX, FLOAT32_MAX)
+        x[row, lane] = saturated(old - term, old)
+    presence = [k for k, r in enumerate(rows) if r.presence_penalty != 0]
+    if presence:
+        rows_of = [which[k] for k in presence]
+        mine = _of_rows(cells, rows_of, n_rows, shard)
+        pres = _per_cell(cells[mine], rows_of, [rows[k].presence_penalty for k in presence],
+                         n_rows, shard).clamp_(-FLOAT32_MAX, FLOAT32_MAX)
+        row, lane = _indices(cells[mine], shard)
+        old = x[row, lane]
+        x[row, lane] = saturated(old - pres, old)
+
+
+def _cells(shard: ShardLanes, which: Sequence[int], ids: Sequence[Sequence[int]]) -> np.ndarray:
+    """Cells row * local_valid + lane (int64) of every id of ids[k] on this shard, in row
+    which[k]; ValueError for an id outside the vocabulary."""
+    lengths = [len(each) for each in ids]
+    flat = np.fromiter(chain.from_iterable(ids), dtype=np.int64, count=sum(lengths))
+    if flat.size and (int(flat.min()) < 0 or int(flat.max()) >= shard.vocab_size):
+        raise ValueError(f"token ids outside vocabulary [0, {shard.vocab_size})")
+    lanes = flat - shard.vocab_start
+    rows = np.repeat(np.asarray(which, dtype=np.int64), lengths)
+    mine = (lanes >= 0) & (lanes < shard.local_valid)
+    return rows[mine] * shard.local_valid + lanes[mine]
+
+
+def _of_rows(cells: np.ndarray, which: Sequence[int], n_rows: int,
+             shard: ShardLanes) -> np.ndarray:
+    """bool per cell: its row is one of `which`."""
+    chosen = np.zeros(n_rows, dtype=bool)
+    chosen[list(which)] = True
+    return chosen[cells // max(shard.local_valid, 1)]
+
+
+def _per_cell(cells: np.ndarray, which: Sequence[int], values: Sequence[float], n_rows: int,
+              shard: ShardLanes) -> torch.Tensor:
+    """float32 per cell: values[k], rounded to float32, for the cells of row which[k]."""
+    table = np.ones(n_rows, dtype=np.float32)
+    with np.errstate(over="ignore"):  # (past float32's range: inf, as torch.tensor rounds it)
+        table[list(which)] = np.asarray(values, dtype=np.float64).astype(np.float32)
+    return torch.from_numpy(table[cells // max(shard.local_valid, 1)]).to(shard.device)
+
+
+def _indices(cells: np.ndarray, shard: ShardLanes) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, lane) int64 tensors of the cells, for x[row, lane]."""
+    width = max(shard.local_valid, 1)
+    return (torch.from_numpy(cells // width).to(shard.device),
+            torch.from_numpy(cells % width).to(shard.device))
 
 
 def _float32(value: float, shard: ShardLanes) -> torch.Tensor:

@@ -110,6 +110,39 @@ def test_penalties_bias_and_allowed_ids_match_reference():
     assert int(greedy[3]) in (9, 40, 41)
 
 
+@pytest.mark.parametrize("shard", [(0, 301), (100, 150)])
+def test_penalties_of_a_batch_change_only_their_own_rows(shard):
+    """The penalties run batched over the rows: every row, penalized or not, equals the
+    oracle's row, on a whole vocabulary and on a shard of it (ids on other shards ignored).
+    Row 0 has no penalty and a finite logit past what a penalty would leave (LOGIT_LIMIT)
+    on an id every output repeats, row 3 (presence only) one on an id only its prompt holds:
+    both must keep them."""
+    v, n = 301, 9
+    start, width = shard
+    gen = torch.Generator().manual_seed(8)
+    logits = torch.randn(n, v, generator=gen) * 3
+    logits[0, 120] = 1e36
+    logits[3, 200] = 1e36
+    combos = [dict(), dict(repetition_penalty=1.3), dict(frequency_penalty=0.7),
+              dict(presence_penalty=-0.4), dict(repetition_penalty=0.6, presence_penalty=1.5),
+              dict(frequency_penalty=-0.3, presence_penalty=0.2),
+              dict(repetition_penalty=1.05, frequency_penalty=0.5, presence_penalty=0.5),
+              dict(repetition_penalty=1.2, temperature=0.0), dict()]
+    rows = [RowSampling(seed=i, position=3, **({"temperature": 0.9} | c))
+            for i, c in enumerate(combos)]
+    prompt = [torch.randint(v, (int(torch.randint(0, 40, (1,), generator=gen)),),
+                            generator=gen).tolist() + [120, 200] for _ in range(n)]
+    output = [torch.randint(v, (int(torch.randint(0, 30, (1,), generator=gen)),),
+                            generator=gen).tolist() + [120, 120, 7] for _ in range(n)]
+    output[3] = [t for t in output[3] if t != 200]
+    sampler = ShardedSampler(None, start, width, width, v, n)
+    got = sampler.processed(logits[:, start : start + width].contiguous(), rows, prompt, output)
+    for i, r in enumerate(rows):
+        want = oracle.scaled(oracle.processed(logits[i], r, prompt[i], output[i]), r)
+        assert torch.equal(got[i], want[start : start + width]), (i, combos[i])
+    assert min(float(got[0, 120 - start]), float(got[3, 200 - start])) > 1e35  # (not clamped)
+
+
 def test_repetition_penalty_scales_the_biased_logit():
     """vLLM adds logit_bias before the penalties: (x + b) / p, not x / p + b."""
     logits = torch.full((2, 8), -1.0)
