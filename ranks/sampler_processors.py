@@ -150,7 +150,10 @@ def _of_rows(cells: np.ndarray, which: Sequence[int], n_rows: int,
 
 def _per_cell(cells: np.ndarray, which: Sequence[int], values: Sequence[float], n_rows: int,
               shard: ShardLanes) -> torch.Tensor:
-    """float32 per cell: values[k], rounded to float32, for the cells of row which[k]."""
+    """float32 per cell: values[k], rounded to float32, for the cells of row which[k]; one
+    float32 when every row has the same value (the same operations, broadcast)."""
+    if all(value == values[0] for value in values):
+        return torch.tensor(values[0], dtype=torch.float32, device=shard.device)
     table = np.ones(n_rows, dtype=np.float32)
     with np.errstate(over="ignore"):  # (past float32's range: inf, as torch.tensor rounds it)
         table[list(which)] = np.asarray(values, dtype=np.float64).astype(np.float32)
