@@ -110,8 +110,9 @@ def test_penalties_bias_and_allowed_ids_match_reference():
     assert int(greedy[3]) in (9, 40, 41)
 
 
+@pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("shard", [(0, 301), (100, 150)])
-def test_penalties_of_a_batch_change_only_their_own_rows(shard):
+def test_penalties_of_a_batch_change_only_their_own_rows(shard, shared):
     """The penalties run batched over the rows: every row, penalized or not, equals the
     oracle's row, on a whole vocabulary and on a shard of it (ids on other shards ignored).
     Row 0 has no penalty and a finite logit past what a penalty would leave (LOGIT_LIMIT)
@@ -128,6 +129,10 @@ def test_penalties_of_a_batch_change_only_their_own_rows(shard):
               dict(frequency_penalty=-0.3, presence_penalty=0.2),
               dict(repetition_penalty=1.05, frequency_penalty=0.5, presence_penalty=0.5),
               dict(repetition_penalty=1.2, temperature=0.0), dict()]
+    if shared:  # (every penalized row with the same values: one float32 per penalty)
+        combos = [{k: {"repetition_penalty": 1.3, "frequency_penalty": 0.7,
+                       "presence_penalty": -0.4}.get(k, v) for k, v in c.items()}
+                  for c in combos]
     rows = [RowSampling(seed=i, position=3, **({"temperature": 0.9} | c))
             for i, c in enumerate(combos)]
     prompt = [torch.randint(v, (int(torch.randint(0, 40, (1,), generator=gen)),),
