@@ -105,26 +105,21 @@ def _penalize(x: torch.Tensor, rows: Sequence[RowSampling], which: list[int],
         row, lane = _indices(seen, shard)
         vals = x[row, lane]
         x[row, lane] = saturated(torch.where(vals > 0, vals / rep, vals * rep), vals)
-    frequency = [k for k, r in enumerate(rows) if r.frequency_penalty != 0]
-    if frequency:
-        rows_of = [which[k] for k in frequency]
+    # Then frequency (-= f * count) and presence (-= p) over the output's cells.
+    for name, per_count in (("frequency_penalty", True), ("presence_penalty", False)):
+        active = [k for k, r in enumerate(rows) if getattr(r, name) != 0]
+        if not active:
+            continue
+        rows_of = [which[k] for k in active]
         mine = _of_rows(cells, rows_of, n_rows, shard)
-        freq = _per_cell(cells[mine], rows_of, [rows[k].frequency_penalty for k in frequency],
+        term = _per_cell(cells[mine], rows_of, [getattr(rows[k], name) for k in active],
                          n_rows, shard).clamp_(-FLOAT32_MAX, FLOAT32_MAX)
+        if per_count:
+            times = torch.from_numpy(counts[mine]).to(device=shard.device, dtype=torch.float32)
+            term = (term * times).clamp_(-FLOAT32_MAX, FLOAT32_MAX)
         row, lane = _indices(cells[mine], shard)
         old = x[row, lane]
-        times = torch.from_numpy(counts[mine]).to(device=shard.device, dtype=torch.float32)
-        term = (freq * times).clamp_(-FLOAT32_MAX, FLOAT32_MAX)
         x[row, lane] = saturated(old - term, old)
-    presence = [k for k, r in enumerate(rows) if r.presence_penalty != 0]
-    if presence:
-        rows_of = [which[k] for k in presence]
-        mine = _of_rows(cells, rows_of, n_rows, shard)
-        pres = _per_cell(cells[mine], rows_of, [rows[k].presence_penalty for k in presence],
-                         n_rows, shard).clamp_(-FLOAT32_MAX, FLOAT32_MAX)
-        row, lane = _indices(cells[mine], shard)
-        old = x[row, lane]
-        x[row, lane] = saturated(old - pres, old)
 
 
 def _cells(shard: ShardLanes, which: Sequence[int], ids: Sequence[Sequence[int]]) -> np.ndarray:
