@@ -126,7 +126,7 @@ def _cells(shard: ShardLanes, which: Sequence[int], ids: Sequence[Sequence[int]]
     """Cells row * local_valid + lane (int64) of every id of ids[k] on this shard, in row
     which[k]; ValueError for an id outside the vocabulary."""
     lengths = [len(each) for each in ids]
-    flat = np.fromiter(chain.from_iterable(ids), dtype=np.int64, count=sum(lengths))
+    flat = np.array(list(chain.from_iterable(ids)), dtype=np.int64)  # (faster than fromiter)
     if flat.size and (int(flat.min()) < 0 or int(flat.max()) >= shard.vocab_size):
         raise ValueError(f"token ids outside vocabulary [0, {shard.vocab_size})")
     lanes = flat - shard.vocab_start
