@@ -62,6 +62,17 @@ class SamplingParams:
     def wants_logprobs(self) -> bool:
         return self.logprobs is not None or self.logprob_token_ids is not None
 
+    @property
+    def sampled_temperature(self) -> float:
+        """The temperature the ranks sample with: vLLM's floor (``_MAX_TEMP`` in
+        vllm/sampling_params.py) raises one in (0, 0.01) to 0.01, so only 0 is greedy."""
+        t = self.temperature
+        return MIN_TEMPERATURE if 0 < t < MIN_TEMPERATURE else t
+
+
+MIN_TEMPERATURE = 0.01
+"""The lowest positive temperature sampled with (vLLM's _MAX_TEMP)."""
+
 
 class TokenLogprob(NamedTuple):
     token_id: int

@@ -3,6 +3,7 @@ into step plans."""
 
 from __future__ import annotations
 
+import logging
 import secrets
 from collections import deque
 from dataclasses import dataclass, field
@@ -10,10 +11,12 @@ from dataclasses import dataclass, field
 from ranks.contract.requests import RequestError
 from ranks.plan import RequestSpec, SlotWork, StepPlan
 from ranks.sampling_params import RowSampling
-from runtime.engine.client import EngineInfo, SamplingParams
+from runtime.engine.client import MIN_TEMPERATURE, EngineInfo, SamplingParams
 from runtime.engine.decoding.lanes import LaneExpectation
 from runtime.engine.proposer import HistoryProposer
 from runtime.text.reasoning import ReasoningTokens
+
+log = logging.getLogger("runtime.engine")
 
 THINKING_BUDGET = "thinking_token_budget"
 
@@ -192,10 +195,14 @@ def request_spec(
     if not params.ignore_eos:
         stops.update(info.eos_token_ids)
     room = info.max_model_len - len(prompt_ids)
+    if params.temperature != params.sampled_temperature:
+        log.warning("temperature %s is less than %s, which may cause numerical errors nan or "
+                    "inf in tensors. We have maxed it out to %s.", params.temperature,
+                    MIN_TEMPERATURE, MIN_TEMPERATURE)  # (vLLM's words)
     sampling = RowSampling(
         seed=params.seed if params.seed is not None else secrets.randbits(63),
         position=0,
-        temperature=params.temperature,
+        temperature=params.sampled_temperature,
         top_k=params.top_k,
         top_p=params.top_p,
         min_p=params.min_p,

@@ -186,10 +186,6 @@ def resolve_max_tokens(
     return requested
 
 
-GREEDY_TEMPERATURE = 1e-5
-"""vLLM's _SAMPLING_EPS: a lower temperature samples greedily."""
-
-
 def check_request(req: SamplingFields, defaults: SamplingDefaults) -> None:
     """What vLLM's request model refuses (its validators, in their wording), the field
     policy's refusals (protocol.REFUSED), then vLLM's SamplingParams bounds."""
@@ -227,7 +223,9 @@ def check_sampling(req: SamplingFields, defaults: SamplingDefaults) -> None:
     if req.bad_words is not None and any(not word for word in req.bad_words):
         raise RequestError("bad_words", "bad_words cannot contain an empty string. "
                                         f"Got bad_words={req.bad_words}")
-    if req.n > 1 and 0 <= effective_temperature(req, defaults) < GREEDY_TEMPERATURE:
+    # Only 0 is greedy: a lower temperature than 0.01 samples at 0.01 (vLLM's floor,
+    # SamplingParams.sampled_temperature).
+    if req.n > 1 and effective_temperature(req, defaults) == 0:
         raise RequestError("n", f"n must be 1 when using greedy sampling, got {req.n}.")
 
 

@@ -191,6 +191,9 @@ def test_refused_in_vllm_words(server, route, fields, param, says):
     ("completions", {"presence_penalty": 2.0, "frequency_penalty": -2.0, "temperature": 2.0}),
     ("chat", {"tool_choice": "none"}),
     ("chat", {"n": 2, "temperature": 0.5, "top_logprobs": 0}),
+    # A positive temperature below 0.01 samples at 0.01 (vLLM's floor): not greedy, n > 1 is
+    # allowed.
+    ("completions", {"n": 2, "temperature": 1e-6}),
 ])
 def test_accepted_as_vllm_accepts(server, route, fields):
     response = post(server, *_body(server, route, fields))
