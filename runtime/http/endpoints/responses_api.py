@@ -206,7 +206,7 @@ def _response(prep: PreparedResponses, assets: ModelAssets, status: str, output:
         "metadata": src.metadata or {}, "model": assets.served_model_name, "output": output,
         "parallel_tool_calls": True, "previous_response_id": None,
         "reasoning": _reasoning_echo(src.reasoning),
-        "store": False, "temperature": sampling.temperature,
+        "store": False, "temperature": sampling.sampled_temperature,
         "text": {"format": {"type": "text"}}, "tool_choice": "auto", "tools": [],
         "top_logprobs": src.top_logprobs or 0,
         "top_p": sampling.top_p, "truncation": "disabled",

@@ -110,6 +110,10 @@ def test_responses_report_the_sampling_they_ran_with(model_dir):
     body = strict_json(response.content)
     assert (body["temperature"], body["top_p"]) == (0.6, 0.5)
     assert engine.params[-1].top_p == 0.5
+    # A temperature below vLLM's floor is reported as the 0.01 it samples with, as vLLM's
+    # response (built from its SamplingParams) reports it.
+    response = post(app, "/v1/responses", {"input": "Hi", "temperature": 0.004})
+    assert strict_json(response.content)["temperature"] == 0.01
 
 
 def test_an_invalid_generation_config_stops_the_server_at_start_up(model_dir, tmp_path):
