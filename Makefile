@@ -5,11 +5,12 @@ PY := $(VENV)/bin/python
 TP ?= 1
 PORT ?= 8000
 
-$(VENV)/.installed: pyproject.toml
+# scripts/constraints.txt: the dependency versions the suite last passed with.
+$(VENV)/.installed: pyproject.toml scripts/constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -c scripts/constraints.txt -e '.[test]'
 	touch $@
 
 .PHONY: install serve test lint bench
