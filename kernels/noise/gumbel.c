@@ -21,26 +21,38 @@ void gumbel_bounds(const int64_t *m, int64_t n, float c0, float c1, float *out)
 /* ---- The Gumbel-max candidates of dense rows (ranks/sampler_gumbel.py) -------------------
 
    A row's score of lane j is float64(x[j]) + noise(m_j), noise = -log(-log(u)), u = (m + 0.5)
-   / 2**52; the winner has the largest score. Every lane's bits must be drawn, but only a few
-   lanes' noise can decide the winner. Per row:
+   / 2**52; the winner has the largest score. Only a few lanes' noise can decide the winner,
+   but a lane's bits must be drawn unless its x alone rules it out. Per row:
    0. x is the row as the sampler's scratch holds it. Given `temps`, x is read from the raw
       logits: each lane NaN as -inf, then divided by the row's FP32 temperature (IEEE
       division, as torch's div_), so a temperature-only row needs no scratch copy.
-   1. Each lane's bits m and FP32 bound b = x + bound_of(m), above its score by 1e-3 before
-      rounding, and the largest b of each block of BLOCK lanes. Jobs of whole blocks,
-      several per row when rows are fewer than threads. The lead is the first lane with the
-      row's largest b (its block's bits are drawn again to find it). A row whose largest x
-      is not finite or exceeds x_limit in size reports -2 (the caller takes its other path:
-      the margins below assume scores of moderate size).
-   2. The lead's score s0, with C's log: within 1e-12 (1 + |s0|) of the score torch computes
-      (each log is within a few ulps of the true value). Some lane scores s0, so the winner
-      scores >= s0, and a lane that scores >= s0 has b >= s0 - (1e-3 + 2**-20 (1 + |s0|))
+   1. Each kept lane's bits m and FP32 bound b = x + bound_of(m), above its score by 1e-3
+      before rounding, and the largest b of each block of BLOCK lanes. Jobs of whole blocks,
+      several per row when rows are fewer than threads. A row whose largest x is not finite
+      or exceeds x_limit in size reports -2 (the caller takes its other path: the margins
+      below assume scores of moderate size).
+      Which lanes are kept: no noise exceeds GUMBEL_CEILING, so a lane whose x is below the
+      score s of another lane less GUMBEL_CEILING can neither win nor tie. Each job keeps the
+      exact score s (C's log) of the first lane holding the largest x it has met, and leaves
+      out the lanes below that cut (raw_cut: in raw values, with margins for the logs and the
+      division), compacted in lane order (block_lanes). Rows spread wide over the noise's
+      range (low temperatures, confident rows) lose most lanes to it. A block that keeps more
+      than 3/4 of its lanes draws every lane's bits in the blocks after it, until the cut
+      rises: compaction costs more than it saves there.
+   2. The lead is the first kept lane with the row's largest b (its block's bits are drawn
+      again to find it, under the row's final cut). s0 is the larger of its score, with C's
+      log, and the jobs' cut scores: within 1e-12 (1 + |s0|) of the score torch computes (each
+      log is within a few ulps of the true value). Some lane scores s0, so the winner scores
+      >= s0, and a lane that scores >= s0 has b >= s0 - (1e-3 + 2**-20 (1 + |s0|))
       (dense_row_best in ranks/sampler_gumbel.py gives why); the threshold h is that less
       another 1e-9 (1 + |s0|) for C's log, as FP32 rounded down.
-   3. Blocks whose maximum reaches h draw their bits again; their lanes with b >= h are the
-      candidates, written with their bits and x (the caller scores them exactly, as torch
-      does). A row with more than `cap` candidates reports -1 (the caller takes its other
-      path). */
+   3. Blocks whose maximum reaches h draw their kept lanes' bits again (under the row's final
+      cut, which keeps fewer lanes or the same); those with b >= h are the candidates,
+      written with their bits and x (the caller scores them exactly, as torch does). A row
+      with more than `cap` candidates reports -1 (the caller takes its other path). */
+#include <stdlib.h>
+
+#define GUMBEL_CEILING 36.75 /* > -log(-log(1 - 2**-53)) = 36.7368..., the largest noise */
 
 /* A lane's x: NaN as -inf, divided by t (t = 1 leaves it, so rows already scaled pass 1). */
 static inline float scaled(float v, float t)
@@ -80,6 +92,46 @@ static inline __attribute__((always_inline)) float bounds_body(
     return best;
 }
 
+/* The lanes of [lane0, lane0 + count) whose raw value reaches `low` (raw_cut; a
+   NaN lane never does), compacted in lane order: their block-local lanes into idx and their
+   values, divided by t, into v (each with room for count + 16); returns how many. */
+static inline __attribute__((always_inline)) int64_t kept_body(
+    const float *x, int64_t lane0, int64_t count, float t, float low, int32_t *idx, float *v)
+{
+    int64_t n = 0;
+    for (int64_t i = 0; i < count; i++) { /* (branch-free: a kept lane moves n on) */
+        idx[n] = (int32_t)i;
+        v[n] = x[lane0 + i];
+        n += x[lane0 + i] >= low;
+    }
+#pragma omp simd
+    for (int64_t k = 0; k < n; k++) v[k] /= t;
+    return n;
+}
+
+/* Bits and bounds of n compacted lanes (values v, block-local lanes idx); returns their
+   largest bound. */
+static inline __attribute__((always_inline)) float kept_bounds_body(
+    const int32_t *idx, const float *v, int64_t n, int64_t lane0, int64_t first, uint32_t pos,
+    uint32_t k0, uint32_t k1, float c0, float c1, int64_t *m, float *b)
+{
+    /* (n rounded up to whole 8-lane vectors, the last id repeated: the scalar tail of
+       philox_bits costs more per lane than the vectors' spare lanes) */
+    const int64_t whole = (n + 7) & ~(int64_t)7;
+    int64_t ids[BLOCK];
+#pragma omp simd
+    for (int64_t k = 0; k < n; k++) ids[k] = first + lane0 + idx[k];
+    for (int64_t k = n; k < whole; k++) ids[k] = ids[n - 1];
+    philox_bits(ids, whole, pos, k0, k1, m);
+    float best = -INFINITY;
+#pragma omp simd reduction(max : best)
+    for (int64_t k = 0; k < n; k++) {
+        b[k] = v[k] + bound_of(m[k], c0, c1);
+        best = b[k] > best ? b[k] : best;
+    }
+    return best;
+}
+
 #if defined(__x86_64__)
 __attribute__((target("avx512f"))) static float bounds_avx512(
     const float *x, int64_t lane0, int64_t count, int64_t first, uint32_t pos, uint32_t k0,
@@ -93,6 +145,46 @@ __attribute__((target("avx2"))) static float bounds_avx2(
     uint32_t k1, float c0, float c1, float t, int64_t *m, float *b, float *top)
 {
     return bounds_body(x, lane0, count, first, pos, k0, k1, c0, c1, t, m, b, top);
+}
+
+/* kept_body with AVX-512F's in-register compaction, 16 lanes a step (the register form:
+   the store form is microcoded on some CPUs). */
+__attribute__((target("avx512f"))) static int64_t kept_avx512(
+    const float *x, int64_t lane0, int64_t count, float t, float low, int32_t *idx, float *v)
+{
+    const __m512 c = _mm512_set1_ps(low);
+    const __m512i step = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    int64_t n = 0, i = 0;
+    for (; i + 16 <= count; i += 16) {
+        const __m512 a = _mm512_loadu_ps(x + lane0 + i);
+        const __mmask16 keep = _mm512_cmp_ps_mask(a, c, _CMP_GE_OQ); /* (NaN: false) */
+        _mm512_storeu_ps(v + n, _mm512_maskz_compress_ps(keep, a));
+        _mm512_storeu_si512((void *)(idx + n), _mm512_maskz_compress_epi32(
+            keep, _mm512_add_epi32(step, _mm512_set1_epi32((int)i))));
+        n += __builtin_popcount((unsigned)keep);
+    }
+    for (; i < count; i++) {
+        idx[n] = (int32_t)i;
+        v[n] = x[lane0 + i];
+        n += x[lane0 + i] >= low;
+    }
+#pragma omp simd
+    for (int64_t k = 0; k < n; k++) v[k] /= t;
+    return n;
+}
+
+__attribute__((target("avx512f"))) static float kept_bounds_avx512(
+    const int32_t *idx, const float *v, int64_t n, int64_t lane0, int64_t first, uint32_t pos,
+    uint32_t k0, uint32_t k1, float c0, float c1, int64_t *m, float *b)
+{
+    return kept_bounds_body(idx, v, n, lane0, first, pos, k0, k1, c0, c1, m, b);
+}
+
+__attribute__((target("avx2"))) static float kept_bounds_avx2(
+    const int32_t *idx, const float *v, int64_t n, int64_t lane0, int64_t first, uint32_t pos,
+    uint32_t k0, uint32_t k1, float c0, float c1, int64_t *m, float *b)
+{
+    return kept_bounds_body(idx, v, n, lane0, first, pos, k0, k1, c0, c1, m, b);
 }
 #endif
 
@@ -116,6 +208,90 @@ static float block_bounds(const float *x, int64_t lane0, int64_t count, int64_t 
     return bounds_base(x, lane0, count, first, pos, k0, k1, c0, c1, t, m, b, top);
 }
 
+/* The lanes of one block that can still win: all `count` lanes (pruned = 0: lane k is k, its
+   x is read again from the row), or the n at or above the row's cut, compacted. */
+typedef struct {
+    int64_t n;
+    int pruned;
+    int32_t idx[BLOCK + 16];
+    float v[BLOCK + 16];
+    int64_t m[BLOCK];
+    float b[BLOCK];
+} BlockLanes;
+
+/* Fills L for lanes [lane0, lane0 + count) and returns their largest bound; *top is the
+   largest x of the kept lanes (of every lane without a cut: a lane left out is below it). */
+static float block_lanes(const float *x, int64_t lane0, int64_t count, int64_t first,
+                         uint32_t pos, uint32_t k0, uint32_t k1, float c0, float c1, float t,
+                         float cut, BlockLanes *L, float *top)
+{
+    L->pruned = cut != -INFINITY;
+    if (!L->pruned) {
+        L->n = count;
+        return block_bounds(x, lane0, count, first, pos, k0, k1, c0, c1, t, L->m, L->b, top);
+    }
+#if defined(__x86_64__)
+    const int wide = has_avx2() && vector_level >= 2;
+    L->n = wide ? kept_avx512(x, lane0, count, t, cut, L->idx, L->v)
+                : kept_body(x, lane0, count, t, cut, L->idx, L->v);
+#else
+    L->n = kept_body(x, lane0, count, t, cut, L->idx, L->v);
+#endif
+    float high = -INFINITY;
+    for (int64_t k = 0; k < L->n; k++) high = L->v[k] > high ? L->v[k] : high;
+    *top = high;
+    if (L->n == 0) return -INFINITY;
+#if defined(__x86_64__)
+    if (wide)
+        return kept_bounds_avx512(L->idx, L->v, L->n, lane0, first, pos, k0, k1, c0, c1, L->m,
+                                  L->b);
+    if (has_avx2())
+        return kept_bounds_avx2(L->idx, L->v, L->n, lane0, first, pos, k0, k1, c0, c1, L->m,
+                                L->b);
+#endif
+    return kept_bounds_body(L->idx, L->v, L->n, lane0, first, pos, k0, k1, c0, c1, L->m, L->b);
+}
+
+static inline int64_t lane_of(const BlockLanes *L, int64_t k)
+{
+    return L->pruned ? L->idx[k] : k;
+}
+
+static inline float value_of(const BlockLanes *L, const float *row, int64_t lane0, int64_t k,
+                             float t)
+{
+    return L->pruned ? L->v[k] : scaled(row[lane0 + k], t);
+}
+
+/* The exact score, with C's log, of the first kept lane of L whose x is `top`. */
+static double top_score(const BlockLanes *L, const float *row, int64_t lane0, float t,
+                        float top, int64_t first, uint32_t pos, uint32_t k0, uint32_t k1)
+{
+    int64_t k = 0;
+    while (k < L->n - 1 && !(value_of(L, row, lane0, k, t) == top)) k++;
+    int64_t id = first + lane0 + lane_of(L, k), m;
+    philox_bits(&id, 1, pos, k0, k1, &m);
+    return (double)top - log(-log(((double)m + 0.5) * 0x1p-52));
+}
+
+/* The raw cut of a lane score s (C's log): a lane whose raw value is below it has
+   fl(x / t) < cut = s - GUMBEL_CEILING - 1e-9 (1 + |s|), so it scores below the torch score
+   of the lane behind s: it neither wins nor ties. In raw values x < low gives x / t < cut - e
+   (x < low <= (cut - e) t, the product's rounding taken off), and e, two FP32 ulps of |cut|
+   and at least two of the smallest subnormal, keeps the rounded quotient below cut. */
+static float raw_cut(double s, float t)
+{
+    const double cut = s - GUMBEL_CEILING - 1e-9 * (1.0 + fabs(s));
+    const float size = (float)fabs(cut);
+    double e = 2.0 * ((double)nextafterf(size, INFINITY) - (double)size);
+    if (e < 0x1p-148) e = 0x1p-148;
+    double low_ = (cut - e) * (double)t;
+    low_ -= fabs(low_) * 0x1p-50;
+    float low = (float)low_;
+    if ((double)low > low_) low = nextafterf(low, -INFINITY);
+    return low;
+}
+
 void gumbel_candidates(const float *x, int64_t row_stride, const int64_t *rows, int64_t n_rows,
                        int64_t width, int64_t first, const int64_t *pos, const int64_t *k0,
                        const int64_t *k1, const float *temps, float c0, float c1,
@@ -129,30 +305,55 @@ void gumbel_candidates(const float *x, int64_t row_stride, const int64_t *rows, 
     const int64_t per_chunk = (blocks + chunks - 1) / chunks;
     chunks = (blocks + per_chunk - 1) / per_chunk; /* none empty */
     const int64_t jobs = n_rows * chunks;
+    float *cuts = malloc((size_t)jobs * sizeof(float));
+    double *cut_scores = malloc((size_t)jobs * sizeof(double));
+    if (cuts == NULL || cut_scores == NULL) { /* (the caller's other path) */
+        free(cuts);
+        free(cut_scores);
+        for (int64_t r = 0; r < n_rows; r++) counts[r] = -2;
+        return;
+    }
 
-    /* 1. block maxima, each job's first block with its largest maximum, and its largest x */
+    /* 1. block maxima, each job's first block with its largest maximum, its largest x and
+       its final cut */
 #pragma omp parallel for num_threads((int)threads) schedule(static)
     for (int64_t job = 0; job < jobs; job++) {
         const int64_t r = job / chunks, c = job % chunks;
         const float *row = x + rows[r] * row_stride;
         const float t = temps ? temps[r] : 1.0f;
-        int64_t m[BLOCK];
-        float b[BLOCK], best = -INFINITY, high = -INFINITY, top;
+        const uint32_t p = (uint32_t)pos[r], a = (uint32_t)k0[r], b1 = (uint32_t)k1[r];
+        BlockLanes L;
+        float best = -INFINITY, high = -INFINITY, top, low = -INFINITY;
+        double s = -INFINITY;
+        int every = 1; /* (no cut yet, or the last block kept most of its lanes) */
         int64_t lead = c * per_chunk;
         for (int64_t k = c * per_chunk; k < (c + 1) * per_chunk && k < blocks; k++) {
             int64_t lane0 = k * BLOCK, count = width - lane0 < BLOCK ? width - lane0 : BLOCK;
-            float most = block_bounds(row, lane0, count, first, (uint32_t)pos[r],
-                                      (uint32_t)k0[r], (uint32_t)k1[r], c0, c1, t, m, b, &top);
+            float most = block_lanes(row, lane0, count, first, p, a, b1, c0, c1, t,
+                                     every ? -INFINITY : low, &L, &top);
+            if (L.pruned && 4 * L.n > 3 * count) every = 1;
             maxima[r * blocks + k] = most;
             if (most > best) {
                 best = most;
                 lead = k;
             }
-            high = top > high ? top : high;
+            if (top > high) {
+                high = top;
+                if (isfinite(top) && fabs((double)top) <= x_limit) {
+                    const double score = top_score(&L, row, lane0, t, top, first, p, a, b1);
+                    if (score > s) {
+                        s = score;
+                        low = raw_cut(s, t);
+                        every = 0;
+                    }
+                }
+            }
         }
         lead_value[job] = best;
         lead_block[job] = lead;
         lead_x[job] = high;
+        cuts[job] = low;
+        cut_scores[job] = s;
     }
 
     /* 2. and 3. per row: the threshold, then the candidates */
@@ -163,24 +364,32 @@ void gumbel_candidates(const float *x, int64_t row_stride, const int64_t *rows, 
         const uint32_t p = (uint32_t)pos[r], a = (uint32_t)k0[r], b1 = (uint32_t)k1[r];
         int64_t block = lead_block[r * chunks];
         float best = lead_value[r * chunks], high = lead_x[r * chunks], top;
+        float low = cuts[r * chunks];
+        double s_cut = cut_scores[r * chunks];
         for (int64_t c = 1; c < chunks; c++) {
             if (lead_value[r * chunks + c] > best) {
                 best = lead_value[r * chunks + c];
                 block = lead_block[r * chunks + c];
             }
             high = lead_x[r * chunks + c] > high ? lead_x[r * chunks + c] : high;
+            low = cuts[r * chunks + c] > low ? cuts[r * chunks + c] : low;
+            s_cut = cut_scores[r * chunks + c] > s_cut ? cut_scores[r * chunks + c] : s_cut;
         }
         if (!(isfinite(high) && fabs((double)high) <= x_limit)) {
             counts[r] = -2;
             continue;
         }
-        int64_t m[BLOCK], lane0 = block * BLOCK, lead = lane0;
-        float bound[BLOCK];
+        BlockLanes L;
+        int64_t lane0 = block * BLOCK, lead = 0;
         int64_t count = width - lane0 < BLOCK ? width - lane0 : BLOCK;
-        block_bounds(row, lane0, count, first, p, a, b1, c0, c1, t, m, bound, &top);
-        while (lead - lane0 < count - 1 && bound[lead - lane0] != best) lead++;
-        const double u = ((double)m[lead - lane0] + 0.5) * 0x1p-52;
-        const double s0 = (double)scaled(row[lead], t) - log(-log(u));
+        block_lanes(row, lane0, count, first, p, a, b1, c0, c1, t, low, &L, &top);
+        double s0 = s_cut; /* (the lead block keeps no lane only where the row has a cut) */
+        if (L.n > 0) {
+            while (lead < L.n - 1 && L.b[lead] != best) lead++;
+            const double u = ((double)L.m[lead] + 0.5) * 0x1p-52;
+            const double lead_score = (double)value_of(&L, row, lane0, lead, t) - log(-log(u));
+            s0 = lead_score > s0 ? lead_score : s0;
+        }
         const double slack = 1.0 + fabs(s0);
         const double floor_ = s0 - (1e-3 + 0x1p-20 * slack) - 1e-9 * slack;
         float threshold = (float)floor_;
@@ -191,21 +400,23 @@ void gumbel_candidates(const float *x, int64_t row_stride, const int64_t *rows, 
             if (!(maxima[r * blocks + k] >= threshold)) continue;
             lane0 = k * BLOCK;
             count = width - lane0 < BLOCK ? width - lane0 : BLOCK;
-            block_bounds(row, lane0, count, first, p, a, b1, c0, c1, t, m, bound, &top);
-            for (int64_t i = 0; i < count; i++) {
-                if (!(bound[i] >= threshold)) continue;
+            block_lanes(row, lane0, count, first, p, a, b1, c0, c1, t, low, &L, &top);
+            for (int64_t q = 0; q < L.n; q++) {
+                if (!(L.b[q] >= threshold)) continue;
                 if (found == cap) {
                     found = -1;
                     break;
                 }
-                lanes[r * cap + found] = lane0 + i;
-                bits[r * cap + found] = m[i];
-                values[r * cap + found] = scaled(row[lane0 + i], t);
+                lanes[r * cap + found] = lane0 + lane_of(&L, q);
+                bits[r * cap + found] = L.m[q];
+                values[r * cap + found] = value_of(&L, row, lane0, q, t);
                 found++;
             }
         }
         counts[r] = found;
     }
+    free(cuts);
+    free(cut_scores);
 }
 
 /* ---- The sampler's scratch rows of unprocessed batches ------------------------------------

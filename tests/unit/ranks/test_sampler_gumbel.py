@@ -287,6 +287,59 @@ def test_scaled_search_reads_the_raw_rows_as_the_scratch_holds_them(width, threa
                                          1000) is None
 
 
+SPREAD_ROWS = ["cold", "confident", "confident and warm", "confident and hot", "plateau"]
+
+
+def spread_rows(kind: str, width: int) -> tuple[torch.Tensor, float]:
+    """Three raw rows whose largest lane sits first, mid-row and last, and their temperature:
+    cold (N(0, 3^2) + 20 at T=0.2), confident (N(0, 2.5^2) + 30 at T=0.5, 0.8 or 1.0), or a
+    plateau (scaled: one lane at 8, half the lanes at 0, where the plateau's best noise
+    nearly always wins, the rest at -60: only a cut at least 8 below the lead's score keeps
+    the winner)."""
+    temperature = {"cold": 0.2, "confident": 0.5, "confident and warm": 0.8, "plateau": 0.5}
+    t = temperature.get(kind, 1.0)
+    if kind == "plateau":
+        raw = torch.full((3, width), -60.0 * t)
+        raw[:, ::2] = 0.0
+    else:
+        raw = rows_of("normal", 3, width, 90) * (3.0 if kind == "cold" else 2.5) / 3
+    for row, lane in enumerate((0, width // 2, width - 1)):
+        raw[row, lane] = 8.0 * t if kind == "plateau" else raw[row, lane] + (
+            20.0 if kind == "cold" else 30.0)
+    return raw, t
+
+
+@pytest.fixture(params=native.VECTOR_LEVELS)
+def vector_cap(request):
+    """Each vector level of the compiled search (scalar, AVX2, AVX-512), capped in turn."""
+    if not native.available():
+        pytest.skip("no C compiler")
+    try:
+        yield native.vector_level(request.param)
+    finally:
+        native.vector_level()
+
+
+@pytest.mark.parametrize("spread", SPREAD_ROWS)
+@pytest.mark.parametrize("threads", [1, 2, 5])
+def test_rows_spread_past_the_noise_range_keep_their_winner(spread, threads, vector_cap,
+                                                             monkeypatch):
+    """Rows spread wider than the noise's range: the compiled search leaves out the lanes
+    below each job's cut (gumbel.c, step 1: a running cut from the largest value met, the
+    blocks after a mostly-kept one drawn whole) and still picks the exhaustive winner. The
+    largest lane sits first, mid-row or last (a cut from the start, halfway, or never); with
+    2 and 5 threads the rows are split into jobs with cuts of their own."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    raw, temperature = spread_rows(spread, 40_003)
+    temps = torch.full((3,), temperature)
+    seeds, positions = [11, -(2**63), 2**40 + 3], [0, 5, 2**32 - 1]
+    want = exhaustive(raw / temps.unsqueeze(1), torch.tensor(seeds), torch.tensor(positions),
+                      17)
+    got = gumbel.scaled_gumbel_best(raw, [0, 1, 2], temps, seeds, positions, 17)
+    assert got is not None
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 @pytest.mark.parametrize("greedy_pick", ["compiled", "torch"])
 def test_mixed_batches_pick_each_rows_own_winner(path, greedy_pick, monkeypatch):
     """A batch mixing temperature-only rows (searched in the raw logits) and unprocessed
