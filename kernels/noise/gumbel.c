@@ -263,7 +263,8 @@ static inline float value_of(const BlockLanes *L, const float *row, int64_t lane
     return L->pruned ? L->v[k] : scaled(row[lane0 + k], t);
 }
 
-/* The exact score, with C's log, of the first kept lane of L whose x is `top`. */
+/* The score, with C's log, of the first kept lane of L whose x is `top` (of the lane the
+   search stops at, whichever it is: a score of some lane is all a cut needs). */
 static double top_score(const BlockLanes *L, const float *row, int64_t lane0, float t,
                         float top, int64_t first, uint32_t pos, uint32_t k0, uint32_t k1)
 {
@@ -271,7 +272,7 @@ static double top_score(const BlockLanes *L, const float *row, int64_t lane0, fl
     while (k < L->n - 1 && !(value_of(L, row, lane0, k, t) == top)) k++;
     int64_t id = first + lane0 + lane_of(L, k), m;
     philox_bits(&id, 1, pos, k0, k1, &m);
-    return (double)top - log(-log(((double)m + 0.5) * 0x1p-52));
+    return (double)value_of(L, row, lane0, k, t) - log(-log(((double)m + 0.5) * 0x1p-52));
 }
 
 /* The raw cut of a lane score s (C's log): a lane whose raw value is below it has
