@@ -36,9 +36,10 @@ void gumbel_bounds(const int64_t *m, int64_t n, float c0, float c1, float *out)
       exact score s (C's log) of the first lane holding the largest x it has met, and leaves
       out the lanes below that cut (raw_cut: in raw values, with margins for the logs and the
       division), compacted in lane order (block_lanes). Rows spread wide over the noise's
-      range (low temperatures, confident rows) lose most lanes to it. A block that keeps more
-      than 3/4 of its lanes draws every lane's bits in the blocks after it, until the cut
-      rises: compaction costs more than it saves there.
+      range (low temperatures, confident rows) lose most lanes to it. A block where more
+      than 3/4 of the lanes reach the cut draws every lane's bits (compaction would cost
+      more than it saves), and so do the blocks after it, without counting, until the cut
+      rises or RETRY_BLOCKS blocks on.
    2. The lead is the first kept lane with the row's largest b (its block's bits are drawn
       again to find it, under the row's final cut). s0 is the larger of its score, with C's
       log, and the jobs' cut scores: within 1e-12 (1 + |s0|) of the score torch computes (each
@@ -53,6 +54,7 @@ void gumbel_bounds(const int64_t *m, int64_t n, float c0, float c1, float *out)
 #include <stdlib.h>
 
 #define GUMBEL_CEILING 36.75 /* > -log(-log(1 - 2**-53)) = 36.7368..., the largest noise */
+#define RETRY_BLOCKS 32 /* a job drawing every lane under a cut tries it again this often */
 
 /* A lane's x: NaN as -inf, divided by t (t = 1 leaves it, so rows already scaled pass 1). */
 static inline float scaled(float v, float t)
@@ -213,6 +215,7 @@ static float block_bounds(const float *x, int64_t lane0, int64_t count, int64_t 
 typedef struct {
     int64_t n;
     int pruned;
+    int crowded; /* (a cut was asked for, but more than 3/4 of the lanes reach it) */
     int32_t idx[BLOCK + 16];
     float v[BLOCK + 16];
     int64_t m[BLOCK];
@@ -220,29 +223,34 @@ typedef struct {
 } BlockLanes;
 
 /* Fills L for lanes [lane0, lane0 + count) and returns their largest bound; *top is the
-   largest x of the kept lanes (of every lane without a cut: a lane left out is below it). */
+   largest x of the kept lanes (of every lane without a cut: a lane left out is below it).
+   Where more than 3/4 of the lanes reach the cut, every lane is kept (crowded): compaction
+   would cost more than it saves. */
 static float block_lanes(const float *x, int64_t lane0, int64_t count, int64_t first,
                          uint32_t pos, uint32_t k0, uint32_t k1, float c0, float c1, float t,
                          float cut, BlockLanes *L, float *top)
 {
-    L->pruned = cut != -INFINITY;
+    L->crowded = 0;
+    if (cut != -INFINITY) {
+#if defined(__x86_64__)
+        L->n = has_avx2() && vector_level >= 2 ? kept_avx512(x, lane0, count, t, cut, L->idx, L->v)
+                                               : kept_body(x, lane0, count, t, cut, L->idx, L->v);
+#else
+        L->n = kept_body(x, lane0, count, t, cut, L->idx, L->v);
+#endif
+        L->crowded = 4 * L->n > 3 * count;
+    }
+    L->pruned = cut != -INFINITY && !L->crowded;
     if (!L->pruned) {
         L->n = count;
         return block_bounds(x, lane0, count, first, pos, k0, k1, c0, c1, t, L->m, L->b, top);
     }
-#if defined(__x86_64__)
-    const int wide = has_avx2() && vector_level >= 2;
-    L->n = wide ? kept_avx512(x, lane0, count, t, cut, L->idx, L->v)
-                : kept_body(x, lane0, count, t, cut, L->idx, L->v);
-#else
-    L->n = kept_body(x, lane0, count, t, cut, L->idx, L->v);
-#endif
     float high = -INFINITY;
     for (int64_t k = 0; k < L->n; k++) high = L->v[k] > high ? L->v[k] : high;
     *top = high;
     if (L->n == 0) return -INFINITY;
 #if defined(__x86_64__)
-    if (wide)
+    if (has_avx2() && vector_level >= 2)
         return kept_bounds_avx512(L->idx, L->v, L->n, lane0, first, pos, k0, k1, c0, c1, L->m,
                                   L->b);
     if (has_avx2())
@@ -324,29 +332,29 @@ void gumbel_candidates(const float *x, int64_t row_stride, const int64_t *rows, 
         const float t = temps ? temps[r] : 1.0f;
         const uint32_t p = (uint32_t)pos[r], a = (uint32_t)k0[r], b1 = (uint32_t)k1[r];
         BlockLanes L;
-        float best = -INFINITY, high = -INFINITY, top, low = -INFINITY;
+        float best = -INFINITY, high = -INFINITY, top, low = -INFINITY, cut_top = -INFINITY;
         double s = -INFINITY;
         int every = 1; /* (no cut yet, or the last block kept most of its lanes) */
         int64_t lead = c * per_chunk;
         for (int64_t k = c * per_chunk; k < (c + 1) * per_chunk && k < blocks; k++) {
             int64_t lane0 = k * BLOCK, count = width - lane0 < BLOCK ? width - lane0 : BLOCK;
+            const int cut = !every || (k % RETRY_BLOCKS == 0 && low != -INFINITY);
             float most = block_lanes(row, lane0, count, first, p, a, b1, c0, c1, t,
-                                     every ? -INFINITY : low, &L, &top);
-            if (L.pruned && 4 * L.n > 3 * count) every = 1;
+                                     cut ? low : -INFINITY, &L, &top);
+            if (cut) every = L.crowded;
             maxima[r * blocks + k] = most;
             if (most > best) {
                 best = most;
                 lead = k;
             }
-            if (top > high) {
-                high = top;
-                if (isfinite(top) && fabs((double)top) <= x_limit) {
-                    const double score = top_score(&L, row, lane0, t, top, first, p, a, b1);
-                    if (score > s) {
-                        s = score;
-                        low = raw_cut(s, t);
-                        every = 0;
-                    }
+            high = top > high ? top : high;
+            if (top >= cut_top + 1.0f && isfinite(top) && fabs((double)top) <= x_limit) {
+                cut_top = top; /* (a new cut only for a step of 1 or more: each costs a log) */
+                const double score = top_score(&L, row, lane0, t, top, first, p, a, b1);
+                if (score > s) {
+                    s = score;
+                    low = raw_cut(s, t);
+                    every = 0;
                 }
             }
         }
