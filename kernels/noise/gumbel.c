@@ -33,9 +33,10 @@ void gumbel_bounds(const int64_t *m, int64_t n, float c0, float c1, float *out)
       below assume scores of moderate size).
       Which lanes are kept: no noise exceeds GUMBEL_CEILING, so a lane whose x is below the
       score s of another lane less GUMBEL_CEILING can neither win nor tie. Each job keeps the
-      exact score s (C's log) of the first lane holding the largest x it has met, and leaves
-      out the lanes below that cut (raw_cut: in raw values, with margins for the logs and the
-      division), compacted in lane order (block_lanes). Rows spread wide over the noise's
+      exact score s (C's log) of the first lane holding the largest x it has met (renewed
+      when that x rises by 1 or more: each costs two logs), and leaves out the lanes below
+      that cut (raw_cut: in raw values, with margins for the logs and the division),
+      compacted in lane order (block_lanes). A row's final cut is its jobs' highest. Rows spread wide over the noise's
       range (low temperatures, confident rows) lose most lanes to it. A block where more
       than 3/4 of the lanes reach the cut draws every lane's bits (compaction would cost
       more than it saves), and so do the blocks after it, without counting, until the cut
