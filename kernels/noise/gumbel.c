@@ -98,11 +98,11 @@ static inline __attribute__((always_inline)) float bounds_body(
 /* The lanes of [lane0, lane0 + count) whose raw value reaches `low` (raw_cut; a
    NaN lane never does), compacted in lane order: their block-local lanes into idx and their
    values, divided by t, into v (each with room for count + 16); returns how many. */
-static inline __attribute__((always_inline)) int64_t kept_body(
-    const float *x, int64_t lane0, int64_t count, float t, float low, int32_t *idx, float *v)
+static inline __attribute__((always_inline)) int64_t kept_from(
+    const float *x, int64_t lane0, int64_t i, int64_t count, float t, float low, int32_t *idx,
+    float *v, int64_t n) /* (lanes from i on, n kept before them) */
 {
-    int64_t n = 0;
-    for (int64_t i = 0; i < count; i++) { /* (branch-free: a kept lane moves n on) */
+    for (; i < count; i++) { /* (branch-free: a kept lane moves n on) */
         idx[n] = (int32_t)i;
         v[n] = x[lane0 + i];
         n += x[lane0 + i] >= low;
@@ -110,6 +110,12 @@ static inline __attribute__((always_inline)) int64_t kept_body(
 #pragma omp simd
     for (int64_t k = 0; k < n; k++) v[k] /= t;
     return n;
+}
+
+static int64_t kept_body(const float *x, int64_t lane0, int64_t count, float t, float low,
+                         int32_t *idx, float *v)
+{
+    return kept_from(x, lane0, 0, count, t, low, idx, v, 0);
 }
 
 /* Bits and bounds of n compacted lanes (values v, block-local lanes idx); returns their
@@ -166,14 +172,7 @@ __attribute__((target("avx512f"))) static int64_t kept_avx512(
             keep, _mm512_add_epi32(step, _mm512_set1_epi32((int)i))));
         n += __builtin_popcount((unsigned)keep);
     }
-    for (; i < count; i++) {
-        idx[n] = (int32_t)i;
-        v[n] = x[lane0 + i];
-        n += x[lane0 + i] >= low;
-    }
-#pragma omp simd
-    for (int64_t k = 0; k < n; k++) v[k] /= t;
-    return n;
+    return kept_from(x, lane0, i, count, t, low, idx, v, n);
 }
 
 __attribute__((target("avx512f"))) static float kept_bounds_avx512(
