@@ -36,11 +36,12 @@ void gumbel_bounds(const int64_t *m, int64_t n, float c0, float c1, float *out)
       exact score s (C's log) of the first lane holding the largest x it has met (renewed
       when that x rises by 1 or more: each costs two logs), and leaves out the lanes below
       that cut (raw_cut: in raw values, with margins for the logs and the division),
-      compacted in lane order (block_lanes). A row's final cut is its jobs' highest. Rows spread wide over the noise's
-      range (low temperatures, confident rows) lose most lanes to it. A block where more
-      than 3/4 of the lanes reach the cut draws every lane's bits (compaction would cost
-      more than it saves), and so do the blocks after it, without counting, until the cut
-      rises or RETRY_BLOCKS blocks on.
+      compacted in lane order (block_lanes). A row's final cut is its jobs' highest; the
+      jobs after a row's first start from the cut of its first SEED_LANES lanes. Rows spread
+      wide over the noise's range (low temperatures, confident rows) lose most lanes to it.
+      A block where more than 3/4 of the lanes reach the cut draws every lane's bits
+      (compaction would cost more than it saves), and so do the blocks after it, without
+      counting, until the cut rises or RETRY_BLOCKS blocks on.
    2. The lead is the first kept lane with the row's largest b (its block's bits are drawn
       again to find it, under the row's final cut). s0 is the larger of its score, with C's
       log, and the jobs' cut scores: within 1e-12 (1 + |s0|) of the score torch computes (each
@@ -56,6 +57,7 @@ void gumbel_bounds(const int64_t *m, int64_t n, float c0, float c1, float *out)
 
 #define GUMBEL_CEILING 36.75 /* > -log(-log(1 - 2**-53)) = 36.7368..., the largest noise */
 #define RETRY_BLOCKS 32 /* a job drawing every lane under a cut tries it again this often */
+#define SEED_LANES 4096 /* the lanes whose largest x gives a row's later jobs their first cut */
 
 /* A lane's x: NaN as -inf, divided by t (t = 1 leaves it, so rows already scaled pass 1). */
 static inline float scaled(float v, float t)
@@ -301,6 +303,29 @@ static float raw_cut(double s, float t)
     return low;
 }
 
+/* The score, with C's log, of the first lane holding the largest x among the row's first
+   SEED_LANES lanes; -inf where that x is not finite or exceeds x_limit in size. In a
+   vocabulary ordered by merges (BPE), a row's likely tokens sit at low ids: this gives the
+   jobs of a row split over threads the cut that its first job finds there. */
+static double seed_score(const float *row, int64_t width, float t, int64_t first, uint32_t pos,
+                         uint32_t k0, uint32_t k1, double x_limit)
+{
+    const int64_t n = width < SEED_LANES ? width : SEED_LANES;
+    float most = -INFINITY;
+#pragma omp simd reduction(max : most)
+    for (int64_t i = 0; i < n; i++) {
+        const float v = row[i] != row[i] ? -INFINITY : row[i];
+        most = v > most ? v : most;
+    }
+    const float top = scaled(most, t); /* (division by t > 0 keeps the order) */
+    if (!(isfinite(top) && fabs((double)top) <= x_limit)) return -INFINITY;
+    int64_t at = 0;
+    while (!(row[at] == most)) at++; /* (most is finite: some lane holds it) */
+    int64_t id = first + at, m;
+    philox_bits(&id, 1, pos, k0, k1, &m);
+    return (double)scaled(row[at], t) - log(-log(((double)m + 0.5) * 0x1p-52));
+}
+
 void gumbel_candidates(const float *x, int64_t row_stride, const int64_t *rows, int64_t n_rows,
                        int64_t width, int64_t first, const int64_t *pos, const int64_t *k0,
                        const int64_t *k1, const float *temps, float c0, float c1,
@@ -335,6 +360,13 @@ void gumbel_candidates(const float *x, int64_t row_stride, const int64_t *rows, 
         float best = -INFINITY, high = -INFINITY, top, low = -INFINITY, cut_top = -INFINITY;
         double s = -INFINITY;
         int every = 1; /* (no cut yet, or the last block kept most of its lanes) */
+        if (c > 0) { /* (a later job starts from the row's first lanes' cut) */
+            s = seed_score(row, width, t, first, p, a, b1, x_limit);
+            if (s > -INFINITY) {
+                low = raw_cut(s, t);
+                every = 0;
+            }
+        }
         int64_t lead = c * per_chunk;
         for (int64_t k = c * per_chunk; k < (c + 1) * per_chunk && k < blocks; k++) {
             int64_t lane0 = k * BLOCK, count = width - lane0 < BLOCK ? width - lane0 : BLOCK;

@@ -321,14 +321,15 @@ def vector_cap(request):
 
 
 @pytest.mark.parametrize("spread", SPREAD_ROWS)
-@pytest.mark.parametrize("threads", [1, 2, 5])
+@pytest.mark.parametrize("threads", [1, 6, 13])
 def test_rows_spread_past_the_noise_range_keep_their_winner(spread, threads, vector_cap,
                                                              monkeypatch):
     """Rows spread wider than the noise's range: the compiled search leaves out the lanes
     below each job's cut (gumbel.c, step 1: a running cut from the largest value met, the
     blocks after a mostly-kept one drawn whole) and still picks the exhaustive winner. The
     largest lane sits first, mid-row or last (a cut from the start, halfway, or never); with
-    2 and 5 threads the rows are split into jobs with cuts of their own."""
+    6 and 13 threads each row is split into 2 and 4 jobs, the later ones starting from the
+    cut of the row's first lanes."""
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     raw, temperature = spread_rows(spread, 40_003)
     temps = torch.full((3,), temperature)
