@@ -235,8 +235,10 @@ static float block_lanes(const float *x, int64_t lane0, int64_t count, int64_t f
     L->crowded = 0;
     if (cut != -INFINITY) {
 #if defined(__x86_64__)
-        L->n = has_avx2() && vector_level >= 2 ? kept_avx512(x, lane0, count, t, cut, L->idx, L->v)
-                                               : kept_body(x, lane0, count, t, cut, L->idx, L->v);
+        if (has_avx2() && vector_level >= 2)
+            L->n = kept_avx512(x, lane0, count, t, cut, L->idx, L->v);
+        else
+            L->n = kept_body(x, lane0, count, t, cut, L->idx, L->v);
 #else
         L->n = kept_body(x, lane0, count, t, cut, L->idx, L->v);
 #endif
