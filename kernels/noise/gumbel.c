@@ -557,8 +557,9 @@ void cutoff_counts(const float *x, int64_t row_stride, const int64_t *rows, int6
     }
 }
 
-/* The lanes from `from` on with row[i] >= low, into lanes[k...]; returns the new k. The AVX2 build tests 8
-   lanes at once (_CMP_GE_OQ: false for NaN, as the scalar >=) and visits only set bits. */
+/* The lanes from `from` on with row[i] >= low, into lanes[k...]; returns the new k. The AVX2
+   build tests 8 lanes at once (_CMP_GE_OQ: false for NaN, as the scalar >=) and visits only
+   set bits. */
 static int64_t fill_row(const float *row, int64_t from, int64_t width, float low, int64_t k,
                         int64_t *lanes)
 {
