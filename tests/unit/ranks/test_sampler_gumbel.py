@@ -327,7 +327,7 @@ def test_rows_spread_past_the_noise_range_keep_their_winner(spread, threads, vec
     """Rows spread wider than the noise's range: the compiled search leaves out the lanes
     below each job's cut (gumbel.c, step 1: a running cut from the largest value met, the
     blocks after a mostly-kept one drawn whole) and still picks the exhaustive winner. The
-    largest lane sits first, mid-row or last (a cut from the start, halfway, or never); with
+    largest lane sits first, mid-row or last (its cut from the start, halfway, or the end); with
     6 and 13 threads each row is split into 2 and 4 jobs, the later ones starting from the
     cut of the row's first lanes."""
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
