@@ -32,7 +32,7 @@ MODES = {"none": None, "K=0": 0, "K=20": 20}
 
 
 def time_batch(engine, batch: int, tokens: int, logprobs: int | None) -> float:
-    from runtime.engine.client import SamplingParams
+    from helios_logprobs.runtime.engine.client import SamplingParams
 
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True,
                             logprobs=logprobs)
@@ -52,8 +52,8 @@ def worker(args: argparse.Namespace) -> int:
     import torch
 
     from bench.host import cpu_counters, steal_share
-    from launch.arguments import add_runtime_arguments
-    from launch.cluster import join
+    from helios_logprobs.launch.arguments import add_runtime_arguments
+    from helios_logprobs.launch.cluster import join
 
     parser = argparse.ArgumentParser()
     add_runtime_arguments(parser)  # every other serving option keeps its default

@@ -29,8 +29,8 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import torch
 import torch.distributed as dist
 
-from collectives.exchange import WordExchange, all_gather_flat
-from kernels.layout import EXCHANGE1_WORDS, EXCHANGE2_WORDS
+from helios_logprobs.collectives.exchange import WordExchange, all_gather_flat
+from helios_logprobs.kernels.layout import EXCHANGE1_WORDS, EXCHANGE2_WORDS
 
 VOCABS = (32_000, 151_936, 262_144)
 TPS = (2, 4, 8)

@@ -25,10 +25,10 @@ import ctypes
 import torch
 
 from bench.reduction import time_pair
-from kernels.api import row_request
-from kernels.native import VML_MODE, mkl_routine
-from kernels.torch_impl import compiled
-from kernels.torch_impl.backend import reduce_torch
+from helios_logprobs.kernels.api import row_request
+from helios_logprobs.kernels.native import VML_MODE, mkl_routine
+from helios_logprobs.kernels.torch_impl import compiled
+from helios_logprobs.kernels.torch_impl.backend import reduce_torch
 
 K = 20
 TILE = 4096

@@ -33,7 +33,7 @@ def large_vocab_model(cache: Path = DEFAULT_CACHE) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from launch.tiny_model import ensure_tiny_model
+    from helios_logprobs.launch.tiny_model import ensure_tiny_model
 
     tiny = ensure_tiny_model()
     config = LlamaConfig.from_pretrained(tiny)

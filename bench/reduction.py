@@ -44,8 +44,8 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 import torch
 
-from kernels.api import reduce_logprobs, row_request
-from kernels.backends import require_triton_device
+from helios_logprobs.kernels.api import reduce_logprobs, row_request
+from helios_logprobs.kernels.backends import require_triton_device
 
 K = 20
 
@@ -136,10 +136,10 @@ def measure(
     requested = torch.ones(rows, dtype=torch.int32, device=device)
     request = row_request(chosen, None, requested, K, vocab, device)
     if backend == "torch":
-        from kernels.torch_impl.backend import reduce_torch as prepared_backend
+        from helios_logprobs.kernels.torch_impl.backend import reduce_torch as prepared_backend
     else:
         require_triton_device(device)
-        from kernels.triton.backend import reduce_triton as prepared_backend
+        from helios_logprobs.kernels.triton.backend import reduce_triton as prepared_backend
 
     def prepared() -> object:
         return prepared_backend(logits, request, vocab, out)
@@ -175,7 +175,7 @@ def kept_bytes(backend: str) -> int:
     """Scratch the backend keeps between calls (this thread's launch-1 plans)."""
     if backend != "torch":
         return 0
-    from kernels.torch_impl.lean_stats import kept_bytes as kept
+    from helios_logprobs.kernels.torch_impl.lean_stats import kept_bytes as kept
 
     return kept()
 
@@ -193,7 +193,7 @@ def run(
     for vocab in vocab_list:
         for rows in rows_list:
             if backend == "torch":
-                from kernels.torch_impl.lean_stats import release_plans
+                from helios_logprobs.kernels.torch_impl.lean_stats import release_plans
 
                 release_plans()  # "kept" then reports this configuration's buffers alone
             print(measure(backend, repeat, device, rows, vocab, g, clock), flush=True)

@@ -26,8 +26,8 @@ import time
 
 import torch
 
-from ranks.sampler import ShardedSampler
-from ranks.sampling_params import RowSampling
+from helios_logprobs.ranks.sampler import ShardedSampler
+from helios_logprobs.ranks.sampling_params import RowSampling
 
 KINDS = {
     "greedy": dict(temperature=0.0),

@@ -22,11 +22,11 @@ def free_port() -> int:
 
 
 def start_server(serve_args: list[str], timeout_s: float = 300.0) -> tuple[subprocess.Popen, str]:
-    """`python -m launch.serve` on a free loopback port with ``serve_args``; (process, URL)
-    once /health answers 200."""
+    """`python -m helios_logprobs.launch.serve` on a free loopback port with ``serve_args``;
+    (process, URL) once /health answers 200."""
     port = free_port()
-    cmd = [sys.executable, "-m", "launch.serve", "--host", "127.0.0.1", "--port", str(port),
-           *serve_args]
+    cmd = [sys.executable, "-m", "helios_logprobs.launch.serve", "--host", "127.0.0.1",
+           "--port", str(port), *serve_args]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)

@@ -51,7 +51,7 @@ def workloads(batch: int, vocab: int) -> dict[str, tuple[list[list[int]], dict]]
 def decode_rate(engine, prompts, sampling: dict, tokens: int, logprobs: int | None) -> float:
     """Decode tokens/s of one batch: the time of every submission after the first, which
     prefills every prompt (the batch fits the slots and the token budget)."""
-    from runtime.engine.client import SamplingParams
+    from helios_logprobs.runtime.engine.client import SamplingParams
 
     params = SamplingParams(max_tokens=tokens, ignore_eos=True, logprobs=logprobs, **sampling)
     times, plans = [], []
@@ -99,11 +99,11 @@ def main() -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    from runtime.engine.bootstrap import build_engine, load_rank
-    from runtime.engine.config import RuntimeConfig
+    from helios_logprobs.runtime.engine.bootstrap import build_engine, load_rank
+    from helios_logprobs.runtime.engine.config import RuntimeConfig
 
     if args.model is None:
-        from launch.tiny_model import ensure_tiny_model
+        from helios_logprobs.launch.tiny_model import ensure_tiny_model
 
         args.model = ensure_tiny_model()
     engines = {}

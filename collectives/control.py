@@ -38,8 +38,8 @@ from typing import Any
 import torch.distributed as dist
 import zmq
 
-from collectives.codec import CodecError, decode, encode
-from collectives.control_base import (
+from helios_logprobs.collectives.codec import CodecError, decode, encode
+from helios_logprobs.collectives.control_base import (
     Channel,
     ControlConfig,
     ControlError,

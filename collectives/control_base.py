@@ -17,7 +17,7 @@ from typing import Any
 import torch.distributed as dist
 import zmq
 
-from collectives.codec import message
+from helios_logprobs.collectives.codec import message
 
 log = logging.getLogger(__name__)
 

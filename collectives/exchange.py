@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from collectives.groups import group_size
+from helios_logprobs.collectives.groups import group_size
 
 
 class WordExchange:

@@ -12,10 +12,10 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.backends import BACKENDS, SHARDED_BACKENDS, require_triton_device
-from kernels.layout import EXPORT_K, MAX_TOKEN_IDS, PAYLOAD_WORDS
-from kernels.rows import RowRequest
-from kernels.torch_impl.backend import reduce_torch
+from helios_logprobs.kernels.backends import BACKENDS, SHARDED_BACKENDS, require_triton_device
+from helios_logprobs.kernels.layout import EXPORT_K, MAX_TOKEN_IDS, PAYLOAD_WORDS
+from helios_logprobs.kernels.rows import RowRequest
+from helios_logprobs.kernels.torch_impl.backend import reduce_torch
 
 
 def pack_token_ids(
@@ -127,7 +127,7 @@ def reduce_logprobs(
         raise ValueError(f"vocab_size {vocab} exceeds the logits width {width}")
     check_chosen(chosen, requested, vocab)
     if backend == "reference":
-        from kernels.reference import reduce_reference
+        from helios_logprobs.kernels.reference import reduce_reference
 
         rows_ids = None if token_ids is None else [list(t) for t in token_ids]
         pack_token_ids(rows_ids, logits.shape[0], vocab)  # same validation as the others
@@ -139,7 +139,7 @@ def reduce_logprobs(
     if backend == "torch":
         return reduce_torch(logits, request, vocab, out)
     require_triton_device(logits.device)
-    from kernels.triton.backend import reduce_triton
+    from helios_logprobs.kernels.triton.backend import reduce_triton
 
     return reduce_triton(logits, request, vocab, out)
 
@@ -174,7 +174,7 @@ def reduce_logprobs_sharded(
     check_chosen(chosen, requested, vocab_size)
     rows, width = local_logits.shape
     request = row_request(chosen, token_ids, requested, k, vocab_size, local_logits.device)
-    from kernels.sharded import prepared_reduction
+    from helios_logprobs.kernels.sharded import prepared_reduction
 
     prepared = prepared_reduction(
         group, rows, width, vocab_start, vocab_size, backend, local_logits.device,

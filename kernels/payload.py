@@ -6,8 +6,14 @@ from __future__ import annotations
 
 import torch
 
-from kernels.layout import CHOSEN_BITS, CHOSEN_ID, FIRST_PAIR, MAX_TOKEN_IDS, PAYLOAD_WORDS
-from kernels.sortkeys import EMPTY_KEY, float_bits, key_ids, key_values
+from helios_logprobs.kernels.layout import (
+    CHOSEN_BITS,
+    CHOSEN_ID,
+    FIRST_PAIR,
+    MAX_TOKEN_IDS,
+    PAYLOAD_WORDS,
+)
+from helios_logprobs.kernels.sortkeys import EMPTY_KEY, float_bits, key_ids, key_values
 
 
 def flagged_rows(flags: torch.Tensor) -> torch.Tensor | None:

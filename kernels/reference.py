@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.layout import (
+from helios_logprobs.kernels.layout import (
     CHOSEN_BITS,
     CHOSEN_ID,
     FIRST_PAIR,
@@ -20,7 +20,7 @@ from kernels.layout import (
     PROMPT_TARGET_BITS,
     PROMPT_TARGET_ID,
 )
-from kernels.sortkeys import float_bits
+from helios_logprobs.kernels.sortkeys import float_bits
 
 
 def reference_logprobs(logits: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:

@@ -27,19 +27,19 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from collectives.exchange import WordExchange
-from collectives.groups import all_gather_object, group_size
-from kernels.backends import (
+from helios_logprobs.collectives.exchange import WordExchange
+from helios_logprobs.collectives.groups import all_gather_object, group_size
+from helios_logprobs.kernels.backends import (
     require_triton_device,
     shard_steps,
     whole_native_call,
     whole_reduction,
 )
-from kernels.layout import EXCHANGE1_WORDS, EXCHANGE2_WORDS
-from kernels.rows import RowRequest
+from helios_logprobs.kernels.layout import EXCHANGE1_WORDS, EXCHANGE2_WORDS
+from helios_logprobs.kernels.rows import RowRequest
 
 if TYPE_CHECKING:
-    from kernels.torch_impl.compiled import RepeatedCall
+    from helios_logprobs.kernels.torch_impl.compiled import RepeatedCall
 
 _CACHE_SIZE = 32
 _cache: OrderedDict[tuple, PreparedShardedReduction] = OrderedDict()

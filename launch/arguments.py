@@ -7,8 +7,8 @@ import argparse
 import json
 from pathlib import Path
 
-from runtime.engine.config import RuntimeConfig
-from runtime.text.reasoning import PARSERS
+from helios_logprobs.runtime.engine.config import RuntimeConfig
+from helios_logprobs.runtime.text.reasoning import PARSERS
 
 
 def add_runtime_arguments(p: argparse.ArgumentParser) -> None:
@@ -73,7 +73,7 @@ def _json_object(text: str) -> dict:
 def runtime_config(args: argparse.Namespace, device: str) -> RuntimeConfig:
     model_dir = args.model
     if model_dir is None:
-        from launch.tiny_model import ensure_tiny_model
+        from helios_logprobs.launch.tiny_model import ensure_tiny_model
 
         model_dir = ensure_tiny_model()
     backend = args.reduction_backend or ("triton" if device == "cuda" else "torch")

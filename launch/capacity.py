@@ -21,10 +21,16 @@ import math
 import re
 import sys
 
-from launch.arguments import add_runtime_arguments
-from launch.capacity_report import Plan, UsageError, human, report, shortfall_message
-from ranks.contract.buffers import FIXED_SECTIONS, WEIGHT_KINDS, Buffer
-from ranks.contract.sizing import JobSizing, RankSizing
+from helios_logprobs.launch.arguments import add_runtime_arguments
+from helios_logprobs.launch.capacity_report import (
+    Plan,
+    UsageError,
+    human,
+    report,
+    shortfall_message,
+)
+from helios_logprobs.ranks.contract.buffers import FIXED_SECTIONS, WEIGHT_KINDS, Buffer
+from helios_logprobs.ranks.contract.sizing import JobSizing, RankSizing
 
 UNITS = {
     "": 1, "b": 1,

@@ -6,11 +6,11 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
-from launch.arguments import runtime_config
-from ranks.contract.buffers import FIXED_SECTIONS, default_dtype, dtype_name
-from ranks.contract.declarations import resolve_completion_token_capacity
-from ranks.contract.sizing import JobSizing, RankSizing, job_sizing, max_capacity
-from ranks.model.config import ModelConfig
+from helios_logprobs.launch.arguments import runtime_config
+from helios_logprobs.ranks.contract.buffers import FIXED_SECTIONS, default_dtype, dtype_name
+from helios_logprobs.ranks.contract.declarations import resolve_completion_token_capacity
+from helios_logprobs.ranks.contract.sizing import JobSizing, RankSizing, job_sizing, max_capacity
+from helios_logprobs.ranks.model.config import ModelConfig
 
 
 class UsageError(ValueError):

@@ -16,16 +16,16 @@ from typing import TextIO
 
 import torch
 
-from collectives.control import ControlConfig, default_store, open_control
-from collectives.groups import barrier, destroy, init_from_env, world_group
-from launch.arguments import runtime_config
-from launch.heap import settle_heap
-from launch.signals import StopSignals
-from ranks.step import RankStep
-from ranks.worker import run_peer
-from runtime.engine.bootstrap import build_engine, load_rank
-from runtime.engine.config import RuntimeConfig
-from runtime.engine.engine import Engine
+from helios_logprobs.collectives.control import ControlConfig, default_store, open_control
+from helios_logprobs.collectives.groups import barrier, destroy, init_from_env, world_group
+from helios_logprobs.launch.arguments import runtime_config
+from helios_logprobs.launch.heap import settle_heap
+from helios_logprobs.launch.signals import StopSignals
+from helios_logprobs.ranks.step import RankStep
+from helios_logprobs.ranks.worker import run_peer
+from helios_logprobs.runtime.engine.bootstrap import build_engine, load_rank
+from helios_logprobs.runtime.engine.config import RuntimeConfig
+from helios_logprobs.runtime.engine.engine import Engine
 
 log = logging.getLogger("launch")
 

@@ -1,6 +1,7 @@
 """Offline batch generation through the same engine the server uses.
 
-`torchrun --nproc-per-node N -m launch.generate --requests in.json --output out.json`
+`torchrun --nproc-per-node N -m helios_logprobs.launch.generate --requests in.json
+--output out.json`
 
 in.json: a list of {"prompt_ids": [...], "params": {SamplingParams fields}}. out.json: per
 request {"tokens": [{"index", "token_id", "logprob", "alternatives": [[id, logprob], ...]}],
@@ -17,11 +18,11 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from launch.arguments import add_runtime_arguments
-from launch.cluster import join
-from launch.signals import Interrupted, StopSignals, env_rank, exit_process
-from ranks.contract.requests import RequestError
-from runtime.engine.client import EngineError, SamplingParams
+from helios_logprobs.launch.arguments import add_runtime_arguments
+from helios_logprobs.launch.cluster import join
+from helios_logprobs.launch.signals import Interrupted, StopSignals, env_rank, exit_process
+from helios_logprobs.ranks.contract.requests import RequestError
+from helios_logprobs.runtime.engine.client import EngineError, SamplingParams
 
 
 def _value(x: float) -> float:
@@ -56,7 +57,7 @@ def run_one(engine, item: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="launch.generate", description=__doc__)
+    p = argparse.ArgumentParser(prog="helios_logprobs.launch.generate", description=__doc__)
     add_runtime_arguments(p)
     p.add_argument("--requests", type=Path, required=True)
     p.add_argument("--output", type=Path, required=True)

@@ -1,4 +1,5 @@
-"""Serve a model: `torchrun --nproc-per-node N -m launch.serve [--model DIR] [--port P]`.
+"""Serve a model: `torchrun --nproc-per-node N -m helios_logprobs.launch.serve [--model DIR]
+[--port P]`.
 
 Without torchrun it runs one rank (TP1) in this process. Rank 0 is the coordinator: it runs
 the engine and the HTTP server; every other rank runs the peer loop.
@@ -39,12 +40,12 @@ from collections.abc import Callable, Iterator  # noqa: E402
 
 import uvicorn  # noqa: E402
 
-from launch.arguments import add_runtime_arguments  # noqa: E402
-from launch.cluster import join  # noqa: E402
-from launch.heap import settle_heap  # noqa: E402
-from launch.signals import Interrupted, StopSignals, env_rank, exit_process, say  # noqa: E402
-from ranks.model import ModelConfigError, UnsupportedModelError, WeightLoadError  # noqa: E402
-from runtime.http.protocol.defaults import (  # noqa: E402
+from helios_logprobs.launch.arguments import add_runtime_arguments  # noqa: E402
+from helios_logprobs.launch.cluster import join  # noqa: E402
+from helios_logprobs.launch.heap import settle_heap  # noqa: E402
+from helios_logprobs.launch.signals import Interrupted, StopSignals, env_rank, exit_process, say  # noqa: E402
+from helios_logprobs.ranks.model import ModelConfigError, UnsupportedModelError, WeightLoadError  # noqa: E402
+from helios_logprobs.runtime.http.protocol.defaults import (  # noqa: E402
     FROM_MODEL,
     GenerationConfigError,
     load_sampling_defaults,
@@ -73,7 +74,7 @@ def _positive(text: str) -> int:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="launch.serve", description=__doc__)
+    p = argparse.ArgumentParser(prog="helios_logprobs.launch.serve", description=__doc__)
     add_runtime_arguments(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0: any free port (printed)")
@@ -104,7 +105,7 @@ def ready_line(model: str, host: str, port: int, tp: int, max_logprobs: int,
 def capacity_line(engine, world: int, queue_limit: int | None) -> str:
     """One line (after ``helios: ``) of what the coordinator's frames and each rank's KV cache
     hold, from ranks.contract.sizing (the figures launch.capacity prints)."""
-    from ranks.contract.sizing import frame_bytes, rank_sizing
+    from helios_logprobs.ranks.contract.sizing import frame_bytes, rank_sizing
 
     step = engine.step
     frames = frame_bytes(step.config)
@@ -189,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         if not cluster.is_coordinator:
             return cluster.run_peer(stop)
         engine = cluster.engine(stop)
-        from runtime.http.server import create_app
+        from helios_logprobs.runtime.http.server import create_app
 
         app = create_app(engine, cluster.config.model_dir, engine.info.model_name,
                          max_request_bytes=args.max_request_bytes,

@@ -1,13 +1,13 @@
 """`helios-serve --tp N [serve args]`: start the server at tensor-parallel degree N.
 
 N > 1 runs torchrun in this process (`torch.distributed.run --standalone --nproc-per-node N
--m launch.serve [serve args]`), so signals reach torchrun directly, which forwards them to its
-workers. Unlike a bare `torchrun`, a stop is quiet: torchrun's start-up banner and shutdown
-warnings are off (LOGLEVEL=ERROR unless set), a SIGINT/SIGTERM/SIGHUP ends with status 0
-instead of torchrun's SignalException traceback, and a failed rank is reported by torchrun's
-summary without the launcher's own traceback (status 1). N = 1 execs `python -m launch.serve
-[serve args]` without torchrun. Every other argument goes to launch.serve unchanged (see
-`python -m launch.serve --help`).
+-m helios_logprobs.launch.serve [serve args]`), so signals reach torchrun directly, which
+forwards them to its workers. Unlike a bare `torchrun`, a stop is quiet: torchrun's start-up
+banner and shutdown warnings are off (LOGLEVEL=ERROR unless set), a SIGINT/SIGTERM/SIGHUP ends
+with status 0 instead of torchrun's SignalException traceback, and a failed rank is reported by
+torchrun's summary without the launcher's own traceback (status 1). N = 1 execs
+`python -m helios_logprobs.launch.serve [serve args]` without torchrun. Every other argument
+goes to launch.serve unchanged (see `python -m helios_logprobs.launch.serve --help`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from collectives.torchrun import run_torchrun as run_torchrun_main
+from helios_logprobs.collectives.torchrun import run_torchrun as run_torchrun_main
 
 WORKERS_GRACE_S = 20.0
 """After a repeated stop signal, how long the workers get before SIGKILL (more than a rank's
@@ -43,14 +43,14 @@ def parse(argv: list[str] | None = None) -> tuple[int, list[str]]:
 
 
 def torchrun_args(tp: int, rest: list[str]) -> list[str]:
-    return ["--standalone", f"--nproc-per-node={tp}", "-m", "launch.serve", *rest]
+    return ["--standalone", f"--nproc-per-node={tp}", "-m", "helios_logprobs.launch.serve", *rest]
 
 
 def command(argv: list[str] | None = None) -> list[str]:
     """The equivalent command line (what N = 1 execs; N > 1 runs it in this process)."""
     tp, rest = parse(argv)
     if tp == 1:
-        return [sys.executable, "-m", "launch.serve", *rest]
+        return [sys.executable, "-m", "helios_logprobs.launch.serve", *rest]
     return [sys.executable, "-m", "torch.distributed.run", *torchrun_args(tp, rest)]
 
 

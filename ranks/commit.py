@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ranks.contract import abi6
-from ranks.contract.upload import LaneRequest
-from ranks.plan import RequestSpec
+from helios_logprobs.ranks.contract import abi6
+from helios_logprobs.ranks.contract.upload import LaneRequest
+from helios_logprobs.ranks.plan import RequestSpec
 
 
 def _last_index(tokens: Sequence[int], pattern: Sequence[int]) -> int:

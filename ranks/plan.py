@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from collectives.codec import message, register
-from kernels.layout import MAX_TOKEN_IDS
-from ranks.contract.requests import RequestError
-from ranks.sampling_params import RowSampling
+from helios_logprobs.collectives.codec import message, register
+from helios_logprobs.kernels.layout import MAX_TOKEN_IDS
+from helios_logprobs.ranks.contract.requests import RequestError
+from helios_logprobs.ranks.sampling_params import RowSampling
 
 register(RowSampling, "ranks.row_sampling")
 

@@ -31,12 +31,12 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from collectives.exchange import WordExchange
-from kernels.greedy import native as greedy_native
-from kernels.greedy.native import native_argmax
-from kernels.noise import philox_native
-from kernels.noise.philox_native import native_scaled_rows
-from ranks.sampler_filters import (
+from helios_logprobs.collectives.exchange import WordExchange
+from helios_logprobs.kernels.greedy import native as greedy_native
+from helios_logprobs.kernels.greedy.native import native_argmax
+from helios_logprobs.kernels.noise import philox_native
+from helios_logprobs.kernels.noise.philox_native import native_scaled_rows
+from helios_logprobs.ranks.sampler_filters import (
     FILTER_WORDS,
     PICK_WORDS,
     TOPK_WIDTH,
@@ -51,9 +51,14 @@ from ranks.sampler_filters import (
     remove_below_min_p,
     score_keys,
 )
-from ranks.sampler_gumbel import gumbel_best, scaled_gumbel_best
-from ranks.sampler_processors import FLOAT32_MAX, NEG_INF, ShardLanes, apply_processors
-from ranks.sampling_params import SEED_MAX, RowSampling
+from helios_logprobs.ranks.sampler_gumbel import gumbel_best, scaled_gumbel_best
+from helios_logprobs.ranks.sampler_processors import (
+    FLOAT32_MAX,
+    NEG_INF,
+    ShardLanes,
+    apply_processors,
+)
+from helios_logprobs.ranks.sampling_params import SEED_MAX, RowSampling
 
 
 class ShardedSampler:

@@ -22,9 +22,14 @@ from __future__ import annotations
 
 import torch
 
-from collectives.exchange import WordExchange
-from kernels.radix.native import RadixLanes, fill_below, fill_min_p, top_values
-from kernels.sortkeys import keys_to_words, ordered_high, ordered_high_to_float, words_to_keys
+from helios_logprobs.collectives.exchange import WordExchange
+from helios_logprobs.kernels.radix.native import RadixLanes, fill_below, fill_min_p, top_values
+from helios_logprobs.kernels.sortkeys import (
+    keys_to_words,
+    ordered_high,
+    ordered_high_to_float,
+    words_to_keys,
+)
 
 TOPK_WIDTH = 256
 """top-k up to this size: one exchange of each shard's best TOPK_WIDTH values (ordered words)."""

@@ -14,7 +14,7 @@ import threading
 
 import torch
 
-from kernels.noise.philox import (
+from helios_logprobs.kernels.noise.philox import (
     BOUND_OFFSET,
     BOUND_SCALE,
     GUMBEL_SPAN,
@@ -24,7 +24,7 @@ from kernels.noise.philox import (
     seed_words,
     uniform_of,
 )
-from kernels.noise.philox_native import (
+from helios_logprobs.kernels.noise.philox_native import (
     Candidates,
     native_candidates,
     native_cutoff_lanes,
@@ -32,7 +32,7 @@ from kernels.noise.philox_native import (
     native_sparse_best,
     scores_candidates,
 )
-from ranks.sampler_filters import NO_ID, empty_best, score_keys
+from helios_logprobs.ranks.sampler_filters import NO_ID, empty_best, score_keys
 
 ROW_NOISE_MIN_WIDTH = 16384
 """Rows at least this wide with most lanes still candidates draw noise row by row."""

@@ -17,7 +17,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from ranks.sampling_params import GREEDY_EPS, RowSampling
+from helios_logprobs.ranks.sampling_params import GREEDY_EPS, RowSampling
 
 NEG_INF = float("-inf")
 FLOAT32_MAX = torch.finfo(torch.float32).max

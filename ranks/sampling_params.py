@@ -6,7 +6,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from ranks.contract.requests import RequestError
+from helios_logprobs.ranks.contract.requests import RequestError
 
 GREEDY_EPS = 1e-5
 """Temperatures below this sample greedily (vLLM's _SAMPLING_EPS)."""

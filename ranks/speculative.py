@@ -29,8 +29,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Protocol
 
-from ranks.commit import SlotState
-from ranks.sampling_params import RowSampling
+from helios_logprobs.ranks.commit import SlotState
+from helios_logprobs.ranks.sampling_params import RowSampling
 
 
 class Round(Protocol):

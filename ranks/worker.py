@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import logging
 
-from collectives.control import PeerChannel, PeerError, Shutdown
-from ranks.plan import StepPlan
-from ranks.step import RankStep
+from helios_logprobs.collectives.control import PeerChannel, PeerError, Shutdown
+from helios_logprobs.ranks.plan import StepPlan
+from helios_logprobs.ranks.step import RankStep
 
 log = logging.getLogger(__name__)
 

@@ -105,9 +105,9 @@ run select-timing 60 "$PY" - <<'EOF'
 import torch
 from triton.testing import do_bench
 
-from kernels.layout import MAX_TOKEN_IDS, PAYLOAD_WORDS
-from kernels.triton.backend import PreparedReduction
-from kernels.triton.common import SELECT_EXTRACT, SELECT_TOPK
+from helios_logprobs.kernels.layout import MAX_TOKEN_IDS, PAYLOAD_WORDS
+from helios_logprobs.kernels.triton.backend import PreparedReduction
+from helios_logprobs.kernels.triton.common import SELECT_EXTRACT, SELECT_TOPK
 
 rows, vocab = 256, 151_936
 dev = torch.device("cuda")

@@ -10,15 +10,15 @@ from pathlib import Path
 
 import torch
 
-from ranks.contract.buffers import Buffer
-from ranks.contract.sizing import RankSizing, rank_sizing
-from ranks.model import ShardedCausalLM
-from ranks.step import RankStep
-from runtime.engine.bootstrap import load_rank
-from runtime.engine.config import RuntimeConfig
+from helios_logprobs.ranks.contract.buffers import Buffer
+from helios_logprobs.ranks.contract.sizing import RankSizing, rank_sizing
+from helios_logprobs.ranks.model import ShardedCausalLM
+from helios_logprobs.ranks.step import RankStep
+from helios_logprobs.runtime.engine.bootstrap import load_rank
+from helios_logprobs.runtime.engine.config import RuntimeConfig
 
 REPO = Path(__file__).resolve().parents[1]
-OUR_PACKAGES = ("ranks", "kernels", "collectives", "runtime")
+OUR_PACKAGE = "helios_logprobs"
 
 # ------------------------------------------------------------------------------------------
 # Reality: the tensors an object graph holds
@@ -48,7 +48,7 @@ def reachable_storages(*roots: object) -> dict[tuple[str, int], int]:
         elif isinstance(obj, dict):
             stack.extend(obj.keys())
             stack.extend(obj.values())
-        elif (type(obj).__module__ or "").split(".")[0] in OUR_PACKAGES:
+        elif (type(obj).__module__ or "").split(".")[0] == OUR_PACKAGE:
             if hasattr(obj, "__dict__"):
                 stack.extend(vars(obj).values())
             for name in getattr(type(obj), "__slots__", ()):

@@ -3,31 +3,10 @@ tests/devices.py."""
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 
 import pytest
 import torch
-
-
-def _foreign_kernels_distribution() -> str | None:
-    """Hugging Face's `kernels` distribution, if installed: its import name is this project's
-    kernels/ folder, so transformers (which then imports it) fails on every oracle test."""
-    try:
-        dist = importlib.metadata.distribution("kernels")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    return dist.version
-
-
-if (_foreign := _foreign_kernels_distribution()) is not None:
-    pytest.exit(
-        f"Hugging Face's `kernels` {_foreign} is installed in this environment; its import name "
-        "is this project's kernels/ package. Remove it (`pip uninstall kernels`) or rebuild the "
-        "environment (`rm -rf .venv && make test`); the test extra pins transformers<5.25, "
-        "the last releases without it as a dependency.",
-        returncode=4,
-    )
 
 # Triton kernels run on CPU through the interpreter unless a GPU is present. This must be set
 # before triton is first imported in the worker process (see tests/devices.py for a GPU host).

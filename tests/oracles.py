@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ranks.model import ShardedCausalLM
+from helios_logprobs.ranks.model import ShardedCausalLM
 
 # ----------------------------------------------------------------------------- model
 TOLERANCE = 1e-4

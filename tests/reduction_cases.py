@@ -16,11 +16,16 @@ from __future__ import annotations
 
 import torch
 
-from kernels.layout import EXCHANGE1_WORDS, EXCHANGE2_WORDS, MAX_TOKEN_IDS, PAYLOAD_WORDS
-from kernels.reference import reduce_reference, reference_ranking
-from kernels.rows import RowRequest
-from kernels.sortkeys import float_bits
-from kernels.triton.sharded import final_merge, shard_candidates, shard_stats
+from helios_logprobs.kernels.layout import (
+    EXCHANGE1_WORDS,
+    EXCHANGE2_WORDS,
+    MAX_TOKEN_IDS,
+    PAYLOAD_WORDS,
+)
+from helios_logprobs.kernels.reference import reduce_reference, reference_ranking
+from helios_logprobs.kernels.rows import RowRequest
+from helios_logprobs.kernels.sortkeys import float_bits
+from helios_logprobs.kernels.triton.sharded import final_merge, shard_candidates, shard_stats
 from tests.devices import triton_device
 
 DEVICE = triton_device()

@@ -46,8 +46,8 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.noise.philox import gumbel_noise
-from ranks.sampling_params import RowSampling
+from helios_logprobs.kernels.noise.philox import gumbel_noise
+from helios_logprobs.ranks.sampling_params import RowSampling
 
 NEG_INF = float("-inf")
 BOUNDARY = 1e-9

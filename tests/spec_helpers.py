@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import math
 
-from ranks.contract import abi6
-from runtime.engine.client import EngineError, Finished, GeneratedToken, SamplingParams
+from helios_logprobs.ranks.contract import abi6
+from helios_logprobs.runtime.engine.client import (
+    EngineError,
+    Finished,
+    GeneratedToken,
+    SamplingParams,
+)
 from tests.checkpoints import hf_logprobs
 
 SENTINEL = -7

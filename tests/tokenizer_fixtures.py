@@ -22,7 +22,7 @@ from functools import cache
 from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from runtime.text.token_bytes import TokenBytes, gpt2_byte_decoder
+from helios_logprobs.runtime.text.token_bytes import TokenBytes, gpt2_byte_decoder
 
 CORPUS = [
     "Hello world, the café is naïve and the piñata is full.",

@@ -17,7 +17,13 @@ from pathlib import Path
 
 import torch
 
-from kernels.native import X86, built_once, load_library, parallel_threads, torch_openmp
+from helios_logprobs.kernels.native import (
+    X86,
+    built_once,
+    load_library,
+    parallel_threads,
+    torch_openmp,
+)
 
 _SOURCE = (Path(__file__).parent / "argmax.c").read_text()
 _FLAGS = ("-O3", "-fPIC", "-shared", "-mavx2")

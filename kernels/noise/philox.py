@@ -30,7 +30,11 @@ import threading
 
 import torch
 
-from kernels.noise.philox_native import native_bits, native_bits_lanes, native_gumbel_bounds
+from helios_logprobs.kernels.noise.philox_native import (
+    native_bits,
+    native_bits_lanes,
+    native_gumbel_bounds,
+)
 
 MASK32 = 0xFFFFFFFF
 PHILOX_M0 = 0xD2511F53

@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from kernels.native import (
+from helios_logprobs.kernels.native import (
     VML_MODE,
     built_once,
     load_library,

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.native import (
+from helios_logprobs.kernels.native import (
     VML_MODE,
     built_once,
     load_library,

@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import torch
 
-from collectives.exchange import WordExchange
-from kernels.layout import PROMPT_BLOCK_ROWS, PROMPT_EXCHANGE_WORDS
-from kernels.scoring.steps import (
+from helios_logprobs.collectives.exchange import WordExchange
+from helios_logprobs.kernels.layout import PROMPT_BLOCK_ROWS, PROMPT_EXCHANGE_WORDS
+from helios_logprobs.kernels.scoring.steps import (
     check_block,
     score_candidates,
     score_merge,
     score_stats,
     target_values,
 )
-from kernels.sharded import agreed_shard_starts
+from helios_logprobs.kernels.sharded import agreed_shard_starts
 
 
 class PreparedPromptScoring:

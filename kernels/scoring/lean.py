@@ -17,12 +17,12 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from kernels.layout import PROMPT_K
-from kernels.sortkeys import EMPTY_KEY, make_keys
-from kernels.torch_impl.compiled import compiled_count_above
-from kernels.torch_impl.lean import natural_best
-from kernels.torch_impl.lean_stats import Candidates, lean_tile_stats
-from kernels.torch_impl.tiles import TILE_LANES, TileStats
+from helios_logprobs.kernels.layout import PROMPT_K
+from helios_logprobs.kernels.sortkeys import EMPTY_KEY, make_keys
+from helios_logprobs.kernels.torch_impl.compiled import compiled_count_above
+from helios_logprobs.kernels.torch_impl.lean import natural_best
+from helios_logprobs.kernels.torch_impl.lean_stats import Candidates, lean_tile_stats
+from helios_logprobs.kernels.torch_impl.tiles import TILE_LANES, TileStats
 
 
 class ShardScan(NamedTuple):

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.layout import (
+from helios_logprobs.kernels.layout import (
     PROMPT_BLOCK_ROWS,
     PROMPT_EXCHANGE_WORDS,
     PROMPT_FIRST_PAIR,
@@ -38,9 +38,9 @@ from kernels.layout import (
     PROMPT_TARGET_BITS,
     PROMPT_TARGET_ID,
 )
-from kernels.payload import top_keys
-from kernels.scoring.lean import ShardScan, best_keys, count_above_fast, scan_block
-from kernels.sortkeys import (
+from helios_logprobs.kernels.payload import top_keys
+from helios_logprobs.kernels.scoring.lean import ShardScan, best_keys, count_above_fast, scan_block
+from helios_logprobs.kernels.sortkeys import (
     EMPTY_KEY,
     bits_to_float,
     float_bits,
@@ -49,9 +49,15 @@ from kernels.sortkeys import (
     keys_to_words,
     words_to_keys,
 )
-from kernels.torch_impl import lean as torch_lean
-from kernels.torch_impl.sharded import global_lse
-from kernels.torch_impl.tiles import combine, slab_of, slabs, tile_candidates, tile_stats
+from helios_logprobs.kernels.torch_impl import lean as torch_lean
+from helios_logprobs.kernels.torch_impl.sharded import global_lse
+from helios_logprobs.kernels.torch_impl.tiles import (
+    combine,
+    slab_of,
+    slabs,
+    tile_candidates,
+    tile_stats,
+)
 
 NAN_BITS = 0x7FC00000
 _NEG_INF_BITS = -8388608  # float_bits(-inf)

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from kernels.payload import flagged_rows, pick_rows, write_rows
-from kernels.rows import RowRequest
-from kernels.torch_impl import lean as torch_lean
-from kernels.torch_impl.compiled import RepeatedCall, repeated_call
-from kernels.torch_impl.lean_stats import uses_chunks
-from kernels.torch_impl.tiles import (
+from helios_logprobs.kernels.payload import flagged_rows, pick_rows, write_rows
+from helios_logprobs.kernels.rows import RowRequest
+from helios_logprobs.kernels.torch_impl import lean as torch_lean
+from helios_logprobs.kernels.torch_impl.compiled import RepeatedCall, repeated_call
+from helios_logprobs.kernels.torch_impl.lean_stats import uses_chunks
+from helios_logprobs.kernels.torch_impl.tiles import (
     TILE_LANES,
     count_rows,
     final_merge,

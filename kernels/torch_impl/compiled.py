@@ -48,9 +48,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kernels.layout import MAX_TOKEN_IDS, PAYLOAD_WORDS
-from kernels.layout import TILE_CANDIDATES as TOP
-from kernels.native import (
+from helios_logprobs.kernels.layout import MAX_TOKEN_IDS, PAYLOAD_WORDS
+from helios_logprobs.kernels.layout import TILE_CANDIDATES as TOP
+from helios_logprobs.kernels.native import (
     PARALLEL_LANES,
     VML_MODE,
     X86,
@@ -59,8 +59,13 @@ from kernels.native import (
     mkl_routine,
     torch_openmp,
 )
-from kernels.torch_impl import exp_check
-from kernels.torch_impl.tiles import CHUNK_LANES, TileStats, normalization, tile_stats
+from helios_logprobs.kernels.torch_impl import exp_check
+from helios_logprobs.kernels.torch_impl.tiles import (
+    CHUNK_LANES,
+    TileStats,
+    normalization,
+    tile_stats,
+)
 
 _LOG = logging.getLogger(__name__)
 

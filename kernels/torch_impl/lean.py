@@ -21,13 +21,19 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from kernels.layout import CHOSEN_BITS, CHOSEN_ID, FIRST_PAIR, MAX_TOKEN_IDS, PAYLOAD_WORDS
-from kernels.layout import TILE_CANDIDATES as TOP
-from kernels.payload import top_keys
-from kernels.rows import RowRequest
-from kernels.sortkeys import EMPTY_KEY, key_ids, key_values
-from kernels.torch_impl.compiled import compiled_best, compiled_reduce
-from kernels.torch_impl.lean_stats import (
+from helios_logprobs.kernels.layout import (
+    CHOSEN_BITS,
+    CHOSEN_ID,
+    FIRST_PAIR,
+    MAX_TOKEN_IDS,
+    PAYLOAD_WORDS,
+)
+from helios_logprobs.kernels.layout import TILE_CANDIDATES as TOP
+from helios_logprobs.kernels.payload import top_keys
+from helios_logprobs.kernels.rows import RowRequest
+from helios_logprobs.kernels.sortkeys import EMPTY_KEY, key_ids, key_values
+from helios_logprobs.kernels.torch_impl.compiled import compiled_best, compiled_reduce
+from helios_logprobs.kernels.torch_impl.lean_stats import (
     CANDIDATE_CHUNKS,
     CANDIDATES,
     NAN32,
@@ -37,7 +43,7 @@ from kernels.torch_impl.lean_stats import (
     native_values,
     uses_chunks,
 )
-from kernels.torch_impl.tiles import (
+from helios_logprobs.kernels.torch_impl.tiles import (
     CHUNK_LANES,
     TILE_LANES,
     TileStats,

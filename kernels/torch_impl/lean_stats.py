@@ -16,9 +16,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from kernels.layout import TILE_CANDIDATES as TOP
-from kernels.torch_impl.compiled import compiled_lse, compiled_tile_stats
-from kernels.torch_impl.tiles import (
+from helios_logprobs.kernels.layout import TILE_CANDIDATES as TOP
+from helios_logprobs.kernels.torch_impl.compiled import compiled_lse, compiled_tile_stats
+from helios_logprobs.kernels.torch_impl.tiles import (
     CHUNK_LANES,
     NAN,
     NEG_INF,

@@ -16,7 +16,7 @@ import threading
 import numpy as np
 import torch
 
-from kernels.layout import (
+from helios_logprobs.kernels.layout import (
     CHOSEN_BITS,
     CHOSEN_ID,
     FIRST_PAIR,
@@ -24,9 +24,15 @@ from kernels.layout import (
     PAYLOAD_WORDS,
     TILE_CANDIDATES,
 )
-from kernels.payload import assemble_payload, flagged_rows, pick_rows, top_keys, write_rows
-from kernels.rows import RowRequest
-from kernels.sortkeys import (
+from helios_logprobs.kernels.payload import (
+    assemble_payload,
+    flagged_rows,
+    pick_rows,
+    top_keys,
+    write_rows,
+)
+from helios_logprobs.kernels.rows import RowRequest
+from helios_logprobs.kernels.sortkeys import (
     EMPTY_KEY,
     LOW_MASK,
     bits_to_float,
@@ -34,10 +40,15 @@ from kernels.sortkeys import (
     keys_to_words,
     words_to_keys,
 )
-from kernels.torch_impl import lean as torch_lean
-from kernels.torch_impl.lean import NumpyRequest, natural_best
-from kernels.torch_impl.lean_stats import Candidates, lean_combine, lean_tile_stats, native_values
-from kernels.torch_impl.tiles import (
+from helios_logprobs.kernels.torch_impl import lean as torch_lean
+from helios_logprobs.kernels.torch_impl.lean import NumpyRequest, natural_best
+from helios_logprobs.kernels.torch_impl.lean_stats import (
+    Candidates,
+    lean_combine,
+    lean_tile_stats,
+    native_values,
+)
+from helios_logprobs.kernels.torch_impl.tiles import (
     CHUNK_LANES,
     NEG_INF,
     TILE_LANES,

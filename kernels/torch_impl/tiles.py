@@ -23,10 +23,10 @@ from typing import NamedTuple
 
 import torch
 
-from kernels.layout import MAX_TOKEN_IDS
-from kernels.layout import TILE_CANDIDATES as TOP
-from kernels.payload import assemble_payload, pick_rows, top_keys
-from kernels.sortkeys import EMPTY_KEY, make_keys
+from helios_logprobs.kernels.layout import MAX_TOKEN_IDS
+from helios_logprobs.kernels.layout import TILE_CANDIDATES as TOP
+from helios_logprobs.kernels.payload import assemble_payload, pick_rows, top_keys
+from helios_logprobs.kernels.sortkeys import EMPTY_KEY, make_keys
 
 TILE_LANES = 4096
 """Vocabulary lanes per tile (a multiple of CHUNK_LANES)."""

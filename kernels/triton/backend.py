@@ -19,12 +19,12 @@ first real call (and before CUDA-graph capture).
 from __future__ import annotations
 
 import torch
+
 import triton
 import triton.language as tl
-
-from kernels.layout import MAX_TOKEN_IDS, PAYLOAD_WORDS, TILE_CANDIDATES
-from kernels.rows import RowRequest
-from kernels.triton.common import (
+from helios_logprobs.kernels.layout import MAX_TOKEN_IDS, PAYLOAD_WORDS, TILE_CANDIDATES
+from helios_logprobs.kernels.rows import RowRequest
+from helios_logprobs.kernels.triton.common import (
     canonical_nan,
     combine_tile_stats,
     fill_pairs,
@@ -33,7 +33,7 @@ from kernels.triton.common import (
     prepared_kernel,
     store_natural_pairs,
 )
-from kernels.triton.prepared import (
+from helios_logprobs.kernels.triton.prepared import (
     DEFAULT_BLOCK_SIZE,
     FLAG_DTYPES,
     GPU_MERGE_BLOCK,

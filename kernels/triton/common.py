@@ -21,9 +21,8 @@ import os
 
 import triton
 import triton.language as tl
-
-from kernels.layout import PAYLOAD_WORDS, TILE_CANDIDATES
-from kernels.sortkeys import EMPTY_KEY as _EMPTY_KEY_INT
+from helios_logprobs.kernels.layout import PAYLOAD_WORDS, TILE_CANDIDATES
+from helios_logprobs.kernels.sortkeys import EMPTY_KEY as _EMPTY_KEY_INT
 
 EMPTY_KEY: tl.constexpr = tl.constexpr(_EMPTY_KEY_INT)
 """A slot holding no candidate; below every real key (see kernels/sortkeys.py)."""

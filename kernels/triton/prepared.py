@@ -11,10 +11,10 @@ dtype, device, select) configuration, the tile-statistics and candidate-key work
 from __future__ import annotations
 
 import torch
-import triton
 
-from kernels.layout import MAX_TOKEN_IDS, TILE_CANDIDATES
-from kernels.triton.common import (
+import triton
+from helios_logprobs.kernels.layout import MAX_TOKEN_IDS, TILE_CANDIDATES
+from helios_logprobs.kernels.triton.common import (
     RANK_MAX_BLOCK,
     SELECT_RANK,
     SELECTS,

@@ -30,17 +30,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import triton
 
-from kernels.layout import (
+import triton
+from helios_logprobs.kernels.layout import (
     EXCHANGE1_WORDS,
     EXCHANGE2_WORDS,
     MAX_TOKEN_IDS,
     PAYLOAD_WORDS,
     TILE_CANDIDATES,
 )
-from kernels.rows import RowRequest
-from kernels.triton.prepared import (
+from helios_logprobs.kernels.rows import RowRequest
+from helios_logprobs.kernels.triton.prepared import (
     FLAG_DTYPES,
     PreparedWorkspaces,
     check_k,
@@ -48,7 +48,7 @@ from kernels.triton.prepared import (
     check_request,
     check_vector,
 )
-from kernels.triton.sharded_kernels import (
+from helios_logprobs.kernels.triton.sharded_kernels import (
     _global_lse_kernel,
     _shard_merge_kernel,
     _shard_stats_kernel,

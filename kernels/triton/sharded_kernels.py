@@ -7,8 +7,7 @@ kernels/triton/sharded.py numbers and launches them (launches 1 and 4 are
 from __future__ import annotations
 
 import triton.language as tl
-
-from kernels.triton.common import (
+from helios_logprobs.kernels.triton.common import (
     EMPTY_KEY,
     NCAND,
     canonical_nan,

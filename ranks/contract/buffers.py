@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kernels.layout import (
+from helios_logprobs.kernels.layout import (
     EXCHANGE1_WORDS,
     EXCHANGE2_WORDS,
     EXPORT_K,
@@ -21,8 +21,8 @@ from kernels.layout import (
     PROMPT_ROW_WORDS,
     TILE_CANDIDATES,
 )
-from ranks.contract.abi6 import Kind, record_width
-from ranks.contract.declarations import (
+from helios_logprobs.ranks.contract.abi6 import Kind, record_width
+from helios_logprobs.ranks.contract.declarations import (
     COMPLETION_LOGPROBS,
     COMPLETION_RECORDS,
     FRAMES,
@@ -33,11 +33,11 @@ from ranks.contract.declarations import (
     PROMPT_TARGET_TOKENS,
     resolve_completion_token_capacity,
 )
-from ranks.model.config import ModelConfig
-from ranks.model.sharding import ShardLayout
-from ranks.sampler_filters import FILTER_WORDS, PICK_WORDS
-from ranks.step.config import StepConfig
-from ranks.step.scoring import scored_capacities
+from helios_logprobs.ranks.model.config import ModelConfig
+from helios_logprobs.ranks.model.sharding import ShardLayout
+from helios_logprobs.ranks.sampler_filters import FILTER_WORDS, PICK_WORDS
+from helios_logprobs.ranks.step.config import StepConfig
+from helios_logprobs.ranks.step.scoring import scored_capacities
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int32": 4, "int64": 8}
 DTYPE_ALIASES = {

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.layout import EXPORT_K, FIRST_PAIR, MAX_TOKEN_IDS, PAYLOAD_WORDS
-from ranks.contract.abi6 import (
+from helios_logprobs.kernels.layout import EXPORT_K, FIRST_PAIR, MAX_TOKEN_IDS, PAYLOAD_WORDS
+from helios_logprobs.ranks.contract.abi6 import (
     ACCEPTED,
     EMITTED,
     EPOCH,
@@ -25,7 +25,7 @@ from ranks.contract.abi6 import (
     Kind,
     record_width,
 )
-from ranks.contract.declarations import (
+from helios_logprobs.ranks.contract.declarations import (
     COMPLETION_LOGPROBS,
     COMPLETION_RECORDS,
     FRAMES,

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ranks.contract import declarations as d
-from ranks.contract.completion import CompletionOutputs
+from helios_logprobs.ranks.contract import declarations as d
+from helios_logprobs.ranks.contract.completion import CompletionOutputs
 
 SAMPLING_INPUTS = (d.LOGPROB_REQUESTED, d.LOGPROB_TOKEN_IDS, d.LOGPROB_TOKEN_ID_COUNTS)
 OUTPUTS = (d.COMPLETION_RECORDS, d.COMPLETION_LOGPROBS)

@@ -8,8 +8,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kernels.layout import EXPORT_K, MAX_TOKEN_IDS, PAYLOAD_WORDS, PROMPT_ROW_WORDS
-from ranks.contract.abi6 import HEADER
+from helios_logprobs.kernels.layout import EXPORT_K, MAX_TOKEN_IDS, PAYLOAD_WORDS, PROMPT_ROW_WORDS
+from helios_logprobs.ranks.contract.abi6 import HEADER
 
 COMPLETION_RECORDS = "completion_records"
 COMPLETION_LOGPROBS = "completion_logprobs"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from kernels.layout import MAX_TOKEN_IDS
+from helios_logprobs.kernels.layout import MAX_TOKEN_IDS
 
 LOGPROBS = "logprobs"
 TOKEN_IDS = "logprob_token_ids"

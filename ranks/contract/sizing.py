@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from ranks.contract.buffers import (
+from helios_logprobs.ranks.contract.buffers import (
     FIXED_SECTIONS,
     WEIGHT_KINDS,
     Buffer,
@@ -36,9 +36,9 @@ from ranks.contract.buffers import (
     scoring_buffers,
     weight_buffers,
 )
-from ranks.model.config import ModelConfig
-from ranks.model.sharding import ShardLayout, shard_layout
-from ranks.step.config import StepConfig
+from helios_logprobs.ranks.model.config import ModelConfig
+from helios_logprobs.ranks.model.sharding import ShardLayout, shard_layout
+from helios_logprobs.ranks.step.config import StepConfig
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.layout import EXPORT_K
-from ranks.contract.completion import CompletionOutputs
-from ranks.contract.requests import check_logprob_request
+from helios_logprobs.kernels.layout import EXPORT_K
+from helios_logprobs.ranks.contract.completion import CompletionOutputs
+from helios_logprobs.ranks.contract.requests import check_logprob_request
 
 
 @dataclass(frozen=True)

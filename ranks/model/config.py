@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ranks.model.errors import ModelConfigError, UnsupportedModelError
-from ranks.model.rope import RopeScaling, read_rope
+from helios_logprobs.ranks.model.errors import ModelConfigError, UnsupportedModelError
+from helios_logprobs.ranks.model.rope import RopeScaling, read_rope
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                  "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}

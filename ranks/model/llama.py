@@ -13,14 +13,24 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from collectives.groups import all_reduce_sum, all_reduce_sum_ordered, group_rank, group_size
-from ranks.model.config import ModelConfig
-from ranks.model.errors import UnsupportedModelError
-from ranks.model.invariant import attention as invariant_attention
-from ranks.model.invariant import choose_linear
-from ranks.model.rope import inverse_frequencies
-from ranks.model.sharding import ShardLayout, shard_layout
-from ranks.model.weights import LayerWeights, LoadProgress, ShardWeights, load_shard_weights
+from helios_logprobs.collectives.groups import (
+    all_reduce_sum,
+    all_reduce_sum_ordered,
+    group_rank,
+    group_size,
+)
+from helios_logprobs.ranks.model.config import ModelConfig
+from helios_logprobs.ranks.model.errors import UnsupportedModelError
+from helios_logprobs.ranks.model.invariant import attention as invariant_attention
+from helios_logprobs.ranks.model.invariant import choose_linear
+from helios_logprobs.ranks.model.rope import inverse_frequencies
+from helios_logprobs.ranks.model.sharding import ShardLayout, shard_layout
+from helios_logprobs.ranks.model.weights import (
+    LayerWeights,
+    LoadProgress,
+    ShardWeights,
+    load_shard_weights,
+)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ranks.model.errors import ModelConfigError, UnsupportedModelError
+from helios_logprobs.ranks.model.errors import ModelConfigError, UnsupportedModelError
 
 DEFAULT_ROPE_THETA = 10000.0
 SCALED_TYPES = ("linear", "llama3", "yarn")

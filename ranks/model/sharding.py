@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ranks.model.config import ModelConfig
+from helios_logprobs.ranks.model.config import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from ranks.model.config import ModelConfig
-from ranks.model.sharding import ShardLayout
+from helios_logprobs.ranks.model.config import ModelConfig
+from helios_logprobs.ranks.model.sharding import ShardLayout
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

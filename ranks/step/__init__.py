@@ -11,7 +11,7 @@ and the reduction line up. Only the coordinator reads the frames afterwards.
 
 from __future__ import annotations
 
-from ranks.step.config import StepConfig
-from ranks.step.rank_step import RankStep
+from helios_logprobs.ranks.step.config import StepConfig
+from helios_logprobs.ranks.step.rank_step import RankStep
 
 __all__ = ["RankStep", "StepConfig"]

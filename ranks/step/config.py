@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kernels.layout import EXPORT_K
-from ranks.contract.declarations import resolve_completion_token_capacity
+from helios_logprobs.kernels.layout import EXPORT_K
+from helios_logprobs.ranks.contract.declarations import resolve_completion_token_capacity
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kernels.native import built_once, load_library
-from ranks.contract import abi6
-from ranks.contract.completion import CompletionOutputs
+from helios_logprobs.kernels.native import built_once, load_library
+from helios_logprobs.ranks.contract import abi6
+from helios_logprobs.ranks.contract.completion import CompletionOutputs
 
 _DEFINES = {
     "SLOT": abi6.SLOT, "EPOCH": abi6.EPOCH, "KIND": abi6.KIND, "EMITTED": abi6.EMITTED,

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ranks.commit import RecordBatch, SlotState
-from ranks.contract.upload import LaneRequest
-from ranks.plan import SlotWork, StepPlan
-from ranks.step.config import StepConfig
+from helios_logprobs.ranks.commit import RecordBatch, SlotState
+from helios_logprobs.ranks.contract.upload import LaneRequest
+from helios_logprobs.ranks.plan import SlotWork, StepPlan
+from helios_logprobs.ranks.step.config import StepConfig
 
 
 @dataclass(frozen=True)

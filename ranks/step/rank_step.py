@@ -17,17 +17,17 @@ from __future__ import annotations
 
 import torch
 
-from kernels.layout import EXPORT_K
-from ranks.contract.completion import CompletionOutputs
-from ranks.contract.core import capabilities
-from ranks.contract.upload import LogprobUploader, UploadResult
-from ranks.plan import StepPlan
-from ranks.sampler import ShardedSampler
-from ranks.speculative import sampler_rows, split_rows
-from ranks.step.config import StepConfig
-from ranks.step.inputs import StepInputs, prepare_inputs
-from ranks.step.reduce import StepReduction
-from ranks.step.scoring import PromptScorer
+from helios_logprobs.kernels.layout import EXPORT_K
+from helios_logprobs.ranks.contract.completion import CompletionOutputs
+from helios_logprobs.ranks.contract.core import capabilities
+from helios_logprobs.ranks.contract.upload import LogprobUploader, UploadResult
+from helios_logprobs.ranks.plan import StepPlan
+from helios_logprobs.ranks.sampler import ShardedSampler
+from helios_logprobs.ranks.speculative import sampler_rows, split_rows
+from helios_logprobs.ranks.step.config import StepConfig
+from helios_logprobs.ranks.step.inputs import StepInputs, prepare_inputs
+from helios_logprobs.ranks.step.reduce import StepReduction
+from helios_logprobs.ranks.step.scoring import PromptScorer
 
 NO_UPLOAD = UploadResult(requesting_slots=(), copy_width=0)
 

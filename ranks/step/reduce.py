@@ -29,10 +29,10 @@ from __future__ import annotations
 
 import torch
 
-from kernels.layout import MAX_TOKEN_IDS, PAYLOAD_WORDS
-from kernels.rows import RowRequest
-from kernels.sharded import PreparedShardedReduction
-from ranks.contract.abi6 import (
+from helios_logprobs.kernels.layout import MAX_TOKEN_IDS, PAYLOAD_WORDS
+from helios_logprobs.kernels.rows import RowRequest
+from helios_logprobs.kernels.sharded import PreparedShardedReduction
+from helios_logprobs.ranks.contract.abi6 import (
     EMITTED,
     EPOCH,
     FIRST_LOGIT_ROW,
@@ -42,8 +42,8 @@ from ranks.contract.abi6 import (
     SLOT,
     Kind,
 )
-from ranks.contract.completion import CompletionOutputs
-from ranks.step.gate_native import NativeStepGate, native_gate
+from helios_logprobs.ranks.contract.completion import CompletionOutputs
+from helios_logprobs.ranks.step.gate_native import NativeStepGate, native_gate
 
 
 class StepReduction:
@@ -100,7 +100,7 @@ class StepReduction:
     def _prepare_kernels(self):
         """The Triton launches' prepared object for every row of the bundle, with the shard
         starts the final launch reads already on the device."""
-        from kernels.triton.sharded import prepared_sharded
+        from helios_logprobs.kernels.triton.sharded import prepared_sharded
 
         logits = self.logits
         kernels = prepared_sharded(logits.shape[0], logits.shape[1], logits.dtype, logits.device)

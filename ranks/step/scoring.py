@@ -17,9 +17,14 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.layout import PROMPT_BLOCK_ROWS, PROMPT_ROW_WORDS
-from kernels.scoring.driver import PreparedPromptScoring
-from ranks.contract.declarations import FRAMES, PROMPT_LOGPROBS, PROMPT_TARGET_TOKENS, BufferDecl
+from helios_logprobs.kernels.layout import PROMPT_BLOCK_ROWS, PROMPT_ROW_WORDS
+from helios_logprobs.kernels.scoring.driver import PreparedPromptScoring
+from helios_logprobs.ranks.contract.declarations import (
+    FRAMES,
+    PROMPT_LOGPROBS,
+    PROMPT_TARGET_TOKENS,
+    BufferDecl,
+)
 
 LADDER_START = 128
 LADDER_FACTOR = 4

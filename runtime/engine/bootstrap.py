@@ -8,13 +8,13 @@ from pathlib import Path
 
 import torch
 
-from ranks.model import ShardedCausalLM
-from ranks.model.weights import LoadProgress
-from ranks.plan import StepPlan
-from ranks.step import RankStep
-from runtime.engine.client import EngineInfo
-from runtime.engine.config import RuntimeConfig
-from runtime.engine.engine import Engine
+from helios_logprobs.ranks.model import ShardedCausalLM
+from helios_logprobs.ranks.model.weights import LoadProgress
+from helios_logprobs.ranks.plan import StepPlan
+from helios_logprobs.ranks.step import RankStep
+from helios_logprobs.runtime.engine.client import EngineInfo
+from helios_logprobs.runtime.engine.config import RuntimeConfig
+from helios_logprobs.runtime.engine.engine import Engine
 
 
 def eos_token_ids(model_dir: Path, from_config: tuple[int, ...]) -> tuple[int, ...]:

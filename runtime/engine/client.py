@@ -6,8 +6,8 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
-from ranks.contract.requests import RequestError
-from runtime.text.reasoning import ReasoningTokens
+from helios_logprobs.ranks.contract.requests import RequestError
+from helios_logprobs.runtime.text.reasoning import ReasoningTokens
 
 
 class EngineError(RuntimeError):

@@ -9,12 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from kernels.layout import EXPORT_K
-from ranks.contract.declarations import DEFAULT_COMPLETION_TOKEN_CAPACITY
-from ranks.model import ModelConfig
-from ranks.step import StepConfig
-from runtime.engine.scheduler import SchedulerConfig
-from runtime.text.reasoning import load_reasoning, reasoning_strings
+from helios_logprobs.kernels.layout import EXPORT_K
+from helios_logprobs.ranks.contract.declarations import DEFAULT_COMPLETION_TOKEN_CAPACITY
+from helios_logprobs.ranks.model import ModelConfig
+from helios_logprobs.ranks.step import StepConfig
+from helios_logprobs.runtime.engine.scheduler import SchedulerConfig
+from helios_logprobs.runtime.text.reasoning import load_reasoning, reasoning_strings
 
 BACKENDS = ("torch", "triton")
 MAX_MODEL_LEN_CAP = 4096

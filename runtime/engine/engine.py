@@ -11,8 +11,8 @@ import asyncio
 import threading
 from collections.abc import AsyncIterator, Callable
 
-from kernels.native import release_openmp_workers
-from ranks.contract.requests import (
+from helios_logprobs.kernels.native import release_openmp_workers
+from helios_logprobs.ranks.contract.requests import (
     RequestError,
     check_logprob_request,
     check_min_tokens,
@@ -20,9 +20,9 @@ from ranks.contract.requests import (
     check_token_ids,
     context_overflow,
 )
-from ranks.plan import StepPlan
-from ranks.step import RankStep
-from runtime.engine.client import (
+from helios_logprobs.ranks.plan import StepPlan
+from helios_logprobs.ranks.step import RankStep
+from helios_logprobs.runtime.engine.client import (
     EngineError,
     EngineInfo,
     Finished,
@@ -30,17 +30,17 @@ from runtime.engine.client import (
     PromptScores,
     SamplingParams,
 )
-from runtime.engine.executor import FrameExecutor
-from runtime.engine.frame_reader import SpeculationCounters, read_frame
-from runtime.engine.prompt_reader import PromptReader
-from runtime.engine.scheduler import (
+from helios_logprobs.runtime.engine.executor import FrameExecutor
+from helios_logprobs.runtime.engine.frame_reader import SpeculationCounters, read_frame
+from helios_logprobs.runtime.engine.prompt_reader import PromptReader
+from helios_logprobs.runtime.engine.scheduler import (
     Request,
     Scheduler,
     SchedulerConfig,
     check_thinking_budget,
     request_spec,
 )
-from runtime.engine.sink import WAKEUPS, Sink
+from helios_logprobs.runtime.engine.sink import WAKEUPS, Sink
 
 
 class Engine:

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.layout import FIRST_PAIR
-from ranks.contract.completion import CompletionOutputs
+from helios_logprobs.kernels.layout import FIRST_PAIR
+from helios_logprobs.ranks.contract.completion import CompletionOutputs
 
 
 @dataclass(frozen=True)

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ranks.contract import abi6
-from runtime.engine.client import Finished, GeneratedToken
-from runtime.engine.decoding.frame import decode_frame
-from runtime.engine.decoding.lanes import DecodedEntry, LaneExpectation
-from runtime.engine.executor import HostFrame
-from runtime.engine.scheduler import Request
+from helios_logprobs.ranks.contract import abi6
+from helios_logprobs.runtime.engine.client import Finished, GeneratedToken
+from helios_logprobs.runtime.engine.decoding.frame import decode_frame
+from helios_logprobs.runtime.engine.decoding.lanes import DecodedEntry, LaneExpectation
+from helios_logprobs.runtime.engine.executor import HostFrame
+from helios_logprobs.runtime.engine.scheduler import Request
 
 FINISH_NAMES = {
     abi6.FinishReason.LENGTH: "length",

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kernels.layout import (
+from helios_logprobs.kernels.layout import (
     PROMPT_FIRST_PAIR,
     PROMPT_K,
     PROMPT_RANK,
@@ -21,9 +21,9 @@ from kernels.layout import (
     PROMPT_TARGET_BITS,
     PROMPT_TARGET_ID,
 )
-from ranks.plan import SlotWork
-from ranks.step.scoring import PromptScorer
-from runtime.engine.client import EngineError, PromptLogprob, TokenLogprob
+from helios_logprobs.ranks.plan import SlotWork
+from helios_logprobs.ranks.step.scoring import PromptScorer
+from helios_logprobs.runtime.engine.client import EngineError, PromptLogprob, TokenLogprob
 
 
 class PromptReader:

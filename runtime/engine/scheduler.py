@@ -8,15 +8,15 @@ import secrets
 from collections import deque
 from dataclasses import dataclass, field
 
-from ranks.contract.requests import RequestError
-from ranks.plan import RequestSpec, SlotWork, StepPlan
-from ranks.sampling_params import RowSampling
-from runtime.engine.client import MIN_TEMPERATURE, EngineInfo, SamplingParams
-from runtime.engine.decoding.lanes import LaneExpectation
-from runtime.engine.proposer import HistoryProposer
-from runtime.text.reasoning import ReasoningTokens
+from helios_logprobs.ranks.contract.requests import RequestError
+from helios_logprobs.ranks.plan import RequestSpec, SlotWork, StepPlan
+from helios_logprobs.ranks.sampling_params import RowSampling
+from helios_logprobs.runtime.engine.client import MIN_TEMPERATURE, EngineInfo, SamplingParams
+from helios_logprobs.runtime.engine.decoding.lanes import LaneExpectation
+from helios_logprobs.runtime.engine.proposer import HistoryProposer
+from helios_logprobs.runtime.text.reasoning import ReasoningTokens
 
-log = logging.getLogger("runtime.engine")
+log = logging.getLogger("helios_logprobs.runtime.engine")
 
 THINKING_BUDGET = "thinking_token_budget"
 

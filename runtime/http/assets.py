@@ -8,10 +8,10 @@ from pathlib import Path
 
 import tokenizers
 
-from ranks.contract.requests import RequestError
-from runtime.http.protocol.defaults import FROM_MODEL, load_sampling_defaults
-from runtime.text.chat_template import ChatTemplate
-from runtime.text.token_bytes import TokenBytes
+from helios_logprobs.ranks.contract.requests import RequestError
+from helios_logprobs.runtime.http.protocol.defaults import FROM_MODEL, load_sampling_defaults
+from helios_logprobs.runtime.text.chat_template import ChatTemplate
+from helios_logprobs.runtime.text.token_bytes import TokenBytes
 
 UNBLOCKED_ENCODE_CHARS = 16_384
 """Texts at least this long are encoded with `encode_batch`, which releases the GIL (`encode`

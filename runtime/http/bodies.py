@@ -15,23 +15,23 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 
-from ranks.contract.requests import RequestError
-from runtime.http.protocol.limits import (
+from helios_logprobs.ranks.contract.requests import RequestError
+from helios_logprobs.runtime.http.protocol.limits import (
     DEFAULT_MAX_REQUEST_BYTES,
     BodyTooLarge,
     decode_json,
     read_body,
 )
-from runtime.http.protocol.models import (
+from helios_logprobs.runtime.http.protocol.models import (
     OpenAIModel,
 )
-from runtime.http.protocol.refusals import ignored_fields_message
-from runtime.http.responses import (
+from helios_logprobs.runtime.http.protocol.refusals import ignored_fields_message
+from helios_logprobs.runtime.http.responses import (
     error_response,
     request_error_response,
 )
 
-fields_log = logging.getLogger("runtime.http")
+fields_log = logging.getLogger("helios_logprobs.runtime.http")
 UNSUPPORTED_MEDIA_TYPE = "Unsupported Media Type: Only 'application/json' is allowed"
 T = TypeVar("T")
 

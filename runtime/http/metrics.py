@@ -161,7 +161,7 @@ def _frame_bytes(engine: Any) -> dict[str, int] | None:
     config = getattr(getattr(engine, "step", None), "config", None)
     if config is None:
         return None
-    from ranks.contract.sizing import frame_bytes
+    from helios_logprobs.ranks.contract.sizing import frame_bytes
 
     return frame_bytes(config).as_dict()
 

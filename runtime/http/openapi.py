@@ -16,7 +16,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
-from runtime.http.protocol.models import (
+from helios_logprobs.runtime.http.protocol.models import (
     EFFORTS,
     SUMMARIES,
     ChatCompletionRequest,

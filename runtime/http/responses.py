@@ -17,12 +17,12 @@ from typing import Any
 import orjson
 from fastapi.responses import Response
 
-from ranks.contract.requests import RequestError
-from runtime.engine.client import EngineError
-from runtime.http.output.wire import NonFiniteLogprob
-from runtime.http.protocol.models import error_body
+from helios_logprobs.ranks.contract.requests import RequestError
+from helios_logprobs.runtime.engine.client import EngineError
+from helios_logprobs.runtime.http.output.wire import NonFiniteLogprob
+from helios_logprobs.runtime.http.protocol.models import error_body
 
-log = logging.getLogger("runtime.http")
+log = logging.getLogger("helios_logprobs.runtime.http")
 
 
 def now() -> int:

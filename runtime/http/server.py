@@ -24,38 +24,51 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ranks.contract.requests import RequestError
-from runtime.engine.client import EngineClient
-from runtime.http.assets import ModelAssets
-from runtime.http.bodies import off_loop, parse_body, until_disconnected, validation_error
-from runtime.http.endpoints.chat import chat, prepare_chat, stream_chat
-from runtime.http.endpoints.completions import complete, prepare_completion, stream_completion
-from runtime.http.endpoints.responses_api import prepare_responses, respond, stream_responses
-from runtime.http.endpoints.tokenization import (
+from helios_logprobs.ranks.contract.requests import RequestError
+from helios_logprobs.runtime.engine.client import EngineClient
+from helios_logprobs.runtime.http.assets import ModelAssets
+from helios_logprobs.runtime.http.bodies import (
+    off_loop,
+    parse_body,
+    until_disconnected,
+    validation_error,
+)
+from helios_logprobs.runtime.http.endpoints.chat import chat, prepare_chat, stream_chat
+from helios_logprobs.runtime.http.endpoints.completions import (
+    complete,
+    prepare_completion,
+    stream_completion,
+)
+from helios_logprobs.runtime.http.endpoints.responses_api import (
+    prepare_responses,
+    respond,
+    stream_responses,
+)
+from helios_logprobs.runtime.http.endpoints.tokenization import (
     detokenize_ids,
     tokenize,
     tokenize_model,
     tokenizer_info,
 )
-from runtime.http.metrics import (
+from helios_logprobs.runtime.http.metrics import (
     RETRY_AFTER_S,
     Admission,
     Metrics,
     ServerStats,
     default_queue_limit,
 )
-from runtime.http.openapi import openapi_document
-from runtime.http.protocol.defaults import FROM_MODEL
-from runtime.http.protocol.limits import (
+from helios_logprobs.runtime.http.openapi import openapi_document
+from helios_logprobs.runtime.http.protocol.defaults import FROM_MODEL
+from helios_logprobs.runtime.http.protocol.limits import (
     DEFAULT_MAX_REQUEST_BYTES,
 )
-from runtime.http.protocol.models import (
+from helios_logprobs.runtime.http.protocol.models import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     ResponsesRequest,
 )
-from runtime.http.responses import (
+from helios_logprobs.runtime.http.responses import (
     dumps,
     dumps_in_pieces,
     error_response,
@@ -67,7 +80,7 @@ from runtime.http.responses import (
     sse_stream,
 )
 
-log = logging.getLogger("runtime.http.server")
+log = logging.getLogger("helios_logprobs.runtime.http.server")
 try:
     VERSION = importlib.metadata.version("helios-logprobs")
 except importlib.metadata.PackageNotFoundError:  # (run from a checkout without installing)

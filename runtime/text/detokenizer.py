@@ -36,7 +36,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from runtime.text.token_bytes import TokenBytes
+from helios_logprobs.runtime.text.token_bytes import TokenBytes
 
 
 @dataclass(frozen=True)

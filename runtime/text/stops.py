@@ -25,9 +25,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from runtime.engine.client import Finished, GeneratedToken
-from runtime.text.detokenizer import Detokenizer, DetokStep, TokenStart
-from runtime.text.token_bytes import TokenBytes
+from helios_logprobs.runtime.engine.client import Finished, GeneratedToken
+from helios_logprobs.runtime.text.detokenizer import Detokenizer, DetokStep, TokenStart
+from helios_logprobs.runtime.text.token_bytes import TokenBytes
 
 T = TypeVar("T")
 

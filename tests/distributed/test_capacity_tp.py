@@ -23,9 +23,9 @@ CASES = {
 
 
 def rank_main(model_dirs: dict[str, str]) -> list[tuple]:
-    from collectives.groups import group_rank, group_size, world_group
-    from ranks.contract.sizing import rank_sizing
-    from runtime.engine.bootstrap import build_engine
+    from helios_logprobs.collectives.groups import group_rank, group_size, world_group
+    from helios_logprobs.ranks.contract.sizing import rank_sizing
+    from helios_logprobs.runtime.engine.bootstrap import build_engine
     from tests.capacity_checks import build, check_host, check_kv_allocator, check_rank
 
     group = world_group()

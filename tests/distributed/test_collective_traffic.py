@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.layout import EXCHANGE1_WORDS, EXCHANGE2_WORDS
-from ranks.sampler_filters import FILTER_WORDS, PICK_WORDS
+from helios_logprobs.kernels.layout import EXCHANGE1_WORDS, EXCHANGE2_WORDS
+from helios_logprobs.ranks.sampler_filters import FILTER_WORDS, PICK_WORDS
 from tests.checkpoints import write_llama
 from tests.distributed.harness import run_ranks
 
@@ -40,8 +40,8 @@ ALL_GATHER_FLAT = "_allgather_base_"
 # ----------------------------------------------------------------------------- ranks
 def _reduction_calls(world: int, rank: int) -> list[dict]:
     """Two configurations (3 rows with selected ids and a flag off; 1 row), two calls each."""
-    from collectives.groups import world_group
-    from kernels.api import reduce_logprobs_sharded
+    from helios_logprobs.collectives.groups import world_group
+    from helios_logprobs.kernels.api import reduce_logprobs_sharded
     from tests.distributed.collective_log import record_collectives
 
     width = -(-VOCAB // world)
@@ -66,8 +66,8 @@ def _reduction_calls(world: int, rank: int) -> list[dict]:
 
 
 def _spec(ordinal: int, logprobs: bool = False, ids: tuple[int, ...] = (), **sampling):
-    from ranks.plan import RequestSpec
-    from ranks.sampling_params import RowSampling
+    from helios_logprobs.ranks.plan import RequestSpec
+    from helios_logprobs.ranks.sampling_params import RowSampling
 
     return RequestSpec(ordinal=ordinal, max_tokens=16,
                        sampling=RowSampling(seed=100 + ordinal, position=0, **sampling),
@@ -77,7 +77,7 @@ def _spec(ordinal: int, logprobs: bool = False, ids: tuple[int, ...] = (), **sam
 def _steps(step, world: int) -> list[dict]:
     """Four submissions: prefill (one chunk not sampling), decode with every sampler path,
     a step in which no lane requests logprobs, and one that is a plain decode."""
-    from ranks.plan import SlotWork, StepPlan
+    from helios_logprobs.ranks.plan import SlotWork, StepPlan
     from tests.distributed.collective_log import record_collectives
 
     shard = -(-VOCAB // world)
@@ -117,9 +117,9 @@ def _steps(step, world: int) -> list[dict]:
 
 
 def rank_main(model_dir: str) -> dict:
-    from collectives.groups import group_rank, group_size, world_group
-    from ranks.model import ShardedCausalLM
-    from ranks.step import RankStep, StepConfig
+    from helios_logprobs.collectives.groups import group_rank, group_size, world_group
+    from helios_logprobs.ranks.model import ShardedCausalLM
+    from helios_logprobs.ranks.step import RankStep, StepConfig
     from tests.distributed.collective_log import record_collectives
 
     group = world_group()

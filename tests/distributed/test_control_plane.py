@@ -20,8 +20,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from collectives.codec import CodecError, message
-from collectives.control import (
+from helios_logprobs.collectives.codec import CodecError, message
+from helios_logprobs.collectives.control import (
     ControlConfig,
     ControlTimeout,
     CoordinatorChannel,

@@ -45,9 +45,9 @@ def checkpoint(request, tmp_path_factory):
 def generate(model_dir, world: int, tmp_path, reqs: list[dict]) -> dict:
     req_file, out_file = tmp_path / f"req{world}.json", tmp_path / f"out{world}.json"
     req_file.write_text(json.dumps(reqs))
-    run_ranks("launch.generate", ["--model", str(model_dir), "--requests", str(req_file),
-                                  "--output", str(out_file), "--capacity", "4",
-                                  "--chunk-size", "32"], world)
+    run_ranks("helios_logprobs.launch.generate",
+              ["--model", str(model_dir), "--requests", str(req_file), "--output", str(out_file),
+               "--capacity", "4", "--chunk-size", "32"], world)
     return json.loads(out_file.read_text())
 
 

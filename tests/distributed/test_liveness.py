@@ -13,7 +13,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from collectives.control import (
+from helios_logprobs.collectives.control import (
     ControlConfig,
     CoordinatorChannel,
     PeerChannel,

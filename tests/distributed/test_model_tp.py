@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from collectives.groups import world_group
-from ranks.model import ShardedCausalLM
+from helios_logprobs.collectives.groups import world_group
+from helios_logprobs.ranks.model import ShardedCausalLM
 from tests.distributed.harness import run_ranks
 from tests.oracles import (
     TOLERANCE,

@@ -42,7 +42,7 @@ def test_lost_peer_fails_in_flight_requests_without_hanging(tmp_path, sig):
     args = ["--model", str(model_dir), "--requests", str(tmp_path / "req.json"),
             "--output", str(out), "--capacity", "4", "--max-model-len", "500",
             "--heartbeat-timeout", "3", "--log-level", "ERROR"]
-    procs = start_ranks("launch.generate", args, 2, stderr=subprocess.PIPE)
+    procs = start_ranks("helios_logprobs.launch.generate", args, 2, stderr=subprocess.PIPE)
     try:
         coordinator, peer = procs
         deadline = time.monotonic() + 120

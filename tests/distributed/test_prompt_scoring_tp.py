@@ -25,14 +25,14 @@ PROMPTS = {
 def rank_main(model_dir: str) -> dict:
     import torch
 
-    from collectives.groups import world_group
-    from ranks.plan import RequestSpec
-    from ranks.sampling_params import RowSampling
-    from runtime.engine.bootstrap import load_rank
-    from runtime.engine.client import SamplingParams
-    from runtime.engine.config import RuntimeConfig
-    from runtime.engine.prompt_reader import decode_prompt_rows
-    from runtime.engine.scheduler import Request, Scheduler
+    from helios_logprobs.collectives.groups import world_group
+    from helios_logprobs.ranks.plan import RequestSpec
+    from helios_logprobs.ranks.sampling_params import RowSampling
+    from helios_logprobs.runtime.engine.bootstrap import load_rank
+    from helios_logprobs.runtime.engine.client import SamplingParams
+    from helios_logprobs.runtime.engine.config import RuntimeConfig
+    from helios_logprobs.runtime.engine.prompt_reader import decode_prompt_rows
+    from helios_logprobs.runtime.engine.scheduler import Request, Scheduler
 
     config = RuntimeConfig(model_dir=model_dir, capacity=4, max_model_len=512, chunk_size=256,
                            prompt_logprobs=True)

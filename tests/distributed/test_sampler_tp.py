@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from collectives.groups import group_rank, group_size, world_group
-from ranks.sampler import ShardedSampler
-from ranks.sampling_params import RowSampling
+from helios_logprobs.collectives.groups import group_rank, group_size, world_group
+from helios_logprobs.ranks.sampler import ShardedSampler
+from helios_logprobs.ranks.sampling_params import RowSampling
 from tests import sampler_oracle as oracle
 from tests.distributed.harness import run_ranks
 

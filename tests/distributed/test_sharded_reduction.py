@@ -15,8 +15,8 @@ import math
 import pytest
 import torch
 
-from kernels.api import reduce_logprobs
-from kernels.layout import EXCHANGE1_WORDS, EXCHANGE2_WORDS, PAYLOAD_WORDS
+from helios_logprobs.kernels.api import reduce_logprobs
+from helios_logprobs.kernels.layout import EXCHANGE1_WORDS, EXCHANGE2_WORDS, PAYLOAD_WORDS
 from tests.distributed.harness import run_ranks
 from tests.oracles import check_payload, tolerance
 
@@ -27,8 +27,8 @@ SENTINEL = 0x5A5A5A5A
 def sharded_worker(backend: str, cases: list[dict]) -> list[dict]:
     """Runs on every rank: this rank's shard of each case, twice (determinism); the second
     call (prepared state cached) with every collective recorded."""
-    from collectives.groups import group_rank, world_group
-    from kernels.api import reduce_logprobs_sharded
+    from helios_logprobs.collectives.groups import group_rank, world_group
+    from helios_logprobs.kernels.api import reduce_logprobs_sharded
     from tests.distributed.collective_log import record_collectives
 
     group = world_group()
@@ -195,7 +195,7 @@ def test_harness_reports_the_failing_rank() -> None:
 
 
 def _fail_on_rank_one() -> int:
-    from collectives.groups import barrier, group_rank, world_group
+    from helios_logprobs.collectives.groups import barrier, group_rank, world_group
 
     rank = group_rank(world_group())
     if rank == 1:
@@ -205,7 +205,7 @@ def _fail_on_rank_one() -> int:
 
 
 def test_shard_bounds_must_tile_the_vocabulary(monkeypatch) -> None:
-    import kernels.sharded as sharded
+    import helios_logprobs.kernels.sharded as sharded
 
     def check(bounds: list[tuple[int, int, int, int]], vocab: int) -> list[int]:
         """agreed_shard_starts as if the ranks had reported `bounds` (lo, hi, vocab, rows)."""
@@ -225,7 +225,7 @@ def test_shard_bounds_must_tile_the_vocabulary(monkeypatch) -> None:
 
 def test_no_group_runs_in_process_and_matches_unsharded() -> None:
     case = make_case(30, 423, [430], selected=True, requested=[1, 1, 0, 1])
-    from kernels.api import reduce_logprobs_sharded
+    from helios_logprobs.kernels.api import reduce_logprobs_sharded
 
     out = torch.full((4, PAYLOAD_WORDS), SENTINEL, dtype=torch.int32)
     reduce_logprobs_sharded(

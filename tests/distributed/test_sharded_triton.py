@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from collectives.groups import group_rank, group_size, world_group
-from kernels.api import reduce_logprobs_sharded
+from helios_logprobs.collectives.groups import group_rank, group_size, world_group
+from helios_logprobs.kernels.api import reduce_logprobs_sharded
 from tests.distributed.harness import run_ranks
 from tests.reduction_cases import (
     assert_matches_reference,

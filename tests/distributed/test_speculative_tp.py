@@ -29,9 +29,9 @@ THINKING = [  # (text, max_tokens, budget): a span in the prompt, one the output
 
 def rank_main(model_dir: str, jobs, counts: tuple[int, ...], overrides: dict) -> dict:
     """Every N of ``counts`` on this rank: its events, and what its frame watch saw."""
-    from collectives.groups import world_group
-    from runtime.engine.bootstrap import build_engine, load_rank
-    from runtime.engine.config import RuntimeConfig
+    from helios_logprobs.collectives.groups import world_group
+    from helios_logprobs.runtime.engine.bootstrap import build_engine, load_rank
+    from helios_logprobs.runtime.engine.config import RuntimeConfig
     from tests.spec_helpers import FrameWatch
 
     out = {}
@@ -76,7 +76,7 @@ def test_random_qwen2_tp4_equals_tp1_and_speculation_off(tmp_path):
 
 
 def test_thinking_budget_tp4_forced_tokens_have_no_entries(tmp_path):
-    from runtime.engine.client import SamplingParams
+    from helios_logprobs.runtime.engine.client import SamplingParams
 
     model_dir = write_scripted(tmp_path / "scripted", {"c": "a", "m": THINK})
     jobs = [(encode(model_dir, text), SamplingParams(
@@ -115,7 +115,7 @@ def test_launch_generate_tp4_over_the_control_plane(tmp_path):
     outs = []
     for flags in ([], ["--speculative-tokens", "4", "--ngram-min", "2", "--ngram-max", "3"]):
         out = tmp_path / f"out{len(flags)}.json"
-        run_module("launch.generate", [
+        run_module("helios_logprobs.launch.generate", [
             "--model", str(model_dir), "--requests", str(tmp_path / "req.json"),
             "--output", str(out), "--capacity", "4", "--reasoning-parser", "qwen3", *flags], 4)
         outs.append(json.loads(out.read_text()))

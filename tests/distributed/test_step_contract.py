@@ -10,9 +10,9 @@ import math
 import pytest
 import torch
 
-from kernels.layout import FIRST_PAIR
-from kernels.sortkeys import bits_to_float
-from ranks.contract import abi6
+from helios_logprobs.kernels.layout import FIRST_PAIR
+from helios_logprobs.kernels.sortkeys import bits_to_float
+from helios_logprobs.ranks.contract import abi6
 from tests.checkpoints import hf_logprobs, write_qwen2
 from tests.distributed.harness import run_ranks
 
@@ -25,8 +25,8 @@ TOL = 1e-4
 
 
 def plan(logprob_ids: tuple[int, ...] = (), logprobs: bool = True):
-    from ranks.plan import RequestSpec, SlotWork, StepPlan
-    from ranks.sampling_params import RowSampling
+    from helios_logprobs.ranks.plan import RequestSpec, SlotWork, StepPlan
+    from helios_logprobs.ranks.sampling_params import RowSampling
 
     def spec(ordinal: int, ids: tuple[int, ...] = ()) -> RequestSpec:
         sampling = RowSampling(seed=ordinal, position=0, temperature=0.0)
@@ -47,12 +47,12 @@ def frame(step) -> dict:
 
 def rank_main(model_dir: str) -> dict:
     """Every scenario on this rank; the parent compares ranks and checks the values."""
-    import kernels.sharded
-    from collectives.groups import world_group
-    from kernels.triton import sharded as triton_sharded
-    from ranks import commit
-    from runtime.engine.bootstrap import load_rank
-    from runtime.engine.config import RuntimeConfig
+    from helios_logprobs.collectives.groups import world_group
+    from helios_logprobs.kernels import sharded
+    from helios_logprobs.kernels.triton import sharded as triton_sharded
+    from helios_logprobs.ranks import commit
+    from helios_logprobs.runtime.engine.bootstrap import load_rank
+    from helios_logprobs.runtime.engine.config import RuntimeConfig
 
     group = world_group()
 
@@ -82,15 +82,15 @@ def rank_main(model_dir: str) -> dict:
     results["k5"] = frame(step)
 
     built = []
-    init = kernels.sharded.PreparedShardedReduction.__init__
+    init = sharded.PreparedShardedReduction.__init__
 
     def counting(self, *args, **kwargs):
         built.append(1)
         init(self, *args, **kwargs)
 
-    kernels.sharded.PreparedShardedReduction.__init__ = counting
+    sharded.PreparedShardedReduction.__init__ = counting
     step = step_for(logprobs=False)
-    kernels.sharded.PreparedShardedReduction.__init__ = init
+    sharded.PreparedShardedReduction.__init__ = init
     step.outputs.logprob_requested.fill_(SENTINEL)
     step.run(plan(logprobs=False))
     results["off"] = {"built": len(built), "reduction": step.reduction is None,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ranks.model import ShardedCausalLM
+from helios_logprobs.ranks.model import ShardedCausalLM
 from tests.checkpoints import write_qwen2
 
 pytestmark = [

@@ -19,9 +19,9 @@ pytestmark = [
                        reason="TRITON_INTERPRET=1: kernels are interpreted, not compiled"),
 ]
 
-from kernels.triton.backend import PreparedReduction, prepared_reduction  # noqa: E402
-from kernels.triton.common import SELECT_EXTRACT, SELECT_TOPK  # noqa: E402
-from kernels.triton.sharded import PreparedShardedReduction  # noqa: E402
+from helios_logprobs.kernels.triton.backend import PreparedReduction, prepared_reduction  # noqa: E402
+from helios_logprobs.kernels.triton.common import SELECT_EXTRACT, SELECT_TOPK  # noqa: E402
+from helios_logprobs.kernels.triton.sharded import PreparedShardedReduction  # noqa: E402
 from tests.reduction_cases import (  # noqa: E402
     assert_matches_reference,
     exact_expected,

@@ -291,7 +291,7 @@ def launch(name: str, model_dir: Path, tp: int, extra: list[str], log_dir: Path,
     another port if some other process bound this one first."""
     skip_without_gpus(tp)
     port = free_port()
-    serve = ["-m", "launch.serve", "--model", str(model_dir), "--host", "127.0.0.1",
+    serve = ["-m", "helios_logprobs.launch.serve", "--model", str(model_dir), "--host", "127.0.0.1",
              "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN), *extra]
     if command is not None:
         cmd = [sys.executable, *command(port)]

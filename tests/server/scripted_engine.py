@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from runtime.engine.client import EngineInfo
-from runtime.engine.engine import Engine as RealEngine
+from helios_logprobs.runtime.engine.client import EngineInfo
+from helios_logprobs.runtime.engine.engine import Engine as RealEngine
 
 
 class ScriptedEngine:

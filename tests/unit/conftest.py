@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from tokenizers import Tokenizer
 
-from runtime.text.token_bytes import TokenBytes
+from helios_logprobs.runtime.text.token_bytes import TokenBytes
 from tests.tokenizer_fixtures import byte_fallback_tokenizer, byte_level_tokenizer
 
 

@@ -14,10 +14,14 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from kernels.layout import CHOSEN_BITS, CHOSEN_ID, FIRST_PAIR
-from ranks.contract.abi6 import HEADER
-from runtime.engine.decoding.lanes import DecodeError, LaneExpectation, SlotDecode
-from runtime.engine.decoding.position import WordRow, decode_lane, emitting_positions
+from helios_logprobs.kernels.layout import CHOSEN_BITS, CHOSEN_ID, FIRST_PAIR
+from helios_logprobs.ranks.contract.abi6 import HEADER
+from helios_logprobs.runtime.engine.decoding.lanes import DecodeError, LaneExpectation, SlotDecode
+from helios_logprobs.runtime.engine.decoding.position import (
+    WordRow,
+    decode_lane,
+    emitting_positions,
+)
 
 FEW_ROWS = 2
 """Frames of at most this many emitted positions gather them slice by slice."""

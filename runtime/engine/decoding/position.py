@@ -3,7 +3,7 @@ operations."""
 
 from __future__ import annotations
 
-from ranks.contract.abi6 import (
+from helios_logprobs.ranks.contract.abi6 import (
     EMITTED,
     EMITTING_KINDS,
     EPOCH,
@@ -15,8 +15,8 @@ from ranks.contract.abi6 import (
     SUBMISSION,
     Kind,
 )
-from runtime.engine.client import TokenLogprobs
-from runtime.engine.decoding.lanes import (
+from helios_logprobs.runtime.engine.client import TokenLogprobs
+from helios_logprobs.runtime.engine.decoding.lanes import (
     DecodedEntry,
     DecodeError,
     LaneExpectation,

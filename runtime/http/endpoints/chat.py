@@ -11,15 +11,24 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ranks.contract.requests import RequestError, check_logprob_request, check_token_ids_given
-from runtime.engine.client import EngineClient
-from runtime.http.assets import ModelAssets
-from runtime.http.output.choice_stream import ChoiceJob, Delta, Totals
-from runtime.http.output.choices import collect, envelope, stream_chunks
-from runtime.http.output.wire import Position, WireMode, chat_logprobs, request_prompt_logprobs
-from runtime.http.protocol.messages import ChatMessage, parse_messages
-from runtime.http.protocol.models import ChatCompletionRequest
-from runtime.http.protocol.params import (
+from helios_logprobs.ranks.contract.requests import (
+    RequestError,
+    check_logprob_request,
+    check_token_ids_given,
+)
+from helios_logprobs.runtime.engine.client import EngineClient
+from helios_logprobs.runtime.http.assets import ModelAssets
+from helios_logprobs.runtime.http.output.choice_stream import ChoiceJob, Delta, Totals
+from helios_logprobs.runtime.http.output.choices import collect, envelope, stream_chunks
+from helios_logprobs.runtime.http.output.wire import (
+    Position,
+    WireMode,
+    chat_logprobs,
+    request_prompt_logprobs,
+)
+from helios_logprobs.runtime.http.protocol.messages import ChatMessage, parse_messages
+from helios_logprobs.runtime.http.protocol.models import ChatCompletionRequest
+from helios_logprobs.runtime.http.protocol.params import (
     bad_word_ids,
     build_params,
     capped_max_tokens,
@@ -32,9 +41,13 @@ from runtime.http.protocol.params import (
     truncation,
     wire_mode,
 )
-from runtime.text.chat_template import ChatTemplateError
-from runtime.text.reasoning import ReasoningSplit, ReasoningStrings, prompt_ends_reasoning
-from runtime.text.token_bytes import TokenBytes
+from helios_logprobs.runtime.text.chat_template import ChatTemplateError
+from helios_logprobs.runtime.text.reasoning import (
+    ReasoningSplit,
+    ReasoningStrings,
+    prompt_ends_reasoning,
+)
+from helios_logprobs.runtime.text.token_bytes import TokenBytes
 
 RESERVED_TEMPLATE_KEYS = {"messages", "add_generation_prompt"}
 

@@ -14,12 +14,16 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ranks.contract.requests import RequestError, check_token_ids, check_token_ids_given
-from runtime.engine.client import EngineClient, EngineInfo
-from runtime.http.assets import ModelAssets
-from runtime.http.output.choice_stream import ChoiceJob, Delta, Totals
-from runtime.http.output.choices import collect, envelope, stream_chunks
-from runtime.http.output.wire import (
+from helios_logprobs.ranks.contract.requests import (
+    RequestError,
+    check_token_ids,
+    check_token_ids_given,
+)
+from helios_logprobs.runtime.engine.client import EngineClient, EngineInfo
+from helios_logprobs.runtime.http.assets import ModelAssets
+from helios_logprobs.runtime.http.output.choice_stream import ChoiceJob, Delta, Totals
+from helios_logprobs.runtime.http.output.choices import collect, envelope, stream_chunks
+from helios_logprobs.runtime.http.output.wire import (
     Position,
     WireMode,
     completion_logprobs,
@@ -27,8 +31,8 @@ from runtime.http.output.wire import (
     prompt_position,
     request_prompt_logprobs,
 )
-from runtime.http.protocol.models import CompletionRequest
-from runtime.http.protocol.params import (
+from helios_logprobs.runtime.http.protocol.models import CompletionRequest
+from helios_logprobs.runtime.http.protocol.params import (
     bad_word_ids,
     build_params,
     capped_max_tokens,
@@ -41,8 +45,8 @@ from runtime.http.protocol.params import (
     truncation,
     wire_mode,
 )
-from runtime.text.detokenizer import detokenize
-from runtime.text.token_bytes import TokenBytes
+from helios_logprobs.runtime.text.detokenizer import detokenize
+from helios_logprobs.runtime.text.token_bytes import TokenBytes
 
 DEFAULT_MAX_TOKENS = 16
 

@@ -23,17 +23,22 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from ranks.contract.requests import RequestError
-from runtime.engine.client import EngineClient
-from runtime.http.assets import ModelAssets
-from runtime.http.endpoints.chat import PreparedChat, chat, prepare_chat, stream_chat
-from runtime.http.protocol.models import (
+from helios_logprobs.ranks.contract.requests import RequestError
+from helios_logprobs.runtime.engine.client import EngineClient
+from helios_logprobs.runtime.http.assets import ModelAssets
+from helios_logprobs.runtime.http.endpoints.chat import (
+    PreparedChat,
+    chat,
+    prepare_chat,
+    stream_chat,
+)
+from helios_logprobs.runtime.http.protocol.models import (
     EFFORTS,
     SUMMARIES,
     ChatCompletionRequest,
     ResponsesRequest,
 )
-from runtime.http.responses import now
+from helios_logprobs.runtime.http.responses import now
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 TEXT_PARTS = ("input_text", "output_text", "text")

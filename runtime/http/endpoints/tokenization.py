@@ -17,16 +17,16 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ranks.contract.requests import check_token_ids
-from runtime.http.assets import ModelAssets
-from runtime.http.endpoints.chat import render
-from runtime.http.protocol.messages import parse_messages
-from runtime.http.protocol.models import (
+from helios_logprobs.ranks.contract.requests import check_token_ids
+from helios_logprobs.runtime.http.assets import ModelAssets
+from helios_logprobs.runtime.http.endpoints.chat import render
+from helios_logprobs.runtime.http.protocol.messages import parse_messages
+from helios_logprobs.runtime.http.protocol.models import (
     DetokenizeRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
-from runtime.text.detokenizer import detokenize
+from helios_logprobs.runtime.text.detokenizer import detokenize
 
 
 def tokenize_model(data: dict[str, Any]) -> type[TokenizeChatRequest | TokenizeCompletionRequest]:

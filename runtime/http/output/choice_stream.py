@@ -18,7 +18,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.engine.client import (
+from helios_logprobs.runtime.engine.client import (
     EngineClient,
     Finished,
     GeneratedToken,
@@ -26,10 +26,10 @@ from runtime.engine.client import (
     PromptScores,
     SamplingParams,
 )
-from runtime.http.output.wire import Position, positions
-from runtime.text.reasoning import ReasoningCounter, ReasoningTokens
-from runtime.text.stops import OutputStream
-from runtime.text.token_bytes import MAX_CONTEXT, TokenBytes
+from helios_logprobs.runtime.http.output.wire import Position, positions
+from helios_logprobs.runtime.text.reasoning import ReasoningCounter, ReasoningTokens
+from helios_logprobs.runtime.text.stops import OutputStream
+from helios_logprobs.runtime.text.token_bytes import MAX_CONTEXT, TokenBytes
 
 MERGE_QUEUE = 32
 

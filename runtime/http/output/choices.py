@@ -10,15 +10,21 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.engine.client import (
+from helios_logprobs.runtime.engine.client import (
     EngineClient,
     PromptLogprob,
 )
-from runtime.http.assets import ModelAssets
-from runtime.http.output.choice_stream import ChoiceJob, Delta, Totals, merge, run_choice
-from runtime.http.output.wire import Position
-from runtime.http.protocol.models import StreamOptions
-from runtime.http.responses import new_id, now
+from helios_logprobs.runtime.http.assets import ModelAssets
+from helios_logprobs.runtime.http.output.choice_stream import (
+    ChoiceJob,
+    Delta,
+    Totals,
+    merge,
+    run_choice,
+)
+from helios_logprobs.runtime.http.output.wire import Position
+from helios_logprobs.runtime.http.protocol.models import StreamOptions
+from helios_logprobs.runtime.http.responses import new_id, now
 
 
 def envelope(id_prefix: str, obj: str, assets: ModelAssets) -> dict[str, Any]:

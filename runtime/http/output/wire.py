@@ -48,14 +48,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from runtime.engine.client import (
+from helios_logprobs.runtime.engine.client import (
     GeneratedToken,
     PromptLogprob,
     SamplingParams,
     TokenLogprob,
     TokenLogprobs,
 )
-from runtime.text.token_bytes import MAX_CONTEXT, TokenBytes, token_id_string
+from helios_logprobs.runtime.text.token_bytes import MAX_CONTEXT, TokenBytes, token_id_string
 
 WIRE_FLOOR = -9999.0
 

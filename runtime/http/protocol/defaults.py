@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from ranks.model.config import read_json_object
+from helios_logprobs.ranks.model.config import read_json_object
 
 NEUTRAL = "vllm"
 FROM_MODEL = "auto"

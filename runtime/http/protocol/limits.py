@@ -8,7 +8,7 @@ import json
 import re
 from typing import Any
 
-from ranks.contract.requests import RequestError
+from helios_logprobs.ranks.contract.requests import RequestError
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 MAX_JSON_DEPTH = 64

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ranks.contract.requests import RequestError
+from helios_logprobs.ranks.contract.requests import RequestError
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 Field policy (docs/api.md, "Request fields"):
 
 * Unknown fields are accepted and ignored, as vLLM does; `ignored_fields` names them and the
-  server logs one warning per request (logger "runtime.http").
+  server logs one warning per request (logger "helios_logprobs.runtime.http").
 * Known fields that would change the output if honoured but are not implemented are refused
   with HTTP 400 naming them when set to anything but their default: the `REFUSED` table,
   checked in its order by `refusal`.
@@ -21,8 +21,8 @@ from typing import Any, ClassVar, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-from ranks.contract.requests import RequestError
-from runtime.http.protocol.refusals import (
+from helios_logprobs.ranks.contract.requests import RequestError
+from helios_logprobs.runtime.http.protocol.refusals import (
     CHAT_REFUSED,
     COMMON_REFUSED,
     COMPLETION_REFUSED,

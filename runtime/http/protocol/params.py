@@ -6,11 +6,11 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-from ranks.contract.requests import RequestError, context_overflow
-from runtime.engine.client import SamplingParams
-from runtime.http.output.wire import WireMode
-from runtime.http.protocol.defaults import SamplingDefaults
-from runtime.http.protocol.models import (
+from helios_logprobs.ranks.contract.requests import RequestError, context_overflow
+from helios_logprobs.runtime.engine.client import SamplingParams
+from helios_logprobs.runtime.http.output.wire import WireMode
+from helios_logprobs.runtime.http.protocol.defaults import SamplingDefaults
+from helios_logprobs.runtime.http.protocol.models import (
     MAX_CHOICES,
     MAX_STOP_LENGTH,
     MAX_STOP_STRINGS,

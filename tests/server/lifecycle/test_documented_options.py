@@ -15,9 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from runtime.engine.bootstrap import build_engine, load_rank
-from runtime.engine.config import RuntimeConfig
-from runtime.http.server import create_app
+from helios_logprobs.runtime.engine.bootstrap import build_engine, load_rank
+from helios_logprobs.runtime.engine.config import RuntimeConfig
+from helios_logprobs.runtime.http.server import create_app
 from tests.server.helpers import (
     MAX_MODEL_LEN,
     ROOT,
@@ -174,8 +174,9 @@ def test_helios_serve_tp1_runs_without_torchrun(tmp_path, model_dirs):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     model_dir = model_dirs["byte_level"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "launch.wrapper", "--tp", "1", "--model", str(model_dir),
-         "--port", str(port), "--capacity", "2", "--max-model-len", "64"],
+        [sys.executable, "-m", "helios_logprobs.launch.wrapper", "--tp", "1",
+         "--model", str(model_dir), "--port", str(port), "--capacity", "2",
+         "--max-model-len", "64"],
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
@@ -193,7 +194,7 @@ def test_helios_serve_tp1_runs_without_torchrun(tmp_path, model_dirs):
             time.sleep(0.25)
         # No torchrun: the process that serves is the wrapper's own (exec), rank 0 alone.
         cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().split(b"\0")
-        assert b"launch.serve" in cmdline and b"torch.distributed.run" not in cmdline
+        assert b"helios_logprobs.launch.serve" in cmdline and b"torch.distributed.run" not in cmdline
         prompt = encoder(model_dir).encode("The garden").ids
         out = httpx.post(url + "/v1/completions", timeout=60, json={
             "prompt": prompt, "max_tokens": 3, "temperature": 0.0, "logprobs": 1,

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from launch.cluster import ProgressLine
-from launch.serve import ready_line
-from ranks.model import ShardedCausalLM
+from helios_logprobs.launch.cluster import ProgressLine
+from helios_logprobs.launch.serve import ready_line
+from helios_logprobs.ranks.model import ShardedCausalLM
 from tests.server.helpers import Server, descendants, launch, write_model
 
 STOP_WITHIN_S = 15.0
@@ -105,8 +105,9 @@ def serve_then_stop(model_dir: Path, log_dir: Path,
     exit status, the whole output and how long every process took to go."""
     server = launch(
         "lifecycle", model_dir, 2, [], log_dir,
-        command=lambda port: ["-m", "launch.wrapper", "--tp", "2", "--model", str(model_dir),
-                              "--served-model-name", "launch-test", "--port", str(port),
+        command=lambda port: ["-m", "helios_logprobs.launch.wrapper", "--tp", "2",
+                              "--model", str(model_dir), "--served-model-name", "launch-test",
+                              "--port", str(port),
                               "--capacity", "2", "--max-model-len", "256"],
     )
     try:

@@ -46,7 +46,8 @@ def test_a_checkpoint_refused_at_start_up_says_why_in_one_line(tmp_path, model_d
         del tensors["model.norm.weight"]
         save_file(tensors, str(model_dir / "model.safetensors"))
     done = subprocess.run(
-        [sys.executable, "-m", "launch.serve", "--model", str(model_dir), "--port", "0"],
+        [sys.executable, "-m", "helios_logprobs.launch.serve", "--model", str(model_dir),
+         "--port", "0"],
         cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
     assert "helios: error: " in done.stderr and message in done.stderr, done.stderr

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import httpx
 
-from launch.tiny_model import ensure_tiny_model
+from helios_logprobs.launch.tiny_model import ensure_tiny_model
 from tests.oracles import check_natural
 from tests.server.helpers import (
     TOLERANCE,
@@ -21,7 +21,7 @@ def test_helios_serve_wrapper_runs_two_ranks(tmp_path):
     model_dir = ensure_tiny_model(tmp_path / "cache")
 
     def wrapper(port: int) -> list[str]:
-        return ["-m", "launch.wrapper", "--tp", "2", "--model", str(model_dir),
+        return ["-m", "helios_logprobs.launch.wrapper", "--tp", "2", "--model", str(model_dir),
                 "--port", str(port), "--capacity", "2"]
 
     server = launch("wrapper", model_dir, 2, [], tmp_path, command=wrapper)

@@ -9,9 +9,13 @@ import math
 import httpx
 import pytest
 
-from runtime.engine.client import PromptLogprob, TokenLogprob
-from runtime.http.output.wire import NonFiniteLogprob, natural_ranks, prompt_logprobs_entry
-from runtime.text.token_bytes import TokenBytes
+from helios_logprobs.runtime.engine.client import PromptLogprob, TokenLogprob
+from helios_logprobs.runtime.http.output.wire import (
+    NonFiniteLogprob,
+    natural_ranks,
+    prompt_logprobs_entry,
+)
+from helios_logprobs.runtime.text.token_bytes import TokenBytes
 from tests.checkpoints import hf_logprobs
 from tests.oracles import check_natural
 from tests.server.helpers import (

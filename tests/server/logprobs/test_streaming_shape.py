@@ -15,8 +15,13 @@ from functools import cache
 import httpx
 import pytest
 
-from runtime.engine.client import EngineError, Finished, GeneratedToken, TokenLogprob
-from runtime.http.server import create_app
+from helios_logprobs.runtime.engine.client import (
+    EngineError,
+    Finished,
+    GeneratedToken,
+    TokenLogprob,
+)
+from helios_logprobs.runtime.http.server import create_app
 from tests.server.helpers import (
     encoder,
     post,

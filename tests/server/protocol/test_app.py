@@ -11,9 +11,14 @@ import math
 import httpx
 import pytest
 
-from runtime.engine.client import EngineError, Finished, GeneratedToken, TokenLogprob
-from runtime.http.server import create_app
-from runtime.text.chat_template import ChatTemplate, ChatTemplateError
+from helios_logprobs.runtime.engine.client import (
+    EngineError,
+    Finished,
+    GeneratedToken,
+    TokenLogprob,
+)
+from helios_logprobs.runtime.http.server import create_app
+from helios_logprobs.runtime.text.chat_template import ChatTemplate, ChatTemplateError
 from tests.server.helpers import strict_json
 from tests.server.scripted_engine import ScriptedEngine
 

@@ -13,9 +13,14 @@ import httpx
 import openai
 import pytest
 
-from runtime.engine.client import Finished, GeneratedToken
-from runtime.http.protocol.refusals import CHAT_REFUSED, COMPLETION_REFUSED, IGNORED, REFUSED
-from runtime.http.server import create_app
+from helios_logprobs.runtime.engine.client import Finished, GeneratedToken
+from helios_logprobs.runtime.http.protocol.refusals import (
+    CHAT_REFUSED,
+    COMPLETION_REFUSED,
+    IGNORED,
+    REFUSED,
+)
+from helios_logprobs.runtime.http.server import create_app
 from tests.server.helpers import served_name, strict_json
 from tests.server.scripted_engine import ScriptedEngine
 
@@ -54,7 +59,7 @@ def call(app, route: str, fields: dict, *, stream: bool = False) -> httpx.Respon
 
 def ignored_records(caplog) -> list[logging.LogRecord]:
     return [r for r in caplog.records
-            if r.name == "runtime.http" and IGNORED_MESSAGE in r.getMessage()]
+            if r.name == "helios_logprobs.runtime.http" and IGNORED_MESSAGE in r.getMessage()]
 
 
 # ----------------------------------------------------------------------------- unknown fields
@@ -64,7 +69,7 @@ def test_unknown_fields_are_accepted_and_logged_once(app, caplog, route, stream)
     fields = {"frobnicate": 3, "metadata": {"a": "b"}, "stream_options": {"shiny": True}}
     if not stream:
         del fields["stream_options"]
-    with caplog.at_level(logging.WARNING, logger="runtime.http"):
+    with caplog.at_level(logging.WARNING, logger="helios_logprobs.runtime.http"):
         response = call(app, route, fields, stream=stream)
     assert response.status_code == 200, response.text
     records = ignored_records(caplog)
@@ -81,7 +86,7 @@ def test_known_ignored_fields_are_accepted_silently(app, caplog, route):
     if route == "chat":
         fields["parallel_tool_calls"] = False
     assert set(fields) <= set(IGNORED)
-    with caplog.at_level(logging.WARNING, logger="runtime.http"):
+    with caplog.at_level(logging.WARNING, logger="helios_logprobs.runtime.http"):
         response = call(app, route, fields)
     assert response.status_code == 200, response.text
     assert ignored_records(caplog) == []
@@ -89,7 +94,7 @@ def test_known_ignored_fields_are_accepted_silently(app, caplog, route):
 
 def test_the_log_line_is_bounded(app, caplog):
     fields = {f"field_{i:03d}_" + "x" * 200: i for i in range(100)}
-    with caplog.at_level(logging.WARNING, logger="runtime.http"):
+    with caplog.at_level(logging.WARNING, logger="helios_logprobs.runtime.http"):
         assert call(app, "completions", fields).status_code == 200
     (record,) = ignored_records(caplog)
     assert "and 68 more" in record.getMessage() and len(record.getMessage()) < 4000
@@ -179,7 +184,7 @@ DEFAULTS_ACCEPTED = [
 
 @pytest.mark.parametrize(("route", "fields"), DEFAULTS_ACCEPTED, ids=lambda v: str(v)[:30])
 def test_default_values_of_refused_fields_are_accepted(app, caplog, route, fields):
-    with caplog.at_level(logging.WARNING, logger="runtime.http"):
+    with caplog.at_level(logging.WARNING, logger="helios_logprobs.runtime.http"):
         response = call(app, route, fields)
     assert response.status_code == 200, response.text
     assert ignored_records(caplog) == []
@@ -187,7 +192,7 @@ def test_default_values_of_refused_fields_are_accepted(app, caplog, route, field
 
 def test_other_endpoint_fields_are_unknown_there(app, caplog):
     """As in vLLM, a field of one endpoint sent to the other is an unknown field there."""
-    with caplog.at_level(logging.WARNING, logger="runtime.http"):
+    with caplog.at_level(logging.WARNING, logger="helios_logprobs.runtime.http"):
         assert call(app, "completions", {"tool_choice": "required"}).status_code == 200
         assert call(app, "chat", {"suffix": "tail"}).status_code == 200
     messages = [r.getMessage() for r in ignored_records(caplog)]
@@ -217,7 +222,7 @@ def test_real_server_logs_unknown_fields(server):
         time.sleep(0.1)
     log = server.log_path.read_text(errors="replace")
     line = next(line for line in log.splitlines() if probe in line)
-    assert IGNORED_MESSAGE in line and "runtime.http" in line
+    assert IGNORED_MESSAGE in line and "helios_logprobs.runtime.http" in line
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=served_name(server), max_tokens=2,
                                        messages=[{"role": "user", "content": "Hi"}],

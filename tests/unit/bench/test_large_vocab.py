@@ -8,7 +8,7 @@ import json
 from tokenizers import Tokenizer
 
 from bench.large_vocab import grow_tokenizer
-from launch.tiny_model import ensure_tiny_model
+from helios_logprobs.launch.tiny_model import ensure_tiny_model
 
 SIZE = 6_000
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from collectives.codec import CodecError, decode, encode, message, register
+from helios_logprobs.collectives.codec import CodecError, decode, encode, message, register
 
 
 @message("test.codec.color")

@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ranks.model import ShardedCausalLM, invariant
-from runtime.engine.bootstrap import build_engine, load_rank
-from runtime.engine.config import RuntimeConfig
+from helios_logprobs.ranks.model import ShardedCausalLM, invariant
+from helios_logprobs.runtime.engine.bootstrap import build_engine, load_rank
+from helios_logprobs.runtime.engine.config import RuntimeConfig
 from tests.checkpoints import write_qwen2
 from tests.spec_helpers import JOBS, assert_matches_transformers, split_events
 

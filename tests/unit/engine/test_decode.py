@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from ranks.contract.abi6 import Kind
-from ranks.contract.completion import CompletionOutputs, write_record
-from runtime.engine.client import EngineError
-from runtime.engine.decoding.frame import decode_frame
-from runtime.engine.decoding.lanes import DecodedEntry, DecodeError, LaneExpectation
+from helios_logprobs.ranks.contract.abi6 import Kind
+from helios_logprobs.ranks.contract.completion import CompletionOutputs, write_record
+from helios_logprobs.runtime.engine.client import EngineError
+from helios_logprobs.runtime.engine.decoding.frame import decode_frame
+from helios_logprobs.runtime.engine.decoding.lanes import DecodedEntry, DecodeError, LaneExpectation
 
 CAPACITY = 4
 T = 4

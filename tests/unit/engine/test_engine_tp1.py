@@ -11,11 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kernels.layout import EXPORT_K, FIRST_PAIR
-from ranks.contract.requests import RequestError
-from runtime.engine.bootstrap import build_engine, load_rank
-from runtime.engine.client import EngineError, GeneratedToken, SamplingParams
-from runtime.engine.config import RuntimeConfig
+from helios_logprobs.kernels.layout import EXPORT_K, FIRST_PAIR
+from helios_logprobs.ranks.contract.requests import RequestError
+from helios_logprobs.runtime.engine.bootstrap import build_engine, load_rank
+from helios_logprobs.runtime.engine.client import EngineError, GeneratedToken, SamplingParams
+from helios_logprobs.runtime.engine.config import RuntimeConfig
 from tests.checkpoints import hf_logprobs, write_llama
 from tests.oracles import check_natural
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ranks.contract.completion import CompletionOutputs
-from runtime.engine.executor import FrameExecutor, slot_runs
+from helios_logprobs.ranks.contract.completion import CompletionOutputs
+from helios_logprobs.runtime.engine.executor import FrameExecutor, slot_runs
 
 SENTINEL = -12345
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.engine.bootstrap import build_engine, load_rank
-from runtime.engine.client import SamplingParams
-from runtime.engine.config import RuntimeConfig
+from helios_logprobs.runtime.engine.bootstrap import build_engine, load_rank
+from helios_logprobs.runtime.engine.client import SamplingParams
+from helios_logprobs.runtime.engine.config import RuntimeConfig
 from tests.checkpoints import write_llama
 
 

@@ -8,12 +8,17 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ranks.contract.requests import RequestError
-from ranks.plan import RequestSpec, SlotWork, StepPlan
-from ranks.sampling_params import RowSampling
-from runtime.engine.bootstrap import build_engine, load_rank
-from runtime.engine.client import Finished, GeneratedToken, PromptScores, SamplingParams
-from runtime.engine.config import RuntimeConfig
+from helios_logprobs.ranks.contract.requests import RequestError
+from helios_logprobs.ranks.plan import RequestSpec, SlotWork, StepPlan
+from helios_logprobs.ranks.sampling_params import RowSampling
+from helios_logprobs.runtime.engine.bootstrap import build_engine, load_rank
+from helios_logprobs.runtime.engine.client import (
+    Finished,
+    GeneratedToken,
+    PromptScores,
+    SamplingParams,
+)
+from helios_logprobs.runtime.engine.config import RuntimeConfig
 from tests.checkpoints import hf_logprobs, write_llama, write_qwen2
 
 TOL = 1e-4

@@ -6,8 +6,8 @@ import logging
 
 import pytest
 
-from runtime.engine.client import EngineInfo, SamplingParams
-from runtime.engine.scheduler import request_spec
+from helios_logprobs.runtime.engine.client import EngineInfo, SamplingParams
+from helios_logprobs.runtime.engine.scheduler import request_spec
 
 
 @pytest.mark.parametrize(("asked", "sampled"), [
@@ -17,7 +17,7 @@ def test_a_positive_temperature_below_vllms_floor_samples_at_it(asked, sampled, 
     """vLLM's SamplingParams raises a temperature in (0, 0.01) to 0.01 (_MAX_TEMP) with a
     warning, so only 0 is greedy: the ranks get the raised temperature."""
     info = EngineInfo("m", 100, 64, 20, True)
-    with caplog.at_level(logging.WARNING, logger="runtime.engine"):
+    with caplog.at_level(logging.WARNING, logger="helios_logprobs.runtime.engine"):
         spec = request_spec(info, 0, [5, 6], SamplingParams(max_tokens=2, temperature=asked))
     assert spec.sampling.temperature == sampled
     assert spec.sampling.greedy == (asked == 0)

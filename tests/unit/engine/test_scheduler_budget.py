@@ -3,10 +3,10 @@ prefilled twice or skipped, and every request eventually runs."""
 
 from __future__ import annotations
 
-from ranks.plan import RequestSpec
-from ranks.sampling_params import RowSampling
-from runtime.engine.client import SamplingParams
-from runtime.engine.scheduler import Request, Scheduler, SchedulerConfig
+from helios_logprobs.ranks.plan import RequestSpec
+from helios_logprobs.ranks.sampling_params import RowSampling
+from helios_logprobs.runtime.engine.client import SamplingParams
+from helios_logprobs.runtime.engine.scheduler import Request, Scheduler, SchedulerConfig
 
 
 def request(ordinal: int, prompt_len: int) -> Request:

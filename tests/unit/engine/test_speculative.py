@@ -7,14 +7,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ranks.commit import RecordBatch, SlotState
-from ranks.contract import abi6
-from ranks.plan import RequestSpec, SlotWork
-from ranks.sampling_params import RowSampling
-from runtime.engine.bootstrap import build_engine, load_rank
-from runtime.engine.client import SamplingParams
-from runtime.engine.config import RuntimeConfig
-from runtime.engine.proposer import HistoryProposer
+from helios_logprobs.ranks.commit import RecordBatch, SlotState
+from helios_logprobs.ranks.contract import abi6
+from helios_logprobs.ranks.plan import RequestSpec, SlotWork
+from helios_logprobs.ranks.sampling_params import RowSampling
+from helios_logprobs.runtime.engine.bootstrap import build_engine, load_rank
+from helios_logprobs.runtime.engine.client import SamplingParams
+from helios_logprobs.runtime.engine.config import RuntimeConfig
+from helios_logprobs.runtime.engine.proposer import HistoryProposer
 from tests.checkpoints import write_qwen2
 from tests.scripted_checkpoint import EOS, encode, write_scripted
 from tests.spec_helpers import (

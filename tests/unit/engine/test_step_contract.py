@@ -11,19 +11,19 @@ import time
 import pytest
 import torch
 
-from kernels.api import reduce_logprobs
-from kernels.layout import EXPORT_K, FIRST_PAIR, PAYLOAD_WORDS
-from kernels.sortkeys import bits_to_float
-from ranks import commit
-from ranks.contract import abi6
-from ranks.contract.core import capabilities, core_declarations
-from ranks.contract.declarations import validate
-from ranks.contract.requests import RequestError
-from ranks.plan import RequestSpec, SlotWork, StepPlan
-from ranks.sampling_params import RowSampling
-from runtime.engine.bootstrap import build_engine, load_rank
-from runtime.engine.client import EngineError, SamplingParams
-from runtime.engine.config import RuntimeConfig
+from helios_logprobs.kernels.api import reduce_logprobs
+from helios_logprobs.kernels.layout import EXPORT_K, FIRST_PAIR, PAYLOAD_WORDS
+from helios_logprobs.kernels.sortkeys import bits_to_float
+from helios_logprobs.ranks import commit
+from helios_logprobs.ranks.contract import abi6
+from helios_logprobs.ranks.contract.core import capabilities, core_declarations
+from helios_logprobs.ranks.contract.declarations import validate
+from helios_logprobs.ranks.contract.requests import RequestError
+from helios_logprobs.ranks.plan import RequestSpec, SlotWork, StepPlan
+from helios_logprobs.ranks.sampling_params import RowSampling
+from helios_logprobs.runtime.engine.bootstrap import build_engine, load_rank
+from helios_logprobs.runtime.engine.client import EngineError, SamplingParams
+from helios_logprobs.runtime.engine.config import RuntimeConfig
 from tests.checkpoints import hf_logprobs, write_llama
 
 SENTINEL = -7
@@ -176,11 +176,11 @@ def test_a_submission_without_sampling_rows_uploads_nothing(model_dir):
 
 # -------------------------------------------------------------------------- no logprobs (2)
 def test_core_without_logprob_outputs_uploads_and_reduces_nothing(model_dir, monkeypatch):
-    import kernels.sharded
-    import ranks.contract.upload
+    from helios_logprobs.kernels import sharded
+    from helios_logprobs.ranks.contract import upload
 
     built = []
-    for cls in (kernels.sharded.PreparedShardedReduction, ranks.contract.upload.LogprobUploader):
+    for cls in (sharded.PreparedShardedReduction, upload.LogprobUploader):
         init = cls.__init__
 
         def counting(self, *args, _init=init, **kwargs):
@@ -295,7 +295,7 @@ def test_a_frame_from_another_submission_fails_the_request(model_dir, logprobs):
 def compiled_kernels() -> int:
     """Compiled variants of every Triton kernel (0 under the interpreter, which compiles
     nothing)."""
-    from kernels.triton import common, sharded_kernels
+    from helios_logprobs.kernels.triton import common, sharded_kernels
 
     kernels = [getattr(m, n) for m in (common, sharded_kernels) for n in dir(m)]
     caches = [k.device_caches for k in kernels if hasattr(k, "device_caches")]
@@ -307,7 +307,7 @@ def test_triton_objects_are_prepared_before_the_first_logprob_step(model_dir, mo
     """On CPU the kernels run in the interpreter (tests/conftest.py); on a GPU they compile,
     and the first logprob step must compile nothing new either."""
     pytest.importorskip("triton")
-    from kernels.triton import sharded
+    from helios_logprobs.kernels.triton import sharded
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     monkeypatch.setattr(sharded, "_PREPARED", {})

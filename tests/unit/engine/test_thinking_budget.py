@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from ranks.contract import abi6
-from ranks.contract.requests import RequestError
-from runtime.engine.bootstrap import build_engine, load_rank
-from runtime.engine.client import SamplingParams
-from runtime.engine.config import RuntimeConfig
-from runtime.text.reasoning import reasoning_strings, resolve_tokens
+from helios_logprobs.ranks.contract import abi6
+from helios_logprobs.ranks.contract.requests import RequestError
+from helios_logprobs.runtime.engine.bootstrap import build_engine, load_rank
+from helios_logprobs.runtime.engine.client import SamplingParams
+from helios_logprobs.runtime.engine.config import RuntimeConfig
+from helios_logprobs.runtime.text.reasoning import reasoning_strings, resolve_tokens
 from tests.scripted_checkpoint import (
     END_THINK,
     THINK,

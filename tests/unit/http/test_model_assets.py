@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.http.assets import UNBLOCKED_ENCODE_CHARS, ModelAssets
+from helios_logprobs.runtime.http.assets import UNBLOCKED_ENCODE_CHARS, ModelAssets
 from tests.tokenizer_fixtures import TEXTS, byte_fallback_tokenizer, byte_level_tokenizer
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.http.protocol.defaults import (
+from helios_logprobs.runtime.http.protocol.defaults import (
     GenerationConfigError,
     SamplingDefaults,
     load_sampling_defaults,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from runtime.http.responses import sse_events, sse_stream
+from helios_logprobs.runtime.http.responses import sse_events, sse_stream
 
 
 async def _chunks(fail: bool):

@@ -11,10 +11,16 @@ import pytest
 import tokenizers
 from transformers import AutoTokenizer
 
-from launch.tiny_model import EOS, EOT, ensure_tiny_model
-from runtime.engine.client import EngineInfo, Finished, GeneratedToken, SamplingParams, TokenLogprob
-from runtime.http.assets import ModelAssets
-from runtime.http.output.choice_stream import ChoiceJob, run_choice
+from helios_logprobs.launch.tiny_model import EOS, EOT, ensure_tiny_model
+from helios_logprobs.runtime.engine.client import (
+    EngineInfo,
+    Finished,
+    GeneratedToken,
+    SamplingParams,
+    TokenLogprob,
+)
+from helios_logprobs.runtime.http.assets import ModelAssets
+from helios_logprobs.runtime.http.output.choice_stream import ChoiceJob, run_choice
 
 
 @cache

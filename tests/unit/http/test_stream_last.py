@@ -9,10 +9,16 @@ from functools import cache
 import pytest
 import tokenizers
 
-from launch.tiny_model import ensure_tiny_model
-from runtime.engine.client import EngineInfo, Finished, GeneratedToken, SamplingParams, TokenLogprob
-from runtime.http.output.choice_stream import ChoiceJob, run_choice
-from runtime.text.token_bytes import TokenBytes
+from helios_logprobs.launch.tiny_model import ensure_tiny_model
+from helios_logprobs.runtime.engine.client import (
+    EngineInfo,
+    Finished,
+    GeneratedToken,
+    SamplingParams,
+    TokenLogprob,
+)
+from helios_logprobs.runtime.http.output.choice_stream import ChoiceJob, run_choice
+from helios_logprobs.runtime.text.token_bytes import TokenBytes
 
 
 @cache

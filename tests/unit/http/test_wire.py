@@ -9,8 +9,13 @@ from openai.types.chat import ChatCompletionTokenLogprob
 from openai.types.chat.chat_completion import ChoiceLogprobs
 from openai.types.completion_choice import Logprobs
 
-from runtime.engine.client import GeneratedToken, PromptLogprob, SamplingParams, TokenLogprob
-from runtime.http.output.wire import (
+from helios_logprobs.runtime.engine.client import (
+    GeneratedToken,
+    PromptLogprob,
+    SamplingParams,
+    TokenLogprob,
+)
+from helios_logprobs.runtime.http.output.wire import (
     NonFiniteLogprob,
     Position,
     WireMode,
@@ -23,8 +28,8 @@ from runtime.http.output.wire import (
     wire_logprob,
     wire_logprobs,
 )
-from runtime.text.detokenizer import detokenize
-from runtime.text.stops import OutputStream
+from helios_logprobs.runtime.text.detokenizer import detokenize
+from helios_logprobs.runtime.text.stops import OutputStream
 
 SELECTED = WireMode(selected=True)
 AS_IDS = WireMode(as_token_ids=True)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.greedy import native
-from ranks.sampler import ShardedSampler
-from ranks.sampling_params import RowSampling
+from helios_logprobs.kernels.greedy import native
+from helios_logprobs.ranks.sampler import ShardedSampler
+from helios_logprobs.ranks.sampling_params import RowSampling
 
 NEG_INF = float("-inf")
 TILE = 2048  # (argmax.c's tile: the cases below sit on its edges)
@@ -105,10 +105,10 @@ def test_the_sampler_takes_it_for_unprocessed_greedy_rows_only(monkeypatch) -> N
         rows = [RowSampling(seed=0, position=0, **({"temperature": 0.0} | change)), *plain[:3]]
         real = sampler.sample(x, rows, [[1]] * 4, [[1]] * 4).tolist()
         assert real[1:] == oracle(x[1:]).tolist(), change
-        monkeypatch.setattr("ranks.sampler.native_argmax", marker)
+        monkeypatch.setattr("helios_logprobs.ranks.sampler.native_argmax", marker)
         picked = sampler.sample(x, rows, [[1]] * 4, [[1]] * 4).tolist()
         monkeypatch.undo()
         assert picked == [real[0], 7, 7, 7] and asked.pop() == [1, 2, 3], change
-    monkeypatch.setattr("ranks.sampler.native_argmax", marker)
+    monkeypatch.setattr("helios_logprobs.ranks.sampler.native_argmax", marker)
     assert sampler.sample(x, plain, [[]] * 4, [[]] * 4).tolist() == [7] * 4
     assert asked == [None]

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.native import built_once, load_library, torch_openmp
-from kernels.torch_impl import compiled
+from helios_logprobs.kernels.native import built_once, load_library, torch_openmp
+from helios_logprobs.kernels.torch_impl import compiled
 
 SOURCE = "int answer(void) { return 42; }\n"
 FLAGS = ("-O1", "-fPIC", "-shared")
@@ -52,7 +52,7 @@ def test_the_switch_turns_a_library_off(cache, monkeypatch) -> None:
 
 def test_a_failing_compiler_gives_none_and_a_warning(cache, monkeypatch, caplog) -> None:
     monkeypatch.setenv("CC", "false")
-    with caplog.at_level(logging.WARNING, logger="kernels.native"):
+    with caplog.at_level(logging.WARNING, logger="helios_logprobs.kernels.native"):
         assert load_library("probe", SOURCE + "/* other */", FLAGS, "HELIOS_TEST_SWITCH") is None
     assert "native probe unavailable" in caplog.text
 
@@ -90,7 +90,7 @@ def test_the_reduction_switch_keeps_the_torch_path(monkeypatch) -> None:
 def test_both_thread_fan_outs_give_the_torch_launches(monkeypatch, openmp) -> None:
     """The reduction library built with -fopenmp (rows on torch's OpenMP team) and without
     it (pthreads) both split rows over threads with the torch launches' bits."""
-    from kernels.torch_impl.tiles import TileStats, tile_stats
+    from helios_logprobs.kernels.torch_impl.tiles import TileStats, tile_stats
 
     if openmp and not torch_openmp():
         pytest.skip("torch's libgomp is not loaded here")
@@ -109,7 +109,7 @@ def test_both_thread_fan_outs_give_the_torch_launches(monkeypatch, openmp) -> No
 
 RELEASE_SCRIPT = """
 import os, time, torch
-from kernels.native import release_openmp_workers, torch_openmp
+from helios_logprobs.kernels.native import release_openmp_workers, torch_openmp
 torch.set_num_threads(2)
 torch.exp(torch.randn(1 << 22))  # a parallel region: libgomp starts this thread's worker
 before = len(os.listdir("/proc/self/task"))

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.noise.philox import (
+from helios_logprobs.kernels.noise.philox import (
     GUMBEL_MAX,
     GUMBEL_MIN,
     GUMBEL_SPAN,
@@ -112,7 +112,7 @@ def test_gumbel_bounds_cover_extreme_uniforms():
 def test_philox_bits_match_the_scalar_reference_across_blocks(monkeypatch):
     """philox_bits (one int64 multiply per product, garbage high words, blocks of lanes)
     gives the 52 bits of the scalar Philox for int and per-lane keys and positions."""
-    import kernels.noise.philox as philox
+    import helios_logprobs.kernels.noise.philox as philox
 
     monkeypatch.setattr(philox, "BLOCK", 37)
     gen = torch.Generator().manual_seed(3)

@@ -3,9 +3,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels.noise.philox as philox
-import kernels.noise.philox_native as native
-from kernels.noise.philox import gumbel_bounds, philox_bits, seed_words, uniform_of
+import helios_logprobs.kernels.noise.philox as philox
+import helios_logprobs.kernels.noise.philox_native as native
+from helios_logprobs.kernels.noise.philox import gumbel_bounds, philox_bits, seed_words, uniform_of
 
 M32 = 0xFFFFFFFF
 

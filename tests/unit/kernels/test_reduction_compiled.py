@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 import torch
 
-import kernels.torch_impl.lean as lean
-from kernels.api import pack_token_ids, reduce_logprobs
-from kernels.native import mkl_routine
-from kernels.rows import RowRequest
-from kernels.torch_impl import compiled
-from kernels.torch_impl.backend import reduce_torch, reduce_torch_repeated
-from kernels.torch_impl.tiles import TileStats, normalization, tile_stats
+import helios_logprobs.kernels.torch_impl.lean as lean
+from helios_logprobs.kernels.api import pack_token_ids, reduce_logprobs
+from helios_logprobs.kernels.native import mkl_routine
+from helios_logprobs.kernels.rows import RowRequest
+from helios_logprobs.kernels.torch_impl import compiled
+from helios_logprobs.kernels.torch_impl.backend import reduce_torch, reduce_torch_repeated
+from helios_logprobs.kernels.torch_impl.tiles import TileStats, normalization, tile_stats
 from tests.oracles import WORDS, check_payload
 
 needs_compiled = pytest.mark.skipif(not compiled.available(),

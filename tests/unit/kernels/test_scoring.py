@@ -6,21 +6,26 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.layout import (
+from helios_logprobs.kernels.layout import (
     PROMPT_EXCHANGE_WORDS,
     PROMPT_FIRST_PAIR,
     PROMPT_RANK,
     PROMPT_ROW_WORDS,
     PROMPT_TARGET_BITS,
 )
-from kernels.reference import reference_logprobs, score_reference
-from kernels.scoring.driver import PreparedPromptScoring
-from kernels.scoring.lean import count_above_fast
-from kernels.scoring.steps import score_candidates, score_merge, score_stats, target_values
-from kernels.sortkeys import bits_to_float
-from kernels.torch_impl import compiled
-from kernels.torch_impl import lean as torch_lean
-from ranks.step.scoring import scored_capacities
+from helios_logprobs.kernels.reference import reference_logprobs, score_reference
+from helios_logprobs.kernels.scoring.driver import PreparedPromptScoring
+from helios_logprobs.kernels.scoring.lean import count_above_fast
+from helios_logprobs.kernels.scoring.steps import (
+    score_candidates,
+    score_merge,
+    score_stats,
+    target_values,
+)
+from helios_logprobs.kernels.sortkeys import bits_to_float
+from helios_logprobs.kernels.torch_impl import compiled
+from helios_logprobs.kernels.torch_impl import lean as torch_lean
+from helios_logprobs.ranks.step.scoring import scored_capacities
 
 
 def split(vocab: int, world: int, width: int | None = None) -> list[tuple[int, int, int]]:

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.sortkeys import (
+from helios_logprobs.kernels.sortkeys import (
     EMPTY_KEY,
     bits_to_float,
     float_bits,

@@ -22,12 +22,16 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.layout import MAX_TOKEN_IDS, PAYLOAD_WORDS
-from kernels.reference import reduce_reference
-from kernels.rows import RowRequest
-from kernels.sortkeys import EMPTY_KEY, float_bits, keys_to_words, make_keys
-from kernels.triton.backend import PreparedReduction, prepared_reduction, reduce_triton
-from kernels.triton.common import (
+from helios_logprobs.kernels.layout import MAX_TOKEN_IDS, PAYLOAD_WORDS
+from helios_logprobs.kernels.reference import reduce_reference
+from helios_logprobs.kernels.rows import RowRequest
+from helios_logprobs.kernels.sortkeys import EMPTY_KEY, float_bits, keys_to_words, make_keys
+from helios_logprobs.kernels.triton.backend import (
+    PreparedReduction,
+    prepared_reduction,
+    reduce_triton,
+)
+from helios_logprobs.kernels.triton.common import (
     SELECT_EXTRACT,
     SELECT_RANK,
     SELECT_TOPK,
@@ -38,7 +42,7 @@ from kernels.triton.common import (
     sort_key,
     words_to_key,
 )
-from kernels.triton.sharded import PreparedShardedReduction
+from helios_logprobs.kernels.triton.sharded import PreparedShardedReduction
 from tests.reduction_cases import (
     ATOL,
     DEVICE,
@@ -560,7 +564,7 @@ SM90_SCRIPT = textwrap.dedent(
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from kernels.triton import backend as B, common as C, sharded as S
+    from helios_logprobs.kernels.triton import backend as B, common as C, sharded as S
 
     CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
 

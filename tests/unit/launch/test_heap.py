@@ -10,7 +10,7 @@ import textwrap
 def test_settled_heap_is_frozen_and_new_cycles_are_still_collected() -> None:
     script = textwrap.dedent("""
         import gc, weakref
-        from launch.heap import YOUNG_THRESHOLD, settle_heap
+        from helios_logprobs.launch.heap import YOUNG_THRESHOLD, settle_heap
         assert gc.get_freeze_count() == 0
         settle_heap()
         assert gc.get_freeze_count() > 1000, gc.get_freeze_count()

@@ -10,8 +10,8 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from launch.tiny_model import CORPUS, FILES, MODEL_NAME, ensure_tiny_model
-from ranks.model import ModelConfig, ShardedCausalLM
+from helios_logprobs.launch.tiny_model import CORPUS, FILES, MODEL_NAME, ensure_tiny_model
+from helios_logprobs.ranks.model import ModelConfig, ShardedCausalLM
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -23,7 +23,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_build_is_deterministic_across_processes(tiny: Path, tmp_path: Path):
     result = subprocess.run(
-        [sys.executable, "-m", "launch.tiny_model", "--cache-dir", str(tmp_path)],
+        [sys.executable, "-m", "helios_logprobs.launch.tiny_model", "--cache-dir", str(tmp_path)],
         cwd=REPO,
         capture_output=True,
         text=True,

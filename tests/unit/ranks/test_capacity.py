@@ -18,15 +18,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch import capacity
-from ranks.contract.sizing import (
+from helios_logprobs.launch import capacity
+from helios_logprobs.ranks.contract.sizing import (
     frame_bytes,
     job_sizing,
     max_capacity,
     rank_sizing,
 )
-from ranks.model.config import ModelConfig
-from runtime.engine.bootstrap import build_engine
+from helios_logprobs.ranks.model.config import ModelConfig
+from helios_logprobs.runtime.engine.bootstrap import build_engine
 from tests.capacity_checks import (
     REPO,
     build,
@@ -97,8 +97,8 @@ def test_report_tells_tied_from_untied_heads(llama, qwen2):
 @pytest.mark.triton_cpu
 def test_triton_workspaces_are_listed(llama, monkeypatch):
     """The Triton reduction's prepared workspaces (interpreter geometry on CPU tensors)."""
-    from kernels.triton import prepared, sharded
-    from ranks.contract import buffers
+    from helios_logprobs.kernels.triton import prepared, sharded
+    from helios_logprobs.ranks.contract import buffers
 
     # A serving process builds one step; here other tests may have cached larger launches
     # for the same width, which prepared_sharded would reuse.
@@ -117,7 +117,7 @@ def test_triton_workspaces_are_listed(llama, monkeypatch):
 def test_cuda_rank_bf16_triton_and_pinned_host_frames(qwen2, monkeypatch):
     """What a CUDA rank holds: BF16 weights, the GPU's Triton tile geometry, pinned host
     frames (scripts/device-check.sh runs this where a GPU is present)."""
-    from kernels.triton import sharded
+    from helios_logprobs.kernels.triton import sharded
 
     monkeypatch.setattr(sharded, "_PREPARED", {})
     config, step = build(qwen2, device="cuda", reduction_backend="triton",
@@ -273,10 +273,11 @@ def test_tp_ranks_with_padding(qwen2, capsys):
 
 
 def test_default_model_is_the_embedded_one(llama, capsys, monkeypatch):
-    import launch.tiny_model
 
     calls = []
-    monkeypatch.setattr(launch.tiny_model, "ensure_tiny_model",
+    import helios_logprobs.launch.tiny_model as tiny_model
+
+    monkeypatch.setattr(tiny_model, "ensure_tiny_model",
                         lambda: calls.append(1) or llama)
     code, out, _ = run_cli(capsys, "--device", "cpu", "--device-memory", "1GiB", "--json")
     assert code == 0 and calls == [1]
@@ -284,8 +285,8 @@ def test_default_model_is_the_embedded_one(llama, capsys, monkeypatch):
 
 
 def test_module_entry_point_and_console_script():
-    result = subprocess.run([sys.executable, "-m", "launch.capacity", "--help"], cwd=REPO,
-                            capture_output=True, text=True, timeout=60, check=True)
+    result = subprocess.run([sys.executable, "-m", "helios_logprobs.launch.capacity", "--help"],
+                            cwd=REPO, capture_output=True, text=True, timeout=60, check=True)
     assert "--device-memory" in result.stdout and "--memory-utilization" in result.stdout
     text = (REPO / "pyproject.toml").read_text()
-    assert 'helios-capacity = "launch.capacity:main"' in text
+    assert 'helios-capacity = "helios_logprobs.launch.capacity:main"' in text

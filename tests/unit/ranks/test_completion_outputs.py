@@ -5,10 +5,10 @@ import dataclasses
 import pytest
 import torch
 
-from kernels.layout import MAX_TOKEN_IDS, PAYLOAD_WORDS
-from ranks.contract import abi6
-from ranks.contract.completion import CompletionOutputs, write_record
-from ranks.contract.declarations import CoreDeclarations, GraphDecl, validate
+from helios_logprobs.kernels.layout import MAX_TOKEN_IDS, PAYLOAD_WORDS
+from helios_logprobs.ranks.contract import abi6
+from helios_logprobs.ranks.contract.completion import CompletionOutputs, write_record
+from helios_logprobs.ranks.contract.declarations import CoreDeclarations, GraphDecl, validate
 
 BUFFERS = (
     "completion_records",

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from ranks.contract.declarations import (
+from helios_logprobs.ranks.contract.declarations import (
     BufferDecl,
     CoreDeclarations,
     DeclarationError,

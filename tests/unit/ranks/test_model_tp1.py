@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ranks.model import (
+from helios_logprobs.ranks.model import (
     ModelConfig,
     ShardedCausalLM,
     UnsupportedModelError,
@@ -16,8 +16,8 @@ from ranks.model import (
     shard_layout,
     vocab_shard,
 )
-from ranks.model.rope import RopeScaling
-from runtime.engine.config import RuntimeConfig
+from helios_logprobs.ranks.model.rope import RopeScaling
+from helios_logprobs.runtime.engine.config import RuntimeConfig
 from tests.oracles import (
     TOLERANCE,
     build_checkpoint,

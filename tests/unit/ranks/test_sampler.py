@@ -7,11 +7,17 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kernels.noise.philox import gumbel_noise
-from ranks.sampler import ShardedSampler
-from ranks.sampler_filters import ARGMAX_TILE, first_argmax, key_values, score_keys, value_keys
-from ranks.sampler_gumbel import gumbel_best
-from ranks.sampling_params import RowSampling
+from helios_logprobs.kernels.noise.philox import gumbel_noise
+from helios_logprobs.ranks.sampler import ShardedSampler
+from helios_logprobs.ranks.sampler_filters import (
+    ARGMAX_TILE,
+    first_argmax,
+    key_values,
+    score_keys,
+    value_keys,
+)
+from helios_logprobs.ranks.sampler_gumbel import gumbel_best
+from helios_logprobs.ranks.sampling_params import RowSampling
 from tests import sampler_oracle as oracle
 
 NEG_INF = float("-inf")

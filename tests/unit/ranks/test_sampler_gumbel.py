@@ -3,13 +3,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels.noise.philox_native as native
-import ranks.sampler_gumbel as gumbel
-from kernels.noise.philox import gumbel_bounds, gumbel_noise, philox_bits, seed_words
-from ranks.sampler import ShardedSampler
-from ranks.sampler_filters import score_keys
-from ranks.sampler_gumbel import gumbel_best
-from ranks.sampling_params import RowSampling
+import helios_logprobs.kernels.noise.philox_native as native
+import helios_logprobs.ranks.sampler_gumbel as gumbel
+from helios_logprobs.kernels.noise.philox import (
+    gumbel_bounds,
+    gumbel_noise,
+    philox_bits,
+    seed_words,
+)
+from helios_logprobs.ranks.sampler import ShardedSampler
+from helios_logprobs.ranks.sampler_filters import score_keys
+from helios_logprobs.ranks.sampler_gumbel import gumbel_best
+from helios_logprobs.ranks.sampling_params import RowSampling
 
 NEG_INF = float("-inf")
 KINDS = ["normal", "flat", "ties", "spike", "neg_inf", "wide", "huge", "tiny", "mostly_masked"]
@@ -348,7 +353,8 @@ def test_mixed_batches_pick_each_rows_own_winner(path, greedy_pick, monkeypatch)
     (through the scratch) picks, row by row, the argmax or the exhaustive Gumbel-max of the
     scratch rows `processed` returns, with FP32 and BF16 logits, NaN lanes and NaN rows."""
     if greedy_pick == "torch":
-        monkeypatch.setattr("ranks.sampler.native_argmax", lambda raw, which=None: None)
+        monkeypatch.setattr("helios_logprobs.ranks.sampler.native_argmax",
+                            lambda raw, which=None: None)
     vocab = 20_011
     params = [dict(temperature=0.8), dict(temperature=0.0), dict(temperature=0.9, top_p=0.9),
               dict(temperature=1.0), dict(temperature=1.3, repetition_penalty=1.4),

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kernels.layout import MAX_TOKEN_IDS, PAYLOAD_WORDS
-from ranks.contract.abi6 import (
+from helios_logprobs.kernels.layout import MAX_TOKEN_IDS, PAYLOAD_WORDS
+from helios_logprobs.ranks.contract.abi6 import (
     EMITTED,
     EPOCH,
     FIRST_LOGIT_ROW,
@@ -22,9 +22,9 @@ from ranks.contract.abi6 import (
     SLOT,
     Kind,
 )
-from ranks.contract.completion import CompletionOutputs
-from ranks.step.gate_native import NativeStepGate, native_gate
-from ranks.step.reduce import StepReduction
+from helios_logprobs.ranks.contract.completion import CompletionOutputs
+from helios_logprobs.ranks.step.gate_native import NativeStepGate, native_gate
+from helios_logprobs.ranks.step.reduce import StepReduction
 
 MODES = ("native", "tensor")
 VOCAB = 2

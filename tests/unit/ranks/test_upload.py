@@ -3,9 +3,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ranks.contract.completion import CompletionOutputs
-from ranks.contract.requests import RequestError, check_logprob_request
-from ranks.contract.upload import LaneRequest, LogprobUploader, UploadResult
+from helios_logprobs.ranks.contract.completion import CompletionOutputs
+from helios_logprobs.ranks.contract.requests import RequestError, check_logprob_request
+from helios_logprobs.ranks.contract.upload import LaneRequest, LogprobUploader, UploadResult
 
 VOCAB = 1000
 SENTINEL = 555

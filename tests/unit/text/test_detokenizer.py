@@ -5,8 +5,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders
 
-from runtime.text.detokenizer import Detokenizer, Utf8Stream, detokenize
-from runtime.text.token_bytes import TokenBytes
+from helios_logprobs.runtime.text.detokenizer import Detokenizer, Utf8Stream, detokenize
+from helios_logprobs.runtime.text.token_bytes import TokenBytes
 from tests.tokenizer_fixtures import (
     TEXTS,
     TRICKY,

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.text.reasoning import (
+from helios_logprobs.runtime.text.reasoning import (
     ReasoningCounter,
     ReasoningSplit,
     ReasoningStrings,

@@ -4,10 +4,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runtime.engine.client import Finished, GeneratedToken, TokenLogprob
-from runtime.text.detokenizer import Detokenizer, TokenStart
-from runtime.text.stops import OutputStream, StopFilter
-from runtime.text.token_bytes import TokenBytes
+from helios_logprobs.runtime.engine.client import Finished, GeneratedToken, TokenLogprob
+from helios_logprobs.runtime.text.detokenizer import Detokenizer, TokenStart
+from helios_logprobs.runtime.text.stops import OutputStream, StopFilter
+from helios_logprobs.runtime.text.token_bytes import TokenBytes
 from tests.tokenizer_fixtures import (
     byte_fallback_tokenizer,
     byte_level_tokenizer,
@@ -65,7 +65,7 @@ def silent_alone(tb: TokenBytes, token_id: int, skip_special_tokens: bool) -> bo
 
 
 def offsets_of(tb: TokenBytes, ids: list[int]) -> list[int]:
-    from runtime.text.detokenizer import detokenize
+    from helios_logprobs.runtime.text.detokenizer import detokenize
 
     return detokenize(tb, ids, at_start=False)[1]
 
@@ -99,7 +99,7 @@ def test_stop_at_the_very_first_token(level_tokens) -> None:
 
 
 def test_stop_on_a_split_character(fallback_tokens) -> None:
-    from runtime.text.detokenizer import detokenize
+    from helios_logprobs.runtime.text.detokenizer import detokenize
 
     tok, tb = fallback_tokens
     ids = tok.encode("ab 語x").ids

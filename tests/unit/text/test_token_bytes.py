@@ -5,7 +5,7 @@ import json
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from runtime.text.token_bytes import (
+from helios_logprobs.runtime.text.token_bytes import (
     DecoderPlan,
     TokenBytes,
     UnsupportedDecoder,

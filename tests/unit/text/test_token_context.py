@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.text.token_bytes import TokenBytes
+from helios_logprobs.runtime.text.token_bytes import TokenBytes
 from tests.tokenizer_fixtures import (
     TEXTS,
     byte_fallback_tokenizer,

@@ -1,1 +1,0 @@
-"""Pure math on tensors: the packed logprob reduction (kernels.api), sort keys, Philox noise."""
