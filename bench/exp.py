@@ -4,7 +4,7 @@
 
 Two tables, each ratio "vmsExp time / copy time" from calls alternating in one run:
 1. exp of one 4,096-lane tile in place (the reduction's unit), logit-like values in [-30, 0];
-2. the one-rank reduction as the runtime calls it (kernels/torch_impl/backend.py's
+2. the one-rank reduction as the runtime calls it (kernels/cpu/backend.py's
    reduce_torch, K = 20, every row requested) on bf16 logits ~ N(0, 3^2), with the copy
    switched off and on (compiled.set_emulated_exp) between the calls.
 The outputs of both sides are compared word for word before timing.
@@ -26,9 +26,9 @@ import torch
 
 from bench.reduction import time_pair
 from helios_logprobs.kernels.api import row_request
+from helios_logprobs.kernels.cpu import compiled
+from helios_logprobs.kernels.cpu.backend import reduce_torch
 from helios_logprobs.kernels.native import VML_MODE, mkl_routine
-from helios_logprobs.kernels.torch_impl import compiled
-from helios_logprobs.kernels.torch_impl.backend import reduce_torch
 
 K = 20
 TILE = 4096

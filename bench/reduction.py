@@ -22,7 +22,7 @@ frees included). On CUDA: ``torch.cuda.max_memory_allocated`` after
 every allocation and free of the CPU allocator with its size; the running sum of that
 stream, in time order, gives the peak. (Python objects and allocator caching are not
 counted; they are the same for both sides and small.) The torch backend keeps its launch-1
-buffers (at most one slab of FP32 scratch, kernels/torch_impl/lean_stats.py StatsPlan) between
+buffers (at most one slab of FP32 scratch, kernels/cpu/lean_stats.py StatsPlan) between
 calls: "kept" reports them, and the memory ratio counts them.
 
 CUDA also reports achieved bandwidth: logit bytes / time for ours and the baseline, next to
@@ -136,7 +136,7 @@ def measure(
     requested = torch.ones(rows, dtype=torch.int32, device=device)
     request = row_request(chosen, None, requested, K, vocab, device)
     if backend == "torch":
-        from helios_logprobs.kernels.torch_impl.backend import reduce_torch as prepared_backend
+        from helios_logprobs.kernels.cpu.backend import reduce_torch as prepared_backend
     else:
         require_triton_device(device)
         from helios_logprobs.kernels.triton.backend import reduce_triton as prepared_backend
@@ -175,7 +175,7 @@ def kept_bytes(backend: str) -> int:
     """Scratch the backend keeps between calls (this thread's launch-1 plans)."""
     if backend != "torch":
         return 0
-    from helios_logprobs.kernels.torch_impl.lean_stats import kept_bytes as kept
+    from helios_logprobs.kernels.cpu.lean_stats import kept_bytes as kept
 
     return kept()
 
@@ -193,7 +193,7 @@ def run(
     for vocab in vocab_list:
         for rows in rows_list:
             if backend == "torch":
-                from helios_logprobs.kernels.torch_impl.lean_stats import release_plans
+                from helios_logprobs.kernels.cpu.lean_stats import release_plans
 
                 release_plans()  # "kept" then reports this configuration's buffers alone
             print(measure(backend, repeat, device, rows, vocab, g, clock), flush=True)

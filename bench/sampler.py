@@ -26,8 +26,8 @@ import time
 
 import torch
 
-from helios_logprobs.ranks.sampler import ShardedSampler
-from helios_logprobs.ranks.sampling_params import RowSampling
+from helios_logprobs.ranks.sampler.params import RowSampling
+from helios_logprobs.ranks.sampler.sampler import ShardedSampler
 
 KINDS = {
     "greedy": dict(temperature=0.0),

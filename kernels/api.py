@@ -13,9 +13,9 @@ from collections.abc import Sequence
 import torch
 
 from helios_logprobs.kernels.backends import BACKENDS, SHARDED_BACKENDS, require_triton_device
+from helios_logprobs.kernels.cpu.backend import reduce_torch
 from helios_logprobs.kernels.layout import EXPORT_K, MAX_TOKEN_IDS, PAYLOAD_WORDS
 from helios_logprobs.kernels.rows import RowRequest
-from helios_logprobs.kernels.torch_impl.backend import reduce_torch
 
 
 def pack_token_ids(

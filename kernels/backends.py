@@ -11,7 +11,7 @@ import torch
 from helios_logprobs.kernels.rows import RowRequest
 
 if TYPE_CHECKING:
-    from helios_logprobs.kernels.torch_impl.compiled import RepeatedCall
+    from helios_logprobs.kernels.cpu.compiled import RepeatedCall
 
 BACKENDS = ("reference", "torch", "triton")
 SHARDED_BACKENDS = ("torch", "triton")
@@ -60,7 +60,7 @@ class ShardSteps(Protocol):
 def shard_steps(backend: str) -> ShardSteps:
     """The module implementing the shard steps for ``backend`` (triton imported on demand)."""
     if backend == "torch":
-        from helios_logprobs.kernels.torch_impl import sharded as torch_sharded
+        from helios_logprobs.kernels.cpu import sharded as torch_sharded
 
         return torch_sharded
     if backend == "triton":
@@ -76,7 +76,7 @@ def whole_reduction(backend: str, repeated: bool = False) -> Callable[..., torch
     call); None for Triton, whose prepared six launches also serve one rank."""
     if backend != "torch":
         return None
-    from helios_logprobs.kernels.torch_impl.backend import reduce_torch, reduce_torch_repeated
+    from helios_logprobs.kernels.cpu.backend import reduce_torch, reduce_torch_repeated
 
     return reduce_torch_repeated if repeated else reduce_torch
 
@@ -89,6 +89,6 @@ def whole_native_call(
     launches do not apply (no library, CUDA tensors)."""
     if backend != "torch":
         return None
-    from helios_logprobs.kernels.torch_impl.backend import repeated_native_call
+    from helios_logprobs.kernels.cpu.backend import repeated_native_call
 
     return repeated_native_call(logits, request, vocab_size, out)

@@ -1,4 +1,4 @@
-"""Packed-payload assembly shared by the torch paths (kernels/torch_impl/: tiles.py, lean.py,
+"""Packed-payload assembly shared by the torch paths (kernels/cpu/: tiles.py, lean.py,
 sharded.py): flagged-row selection, top-K of candidate keys, and the [rows, PAYLOAD_WORDS]
 layout of chosen pair + alternative pairs."""
 

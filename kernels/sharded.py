@@ -15,7 +15,7 @@ which the first local_valid lanes are real vocabulary (the rest is padding). Per
 (2 + 129) * 4 = 524 bytes per position per rank; no vocabulary-sized row ever travels.
 
 One rank (a size-1 group) with the torch backend has nothing to exchange: it runs the
-four-launch whole-vocabulary reduction (kernels/torch_impl/backend.py), which gives the same
+four-launch whole-vocabulary reduction (kernels/cpu/backend.py), which gives the same
 payload bits without the shard steps' bookkeeping (about 0.3-0.8 ms less per decode step on
 CPU). The Triton backend keeps its six prepared launches at any size (CUDA-graph capture).
 """
@@ -39,7 +39,7 @@ from helios_logprobs.kernels.layout import EXCHANGE1_WORDS, EXCHANGE2_WORDS
 from helios_logprobs.kernels.rows import RowRequest
 
 if TYPE_CHECKING:
-    from helios_logprobs.kernels.torch_impl.compiled import RepeatedCall
+    from helios_logprobs.kernels.cpu.compiled import RepeatedCall
 
 _CACHE_SIZE = 32
 _cache: OrderedDict[tuple, PreparedShardedReduction] = OrderedDict()

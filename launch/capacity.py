@@ -6,7 +6,7 @@ prints, per rank: the weights by kind, every fixed buffer (completion bundle, sa
 logprob reduction, prompt scoring with --prompt-logprobs), the coordinator's host frames, the
 KV cache's bytes per token, and how many tokens and full-length sequences of KV cache the
 rest of the budget holds. With --prompt-logprobs it also prints what the flag costs. It
-loads no weights and allocates no tensors; every figure comes from ranks/contract/sizing.py, which
+loads no weights and allocates no tensors; every figure comes from ranks/capacity/sizing.py, which
 the tests hold to the tensors real ranks allocate.
 
 Exit status: 0, or 2 for a bad argument or a budget too small for the weights and fixed
@@ -29,8 +29,8 @@ from helios_logprobs.launch.capacity_report import (
     report,
     shortfall_message,
 )
-from helios_logprobs.ranks.contract.buffers import FIXED_SECTIONS, WEIGHT_KINDS, Buffer
-from helios_logprobs.ranks.contract.sizing import JobSizing, RankSizing
+from helios_logprobs.ranks.capacity.buffers import FIXED_SECTIONS, WEIGHT_KINDS, Buffer
+from helios_logprobs.ranks.capacity.sizing import JobSizing, RankSizing
 
 UNITS = {
     "": 1, "b": 1,

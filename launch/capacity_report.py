@@ -7,9 +7,9 @@ import argparse
 from dataclasses import replace
 
 from helios_logprobs.launch.arguments import runtime_config
-from helios_logprobs.ranks.contract.buffers import FIXED_SECTIONS, default_dtype, dtype_name
+from helios_logprobs.ranks.capacity.buffers import FIXED_SECTIONS, default_dtype, dtype_name
+from helios_logprobs.ranks.capacity.sizing import JobSizing, RankSizing, job_sizing, max_capacity
 from helios_logprobs.ranks.contract.declarations import resolve_completion_token_capacity
-from helios_logprobs.ranks.contract.sizing import JobSizing, RankSizing, job_sizing, max_capacity
 from helios_logprobs.ranks.model.config import ModelConfig
 
 

@@ -104,8 +104,8 @@ def ready_line(model: str, host: str, port: int, tp: int, max_logprobs: int,
 
 def capacity_line(engine, world: int, queue_limit: int | None) -> str:
     """One line (after ``helios: ``) of what the coordinator's frames and each rank's KV cache
-    hold, from ranks.contract.sizing (the figures launch.capacity prints)."""
-    from helios_logprobs.ranks.contract.sizing import frame_bytes, rank_sizing
+    hold, from ranks.capacity.sizing (the figures launch.capacity prints)."""
+    from helios_logprobs.ranks.capacity.sizing import frame_bytes, rank_sizing
 
     step = engine.step
     frames = frame_bytes(step.config)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from helios_logprobs.collectives.codec import message, register
 from helios_logprobs.kernels.layout import MAX_TOKEN_IDS
 from helios_logprobs.ranks.contract.requests import RequestError
-from helios_logprobs.ranks.sampling_params import RowSampling
+from helios_logprobs.ranks.sampler.params import RowSampling
 
 register(RowSampling, "ranks.row_sampling")
 

@@ -30,7 +30,7 @@ from dataclasses import replace
 from typing import Protocol
 
 from helios_logprobs.ranks.commit import SlotState
-from helios_logprobs.ranks.sampling_params import RowSampling
+from helios_logprobs.ranks.sampler.params import RowSampling
 
 
 class Round(Protocol):

@@ -1,5 +1,5 @@
 """Checks shared by the capacity tests (TP1 in process, TP2/TP4 over gloo): the report
-(ranks/contract/sizing.py) against the tensors a real rank and engine hold."""
+(ranks/capacity/sizing.py) against the tensors a real rank and engine hold."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from helios_logprobs.ranks.contract.buffers import Buffer
-from helios_logprobs.ranks.contract.sizing import RankSizing, rank_sizing
+from helios_logprobs.ranks.capacity.buffers import Buffer
+from helios_logprobs.ranks.capacity.sizing import RankSizing, rank_sizing
 from helios_logprobs.ranks.model import ShardedCausalLM
 from helios_logprobs.ranks.step import RankStep
 from helios_logprobs.runtime.engine.bootstrap import load_rank

@@ -47,7 +47,7 @@ from collections.abc import Sequence
 import torch
 
 from helios_logprobs.kernels.noise.philox import gumbel_noise
-from helios_logprobs.ranks.sampling_params import RowSampling
+from helios_logprobs.ranks.sampler.params import RowSampling
 
 NEG_INF = float("-inf")
 BOUNDARY = 1e-9

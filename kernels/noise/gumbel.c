@@ -1,4 +1,4 @@
-/* The Gumbel-max's searches over CPU rows (ranks/sampler_gumbel.py), in compiled code: noise
+/* The Gumbel-max's searches over CPU rows (ranks/sampler/gumbel.py), in compiled code: noise
    bounds, the candidates of dense rows and the lanes of sparse ones. Built after philox.c in
    one library (kernels/noise/philox_native.py): it uses philox_bits, has_avx2, vector_level
    and BLOCK from there. */
@@ -18,7 +18,7 @@ void gumbel_bounds(const int64_t *m, int64_t n, float c0, float c1, float *out)
     for (int64_t i = 0; i < n; i++) out[i] = bound_of(m[i], c0, c1);
 }
 
-/* ---- The Gumbel-max candidates of dense rows (ranks/sampler_gumbel.py) -------------------
+/* ---- The Gumbel-max candidates of dense rows (ranks/sampler/gumbel.py) -------------------
 
    A row's score of lane j is float64(x[j]) + noise(m_j), noise = -log(-log(u)), u = (m + 0.5)
    / 2**52; the winner has the largest score. Only a few lanes' noise can decide the winner,
@@ -47,7 +47,7 @@ void gumbel_bounds(const int64_t *m, int64_t n, float c0, float c1, float *out)
       log, and the jobs' cut scores: within 1e-12 (1 + |s0|) of the score torch computes (each
       log is within a few ulps of the true value). Some lane scores s0, so the winner scores
       >= s0, and a lane that scores >= s0 has b >= s0 - (1e-3 + 2**-20 (1 + |s0|))
-      (dense_row_best in ranks/sampler_gumbel.py gives why); the threshold h is that less
+      (dense_row_best in ranks/sampler/gumbel.py gives why); the threshold h is that less
       another 1e-9 (1 + |s0|) for C's log, as FP32 rounded down.
    3. Blocks whose maximum reaches h draw their kept lanes' bits again (under the row's final
       cut, which keeps fewer lanes or the same); those with b >= h are the candidates,
@@ -519,7 +519,7 @@ void scaled_rows(const float *src, int64_t src_stride, int64_t n_rows, int64_t w
     }
 }
 
-/* ---- The lanes of sparse rows that can still win (ranks/sampler_gumbel.py) ------------------
+/* ---- The lanes of sparse rows that can still win (ranks/sampler/gumbel.py) ------------------
 
    A row whose lanes mostly sit far below its maximum (filtered to -inf by top-k, top-p or
    min-p, or spread wide) keeps only the lanes at or above its FP32 cutoff `low`; the caller

@@ -6,7 +6,7 @@ hand.
 as ``kernels.noise.philox.philox_bits`` (integer arithmetic only, so the bits are identical, not
 merely close). ``native_gumbel_bounds`` is the same for kernels.noise.philox.gumbel_bounds
 (float32, rounded as the torch path rounds it). ``native_candidates`` finds the few lanes of
-each sampled row that can still win its Gumbel-max (ranks/sampler_gumbel.py scores them);
+each sampled row that can still win its Gumbel-max (ranks/sampler/gumbel.py scores them);
 ``native_sparse_best`` scores a sparse row's lanes itself, with torch's float64 log, and
 ``native_scaled_best`` a temperature-only row's candidates, read from its raw logits. The
 C file is compiled once per source hash with the system C compiler (``$CC``, else ``cc``) into

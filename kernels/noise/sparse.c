@@ -1,4 +1,4 @@
-/* The Gumbel-max of sparse rows, scored in compiled code (ranks/sampler_gumbel.py). Built
+/* The Gumbel-max of sparse rows, scored in compiled code (ranks/sampler/gumbel.py). Built
    after philox.c and gumbel.c into one library (kernels/noise/philox_native.py): it uses
    philox_bits, has_avx2, fill_row and fill_row_avx2 from there.
 
@@ -87,7 +87,7 @@ void sparse_best(const float *x, int64_t row_stride, const int64_t *rows, int64_
     }
 }
 
-/* ---- The candidates of dense rows, scored (ranks/sampler_gumbel.py, scaled_gumbel_best) ----
+/* ---- The candidates of dense rows, scored (ranks/sampler/gumbel.py, scaled_gumbel_best) ----
 
    gumbel_candidates leaves row r's counts[r] candidates at lanes, bits and values [r * cap
    ...]. Each is scored as step 3 above scores a lane (its value is the row's x there) and the

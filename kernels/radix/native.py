@@ -5,7 +5,7 @@ select of top-p and large top-k, each row's best k values, and the cuts.
 lanes as (key, weight) pairs; ``histogram`` runs one round (drop the lanes
 outside the bucket the previous round chose, then sum weights per bucket), ``below`` marks
 the lanes under each row's cut and ``remove_below`` sets them to -inf. Keys, weights and sums
-are those of the torch path (ranks/sampler_filters.py TorchRadixLanes), exactly: the weights'
+are those of the torch path (ranks/sampler/filters.py TorchRadixLanes), exactly: the weights'
 exp is the MKL routine torch.exp calls. ``top_values`` is torch.topk's values, ``fill_below``
 the cut at a key, ``fill_min_p`` min-p's cut. None or False (callers keep the torch path)
 without MKL in this torch build, without a C compiler, for other devices, dtypes or layouts,

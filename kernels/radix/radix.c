@@ -1,5 +1,5 @@
 /* The sampler's filters over CPU rows, in compiled code (kernels/radix/native.py binds them;
-   ranks/sampler_filters.py holds the rounds, their exchanges and the torch path): the radix
+   ranks/sampler/filters.py holds the rounds, their exchanges and the torch path): the radix
    select, each row's best k values, and the cuts (at a key, and min-p's).
 
    Every value here is the one the torch path computes:

@@ -3,7 +3,7 @@
 kernels/scoring/steps.py's torch path runs launch 1 (tile_stats), the rank count and the
 tiles' candidates slab by slab in tensor ops: ~28 ms for a 64 x 151,936 bf16 block here,
 against ~10 ms through these launches. The same three steps exist for generation on the CPU
-(kernels/torch_impl/lean_stats.py, lean.py, compiled.c) with results equal word for word to
+(kernels/cpu/lean_stats.py, lean.py, compiled.c) with results equal word for word to
 the torch ones, so scoring takes them: launch 1 from lean_tile_stats, the shard's best 20
 lanes from natural_best (the generation ordering: value desc, id asc, ties made by the
 subtraction included, -0.0 as +0.0), the count from count.c. The words exchanged and the
@@ -17,12 +17,12 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from helios_logprobs.kernels.cpu.compiled import compiled_count_above
+from helios_logprobs.kernels.cpu.lean import natural_best
+from helios_logprobs.kernels.cpu.lean_stats import Candidates, lean_tile_stats
+from helios_logprobs.kernels.cpu.tiles import TILE_LANES, TileStats
 from helios_logprobs.kernels.layout import PROMPT_K
 from helios_logprobs.kernels.sortkeys import EMPTY_KEY, make_keys
-from helios_logprobs.kernels.torch_impl.compiled import compiled_count_above
-from helios_logprobs.kernels.torch_impl.lean import natural_best
-from helios_logprobs.kernels.torch_impl.lean_stats import Candidates, lean_tile_stats
-from helios_logprobs.kernels.torch_impl.tiles import TILE_LANES, TileStats
 
 
 class ShardScan(NamedTuple):

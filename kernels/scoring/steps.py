@@ -21,13 +21,22 @@ Row (int32, PROMPT_ROW_WORDS = 43): target id, FP32 logprob bits, rank, 20 (id, 
 pairs in the generation ordering (value desc, id asc; ties made by the subtraction included).
 An invalid row (target -1) is: -1, NaN, 0, and -1 for every pair word. 2 x 64 x 4 = 512 bytes
 per row per rank; no vocabulary-sized row travels and no [rows, vocabulary] FP32 copy exists
-(slabs of at most SLAB_ELEMENTS lanes, as in kernels/torch_impl/tiles.py).
+(slabs of at most SLAB_ELEMENTS lanes, as in kernels/cpu/tiles.py).
 """
 
 from __future__ import annotations
 
 import torch
 
+from helios_logprobs.kernels.cpu import lean as torch_lean
+from helios_logprobs.kernels.cpu.sharded import global_lse
+from helios_logprobs.kernels.cpu.tiles import (
+    combine,
+    slab_of,
+    slabs,
+    tile_candidates,
+    tile_stats,
+)
 from helios_logprobs.kernels.layout import (
     PROMPT_BLOCK_ROWS,
     PROMPT_EXCHANGE_WORDS,
@@ -48,15 +57,6 @@ from helios_logprobs.kernels.sortkeys import (
     key_values,
     keys_to_words,
     words_to_keys,
-)
-from helios_logprobs.kernels.torch_impl import lean as torch_lean
-from helios_logprobs.kernels.torch_impl.sharded import global_lse
-from helios_logprobs.kernels.torch_impl.tiles import (
-    combine,
-    slab_of,
-    slabs,
-    tile_candidates,
-    tile_stats,
 )
 
 NAN_BITS = 0x7FC00000

@@ -64,7 +64,7 @@ int write_payload(int32_t *payload, int64_t capacity, int64_t tokens, int64_t wo
     return 0;
 }
 
-/* The kernels' prepared one-rank reduction (reduce_prepared in kernels/torch_impl/compiled.c,
+/* The kernels' prepared one-rank reduction (reduce_prepared in kernels/cpu/compiled.c,
  * passed by address with its argument block): the number of rows it left for Python. */
 typedef int64_t (*reduce_t)(const void *block, int64_t threads);
 

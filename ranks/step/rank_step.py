@@ -22,7 +22,7 @@ from helios_logprobs.ranks.contract.completion import CompletionOutputs
 from helios_logprobs.ranks.contract.core import capabilities
 from helios_logprobs.ranks.contract.upload import LogprobUploader, UploadResult
 from helios_logprobs.ranks.plan import StepPlan
-from helios_logprobs.ranks.sampler import ShardedSampler
+from helios_logprobs.ranks.sampler.sampler import ShardedSampler
 from helios_logprobs.ranks.speculative import sampler_rows, split_rows
 from helios_logprobs.ranks.step.config import StepConfig
 from helios_logprobs.ranks.step.inputs import StepInputs, prepare_inputs

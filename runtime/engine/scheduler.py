@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from helios_logprobs.ranks.contract.requests import RequestError
 from helios_logprobs.ranks.plan import RequestSpec, SlotWork, StepPlan
-from helios_logprobs.ranks.sampling_params import RowSampling
+from helios_logprobs.ranks.sampler.params import RowSampling
 from helios_logprobs.runtime.engine.client import MIN_TEMPERATURE, EngineInfo, SamplingParams
 from helios_logprobs.runtime.engine.decoding.lanes import LaneExpectation
 from helios_logprobs.runtime.engine.proposer import HistoryProposer

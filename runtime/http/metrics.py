@@ -10,7 +10,7 @@ here is changed on the event loop only; the scrape reads plain integers.
 Metrics (names in vLLM's style, prefixed `helios:`): the queue gauges, token and request
 counters, the copy counters of the coordinator's frame executor and prompt reader, the
 speculative rounds' drafts and accepted tokens (vLLM's spec_decode_* names), rejections by
-reason, and the frame bytes of the rank step (ranks.contract.sizing.frame_bytes), the completion
+reason, and the frame bytes of the rank step (ranks.capacity.sizing.frame_bytes), the completion
 frames apart from the scored and host ones.
 """
 
@@ -161,7 +161,7 @@ def _frame_bytes(engine: Any) -> dict[str, int] | None:
     config = getattr(getattr(engine, "step", None), "config", None)
     if config is None:
         return None
-    from helios_logprobs.ranks.contract.sizing import frame_bytes
+    from helios_logprobs.ranks.capacity.sizing import frame_bytes
 
     return frame_bytes(config).as_dict()
 

@@ -24,7 +24,7 @@ CASES = {
 
 def rank_main(model_dirs: dict[str, str]) -> list[tuple]:
     from helios_logprobs.collectives.groups import group_rank, group_size, world_group
-    from helios_logprobs.ranks.contract.sizing import rank_sizing
+    from helios_logprobs.ranks.capacity.sizing import rank_sizing
     from helios_logprobs.runtime.engine.bootstrap import build_engine
     from tests.capacity_checks import build, check_host, check_kv_allocator, check_rank
 

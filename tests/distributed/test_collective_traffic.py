@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from helios_logprobs.kernels.layout import EXCHANGE1_WORDS, EXCHANGE2_WORDS
-from helios_logprobs.ranks.sampler_filters import FILTER_WORDS, PICK_WORDS
+from helios_logprobs.ranks.sampler.filters import FILTER_WORDS, PICK_WORDS
 from tests.checkpoints import write_llama
 from tests.distributed.harness import run_ranks
 
@@ -67,7 +67,7 @@ def _reduction_calls(world: int, rank: int) -> list[dict]:
 
 def _spec(ordinal: int, logprobs: bool = False, ids: tuple[int, ...] = (), **sampling):
     from helios_logprobs.ranks.plan import RequestSpec
-    from helios_logprobs.ranks.sampling_params import RowSampling
+    from helios_logprobs.ranks.sampler.params import RowSampling
 
     return RequestSpec(ordinal=ordinal, max_tokens=16,
                        sampling=RowSampling(seed=100 + ordinal, position=0, **sampling),

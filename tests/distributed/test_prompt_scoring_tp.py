@@ -27,7 +27,7 @@ def rank_main(model_dir: str) -> dict:
 
     from helios_logprobs.collectives.groups import world_group
     from helios_logprobs.ranks.plan import RequestSpec
-    from helios_logprobs.ranks.sampling_params import RowSampling
+    from helios_logprobs.ranks.sampler.params import RowSampling
     from helios_logprobs.runtime.engine.bootstrap import load_rank
     from helios_logprobs.runtime.engine.client import SamplingParams
     from helios_logprobs.runtime.engine.config import RuntimeConfig

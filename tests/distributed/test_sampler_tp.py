@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from helios_logprobs.collectives.groups import group_rank, group_size, world_group
-from helios_logprobs.ranks.sampler import ShardedSampler
-from helios_logprobs.ranks.sampling_params import RowSampling
+from helios_logprobs.ranks.sampler.params import RowSampling
+from helios_logprobs.ranks.sampler.sampler import ShardedSampler
 from tests import sampler_oracle as oracle
 from tests.distributed.harness import run_ranks
 

@@ -26,7 +26,7 @@ TOL = 1e-4
 
 def plan(logprob_ids: tuple[int, ...] = (), logprobs: bool = True):
     from helios_logprobs.ranks.plan import RequestSpec, SlotWork, StepPlan
-    from helios_logprobs.ranks.sampling_params import RowSampling
+    from helios_logprobs.ranks.sampler.params import RowSampling
 
     def spec(ordinal: int, ids: tuple[int, ...] = ()) -> RequestSpec:
         sampling = RowSampling(seed=ordinal, position=0, temperature=0.0)

@@ -194,7 +194,8 @@ def test_helios_serve_tp1_runs_without_torchrun(tmp_path, model_dirs):
             time.sleep(0.25)
         # No torchrun: the process that serves is the wrapper's own (exec), rank 0 alone.
         cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().split(b"\0")
-        assert b"helios_logprobs.launch.serve" in cmdline and b"torch.distributed.run" not in cmdline
+        assert b"helios_logprobs.launch.serve" in cmdline
+        assert b"torch.distributed.run" not in cmdline
         prompt = encoder(model_dir).encode("The garden").ids
         out = httpx.post(url + "/v1/completions", timeout=60, json={
             "prompt": prompt, "max_tokens": 3, "temperature": 0.0, "logprobs": 1,

@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from helios_logprobs.ranks.contract.requests import RequestError
 from helios_logprobs.ranks.plan import RequestSpec, SlotWork, StepPlan
-from helios_logprobs.ranks.sampling_params import RowSampling
+from helios_logprobs.ranks.sampler.params import RowSampling
 from helios_logprobs.runtime.engine.bootstrap import build_engine, load_rank
 from helios_logprobs.runtime.engine.client import (
     Finished,

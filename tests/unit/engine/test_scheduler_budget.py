@@ -4,7 +4,7 @@ prefilled twice or skipped, and every request eventually runs."""
 from __future__ import annotations
 
 from helios_logprobs.ranks.plan import RequestSpec
-from helios_logprobs.ranks.sampling_params import RowSampling
+from helios_logprobs.ranks.sampler.params import RowSampling
 from helios_logprobs.runtime.engine.client import SamplingParams
 from helios_logprobs.runtime.engine.scheduler import Request, Scheduler, SchedulerConfig
 

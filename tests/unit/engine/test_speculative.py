@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from helios_logprobs.ranks.commit import RecordBatch, SlotState
 from helios_logprobs.ranks.contract import abi6
 from helios_logprobs.ranks.plan import RequestSpec, SlotWork
-from helios_logprobs.ranks.sampling_params import RowSampling
+from helios_logprobs.ranks.sampler.params import RowSampling
 from helios_logprobs.runtime.engine.bootstrap import build_engine, load_rank
 from helios_logprobs.runtime.engine.client import SamplingParams
 from helios_logprobs.runtime.engine.config import RuntimeConfig

@@ -20,7 +20,7 @@ from helios_logprobs.ranks.contract.core import capabilities, core_declarations
 from helios_logprobs.ranks.contract.declarations import validate
 from helios_logprobs.ranks.contract.requests import RequestError
 from helios_logprobs.ranks.plan import RequestSpec, SlotWork, StepPlan
-from helios_logprobs.ranks.sampling_params import RowSampling
+from helios_logprobs.ranks.sampler.params import RowSampling
 from helios_logprobs.runtime.engine.bootstrap import build_engine, load_rank
 from helios_logprobs.runtime.engine.client import EngineError, SamplingParams
 from helios_logprobs.runtime.engine.config import RuntimeConfig

@@ -11,7 +11,7 @@ import ctypes
 import pytest
 import torch
 
-from helios_logprobs.kernels.torch_impl import compiled, exp_check
+from helios_logprobs.kernels.cpu import compiled, exp_check
 
 pytestmark = pytest.mark.skipif(not compiled.available(),
                                 reason="no compiled reduction on this machine")

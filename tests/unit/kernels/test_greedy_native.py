@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from helios_logprobs.kernels.greedy import native
-from helios_logprobs.ranks.sampler import ShardedSampler
-from helios_logprobs.ranks.sampling_params import RowSampling
+from helios_logprobs.ranks.sampler.params import RowSampling
+from helios_logprobs.ranks.sampler.sampler import ShardedSampler
 
 NEG_INF = float("-inf")
 TILE = 2048  # (argmax.c's tile: the cases below sit on its edges)

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
+from helios_logprobs.kernels.cpu import compiled
 from helios_logprobs.kernels.native import built_once, load_library, torch_openmp
-from helios_logprobs.kernels.torch_impl import compiled
 
 SOURCE = "int answer(void) { return 42; }\n"
 FLAGS = ("-O1", "-fPIC", "-shared")
@@ -90,7 +90,7 @@ def test_the_reduction_switch_keeps_the_torch_path(monkeypatch) -> None:
 def test_both_thread_fan_outs_give_the_torch_launches(monkeypatch, openmp) -> None:
     """The reduction library built with -fopenmp (rows on torch's OpenMP team) and without
     it (pthreads) both split rows over threads with the torch launches' bits."""
-    from helios_logprobs.kernels.torch_impl.tiles import TileStats, tile_stats
+    from helios_logprobs.kernels.cpu.tiles import TileStats, tile_stats
 
     if openmp and not torch_openmp():
         pytest.skip("torch's libgomp is not loaded here")

@@ -1,4 +1,4 @@
-"""The compiled radix lanes (kernels/radix) against the torch lanes of ranks/sampler_filters:
+"""The compiled radix lanes (kernels/radix) against the torch lanes of ranks/sampler/filters:
 the same histograms round by round, the same cuts and masks, the same sampled tokens."""
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ import torch
 import helios_logprobs.kernels.radix.native as native
 from helios_logprobs.collectives.exchange import WordExchange
 from helios_logprobs.kernels.radix.native import RadixLanes
-from helios_logprobs.ranks.sampler import ShardedSampler
-from helios_logprobs.ranks.sampler_filters import (
+from helios_logprobs.ranks.sampler.filters import (
     FILTER_WORDS,
     RADIX_ROUNDS,
     TorchRadixLanes,
@@ -21,7 +20,8 @@ from helios_logprobs.ranks.sampler_filters import (
     radix_thresholds,
     value_keys,
 )
-from helios_logprobs.ranks.sampling_params import RowSampling
+from helios_logprobs.ranks.sampler.params import RowSampling
+from helios_logprobs.ranks.sampler.sampler import ShardedSampler
 
 needs_native = pytest.mark.skipif(not native.available(), reason="no C compiler or no MKL")
 
@@ -204,10 +204,10 @@ def test_kth_cut_keeps_the_values_at_or_above_each_rows_kth(compiled, monkeypatc
     """remove_below_kth drops exactly the lanes below the k-th largest value in the rows it
     is asked to cut (ties at the k-th value all stay; +0.0 and -0.0 are one value) and leaves
     the others, compiled or in torch."""
-    from helios_logprobs.ranks.sampler_filters import max_and_topk, remove_below_kth
+    from helios_logprobs.ranks.sampler.filters import max_and_topk, remove_below_kth
 
     if not compiled:
-        monkeypatch.setattr("helios_logprobs.ranks.sampler_filters.fill_below",
+        monkeypatch.setattr("helios_logprobs.ranks.sampler.filters.fill_below",
                             lambda x, cut: False)
     elif not native.available():
         pytest.skip("no C compiler or no MKL")
@@ -231,7 +231,7 @@ def test_min_p_cut_is_the_torch_cut_at_the_boundary():
     """fill_min_p drops what `relative_probs(x, max) < min_p` drops, with lanes placed on each
     row's boundary and on its FP32 neighbours (where only torch's exp can decide), floors of
     1 and of 1e-30, a row whose maximum is +inf and a row of -inf only."""
-    from helios_logprobs.ranks.sampler_filters import relative_probs
+    from helios_logprobs.ranks.sampler.filters import relative_probs
 
     x = awkward_rows(6, 5003, seed=9)
     floors = torch.tensor([0.05, 0.5, 1.0, 1e-30, 0.3, 0.1], dtype=torch.float64)

@@ -1,7 +1,7 @@
-"""The compiled CPU launches (kernels/torch_impl/compiled.c) against the torch launches they
+"""The compiled CPU launches (kernels/cpu/compiled.c) against the torch launches they
 reproduce word for word, and the probe that keeps them off where they would differ.
 
-Oracles: kernels/torch_impl/tiles.py's tile-by-tile launches (torch ops only) and the numpy
+Oracles: kernels/cpu/tiles.py's tile-by-tile launches (torch ops only) and the numpy
 fast path with the library switched off; the float64 oracle checks the payloads too.
 """
 
@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 import torch
 
-import helios_logprobs.kernels.torch_impl.lean as lean
+import helios_logprobs.kernels.cpu.lean as lean
 from helios_logprobs.kernels.api import pack_token_ids, reduce_logprobs
+from helios_logprobs.kernels.cpu import compiled
+from helios_logprobs.kernels.cpu.backend import reduce_torch, reduce_torch_repeated
+from helios_logprobs.kernels.cpu.tiles import TileStats, normalization, tile_stats
 from helios_logprobs.kernels.native import mkl_routine
 from helios_logprobs.kernels.rows import RowRequest
-from helios_logprobs.kernels.torch_impl import compiled
-from helios_logprobs.kernels.torch_impl.backend import reduce_torch, reduce_torch_repeated
-from helios_logprobs.kernels.torch_impl.tiles import TileStats, normalization, tile_stats
 from tests.oracles import WORDS, check_payload
 
 needs_compiled = pytest.mark.skipif(not compiled.available(),

@@ -18,9 +18,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from helios_logprobs.kernels.api import pack_token_ids, reduce_logprobs, reduce_logprobs_sharded
+from helios_logprobs.kernels.cpu import compiled
+from helios_logprobs.kernels.cpu.backend import reduce_torch
 from helios_logprobs.kernels.rows import RowRequest
-from helios_logprobs.kernels.torch_impl import compiled
-from helios_logprobs.kernels.torch_impl.backend import reduce_torch
 from tests.oracles import WORDS, check_payload, check_row, f32_values, tolerance
 
 
@@ -367,7 +367,7 @@ def test_reduction_never_writes_the_logits(vocab: int, dtype: torch.dtype) -> No
 
 def _tile_by_tile(monkeypatch) -> None:
     """Force the tile-by-tile launches (the implementation the CPU fast path reproduces)."""
-    import helios_logprobs.kernels.torch_impl.lean as lean
+    import helios_logprobs.kernels.cpu.lean as lean
 
     monkeypatch.setattr(lean, "LEAN", False)
 
@@ -429,7 +429,7 @@ def test_cpu_fast_path_with_small_tiles(monkeypatch, tile):
         outs = []
         for lean, lib in ((True, compiled._lib()), (True, None), (False, None)):
             with monkeypatch.context() as m:
-                m.setattr("helios_logprobs.kernels.torch_impl.lean.LEAN", lean)
+                m.setattr("helios_logprobs.kernels.cpu.lean.LEAN", lean)
                 m.setitem(compiled._STATE, "lib", lib)
                 out = torch.full((3, WORDS), -1, dtype=torch.int32)
                 reduce_torch(x, RowRequest(chosen, ids, counts, flags, 20), vocab, out,
@@ -441,8 +441,8 @@ def test_cpu_fast_path_with_small_tiles(monkeypatch, tile):
 def test_sharded_cpu_steps_match_tile_steps_on_several_shards(monkeypatch):
     """Three simulated shards through the three step functions: the CPU fast path and the
     tile-by-tile steps produce the same payload."""
+    from helios_logprobs.kernels.cpu import sharded as steps
     from helios_logprobs.kernels.layout import EXCHANGE1_WORDS, EXCHANGE2_WORDS
-    from helios_logprobs.kernels.torch_impl import sharded as steps
 
     vocab, rows, width = 10_007, 4, 3336
     full = make_logits("ties", rows, vocab, 0, seed=11).to(torch.bfloat16)
@@ -497,9 +497,9 @@ def test_one_row_and_decode_shapes_never_hold_a_rows_by_vocab_fp32_tensor(rows, 
 @pytest.mark.parametrize(("rows", "vocab", "flagged"), [(3, 1031, 2), (2, 40_000, 2)])
 def test_one_rank_driver_equals_the_shard_steps(rows, vocab, flagged):
     """A size-1 group runs reduce_torch instead of the shard steps: the same payload bits."""
+    from helios_logprobs.kernels.cpu import sharded as steps
     from helios_logprobs.kernels.layout import EXCHANGE1_WORDS, EXCHANGE2_WORDS
     from helios_logprobs.kernels.sharded import PreparedShardedReduction
-    from helios_logprobs.kernels.torch_impl import sharded as steps
 
     x = make_logits("ties", rows, vocab, 0, seed=5)
     ids, counts = pack_token_ids([[], [7, 0]][:rows] + [[]] * (rows - 2), rows, vocab)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helios_logprobs.kernels.cpu import compiled
+from helios_logprobs.kernels.cpu import lean as torch_lean
 from helios_logprobs.kernels.layout import (
     PROMPT_EXCHANGE_WORDS,
     PROMPT_FIRST_PAIR,
@@ -23,8 +25,6 @@ from helios_logprobs.kernels.scoring.steps import (
     target_values,
 )
 from helios_logprobs.kernels.sortkeys import bits_to_float
-from helios_logprobs.kernels.torch_impl import compiled
-from helios_logprobs.kernels.torch_impl import lean as torch_lean
 from helios_logprobs.ranks.step.scoring import scored_capacities
 
 

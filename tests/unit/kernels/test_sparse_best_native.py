@@ -9,7 +9,7 @@ import torch
 
 import helios_logprobs.kernels.noise.philox_native as native
 from helios_logprobs.kernels.noise.philox import gumbel_noise
-from helios_logprobs.ranks.sampler_filters import NO_ID, NO_KEY, score_keys
+from helios_logprobs.ranks.sampler.filters import NO_ID, NO_KEY, score_keys
 
 NAN, INF = float("nan"), float("inf")
 

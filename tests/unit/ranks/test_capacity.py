@@ -1,6 +1,6 @@
 """The capacity report against real ranks (TP1, in process), and the CLI.
 
-ranks/contract/sizing.py computes every buffer from the configuration alone. Here real
+ranks/capacity/sizing.py computes every buffer from the configuration alone. Here real
 RankSteps (and the coordinator's Engine) are built and the report is checked buffer by
 buffer against the tensors at the paths it names, and in total against every tensor
 reachable from the step: a buffer the code holds but the report does not list fails
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from helios_logprobs.launch import capacity
-from helios_logprobs.ranks.contract.sizing import (
+from helios_logprobs.ranks.capacity.sizing import (
     frame_bytes,
     job_sizing,
     max_capacity,

@@ -8,16 +8,16 @@ import pytest
 import torch
 
 from helios_logprobs.kernels.noise.philox import gumbel_noise
-from helios_logprobs.ranks.sampler import ShardedSampler
-from helios_logprobs.ranks.sampler_filters import (
+from helios_logprobs.ranks.sampler.filters import (
     ARGMAX_TILE,
     first_argmax,
     key_values,
     score_keys,
     value_keys,
 )
-from helios_logprobs.ranks.sampler_gumbel import gumbel_best
-from helios_logprobs.ranks.sampling_params import RowSampling
+from helios_logprobs.ranks.sampler.gumbel import gumbel_best
+from helios_logprobs.ranks.sampler.params import RowSampling
+from helios_logprobs.ranks.sampler.sampler import ShardedSampler
 from tests import sampler_oracle as oracle
 
 NEG_INF = float("-inf")

@@ -17,8 +17,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helios_logprobs.ranks.sampler import ShardedSampler
-from helios_logprobs.ranks.sampling_params import RowSampling
+from helios_logprobs.ranks.sampler.params import RowSampling
+from helios_logprobs.ranks.sampler.sampler import ShardedSampler
 
 VOCAB = 1031
 PROMPT = [0, 5, 9, 14]

@@ -4,17 +4,17 @@ import pytest
 import torch
 
 import helios_logprobs.kernels.noise.philox_native as native
-import helios_logprobs.ranks.sampler_gumbel as gumbel
+import helios_logprobs.ranks.sampler.gumbel as gumbel
 from helios_logprobs.kernels.noise.philox import (
     gumbel_bounds,
     gumbel_noise,
     philox_bits,
     seed_words,
 )
-from helios_logprobs.ranks.sampler import ShardedSampler
-from helios_logprobs.ranks.sampler_filters import score_keys
-from helios_logprobs.ranks.sampler_gumbel import gumbel_best
-from helios_logprobs.ranks.sampling_params import RowSampling
+from helios_logprobs.ranks.sampler.filters import score_keys
+from helios_logprobs.ranks.sampler.gumbel import gumbel_best
+from helios_logprobs.ranks.sampler.params import RowSampling
+from helios_logprobs.ranks.sampler.sampler import ShardedSampler
 
 NEG_INF = float("-inf")
 KINDS = ["normal", "flat", "ties", "spike", "neg_inf", "wide", "huge", "tiny", "mostly_masked"]

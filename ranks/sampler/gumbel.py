@@ -32,7 +32,7 @@ from helios_logprobs.kernels.noise.philox_native import (
     native_sparse_best,
     scores_candidates,
 )
-from helios_logprobs.ranks.sampler_filters import NO_ID, empty_best, score_keys
+from helios_logprobs.ranks.sampler.filters import NO_ID, empty_best, score_keys
 
 ROW_NOISE_MIN_WIDTH = 16384
 """Rows at least this wide with most lanes still candidates draw noise row by row."""

@@ -16,6 +16,28 @@ import threading
 import numpy as np
 import torch
 
+from helios_logprobs.kernels.cpu import lean as torch_lean
+from helios_logprobs.kernels.cpu.lean import NumpyRequest, natural_best
+from helios_logprobs.kernels.cpu.lean_stats import (
+    Candidates,
+    lean_combine,
+    lean_tile_stats,
+    native_values,
+)
+from helios_logprobs.kernels.cpu.tiles import (
+    CHUNK_LANES,
+    NEG_INF,
+    TILE_LANES,
+    TileStats,
+    chunk_max,
+    combine,
+    count_rows,
+    lse_from,
+    slab_of,
+    slabs,
+    tile_candidates,
+    tile_stats,
+)
 from helios_logprobs.kernels.layout import (
     CHOSEN_BITS,
     CHOSEN_ID,
@@ -39,28 +61,6 @@ from helios_logprobs.kernels.sortkeys import (
     float_bits,
     keys_to_words,
     words_to_keys,
-)
-from helios_logprobs.kernels.torch_impl import lean as torch_lean
-from helios_logprobs.kernels.torch_impl.lean import NumpyRequest, natural_best
-from helios_logprobs.kernels.torch_impl.lean_stats import (
-    Candidates,
-    lean_combine,
-    lean_tile_stats,
-    native_values,
-)
-from helios_logprobs.kernels.torch_impl.tiles import (
-    CHUNK_LANES,
-    NEG_INF,
-    TILE_LANES,
-    TileStats,
-    chunk_max,
-    combine,
-    count_rows,
-    lse_from,
-    slab_of,
-    slabs,
-    tile_candidates,
-    tile_stats,
 )
 
 KEY_WORDS = 2 * TILE_CANDIDATES
@@ -228,7 +228,7 @@ def final_merge(
 
 # ----------------------------------------------------------------------------- CPU fast path
 #
-# On CPU tensors the three steps run kernels/torch_impl/lean.py's launches (the same slabs, far
+# On CPU tensors the three steps run kernels/cpu/lean.py's launches (the same slabs, far
 # fewer tensor ops, numpy bookkeeping) with bit-identical results. Launch 4 reuses what
 # launches 1-2 found for the same logits (same storage and version) and the same rows:
 # the chunk maxima (or a one-tile row's candidates), instead of recomputing them.

@@ -5,7 +5,7 @@ or beyond ``local_valid`` are padding and never sampled. Transformations, in vLL
 (vllm/v1/sample/sampler.py, ``Sampler.apply_logits_processors`` then ``Sampler.sample``; each
 step is cited in tests/sampler_oracle.py and docs/api.md, "Sampling order"):
 allowed_token_ids (grammar mask), bad_words and min_tokens (their ids masked), logit_bias,
-repetition/frequency/presence penalties (ranks/sampler_processors.py); greedy rows take the
+repetition/frequency/presence penalties (ranks/sampler/processors.py); greedy rows take the
 argmax here; then temperature, min-p, top-k, top-p (its mass is over what min-p
 and top-k kept), and a Gumbel-max whose Philox noise is keyed by (seed, position, global id),
 so a seeded row samples the same token at every TP degree. The raw logits are never
@@ -13,7 +13,7 @@ modified: all work happens in a scratch buffer, which ``processed`` exposes for 
 verification. NaN logits count as -inf. Greedy rows without processors are picked by a
 compiled argmax of the raw rows (kernels/greedy: the same rule, no scratch copy); rows that are
 temperature-only (no processor, no filter) are searched by compiled code in the raw rows,
-divided as the scratch would hold them (ranks/sampler_gumbel.py, scaled_gumbel_best: the same
+divided as the scratch would hold them (ranks/sampler/gumbel.py, scaled_gumbel_best: the same
 token); only the other rows reach the scratch.
 
 Exchanges (all fixed-width int32 all-gathers, skipped for a size-1 group):
@@ -22,7 +22,7 @@ Exchanges (all fixed-width int32 all-gathers, skipped for a size-1 group):
   (global max, k-th largest value).
 - top-k > 256 and top-p: a 5-round radix select over bucket sums (256 words per round); the
   vocabulary row is never gathered.
-Tie rules are documented in ranks/sampler_filters.py.
+Tie rules are documented in ranks/sampler/filters.py.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from helios_logprobs.kernels.greedy import native as greedy_native
 from helios_logprobs.kernels.greedy.native import native_argmax
 from helios_logprobs.kernels.noise import philox_native
 from helios_logprobs.kernels.noise.philox_native import native_scaled_rows
-from helios_logprobs.ranks.sampler_filters import (
+from helios_logprobs.ranks.sampler.filters import (
     FILTER_WORDS,
     PICK_WORDS,
     TOPK_WIDTH,
@@ -51,14 +51,14 @@ from helios_logprobs.ranks.sampler_filters import (
     remove_below_min_p,
     score_keys,
 )
-from helios_logprobs.ranks.sampler_gumbel import gumbel_best, scaled_gumbel_best
-from helios_logprobs.ranks.sampler_processors import (
+from helios_logprobs.ranks.sampler.gumbel import gumbel_best, scaled_gumbel_best
+from helios_logprobs.ranks.sampler.params import SEED_MAX, RowSampling
+from helios_logprobs.ranks.sampler.processors import (
     FLOAT32_MAX,
     NEG_INF,
     ShardLanes,
     apply_processors,
 )
-from helios_logprobs.ranks.sampling_params import SEED_MAX, RowSampling
 
 
 class ShardedSampler:

@@ -9,7 +9,7 @@ and every lse is the tile-by-tile path's (same ops on the same slabs), so the pa
 bit for bit that path's; rows whose candidates cannot vouch for their best 32 (ties across
 a boundary, rows of -inf, a non-finite lse) take the tile-by-tile launch 3.
 
-Where the compiled launches apply (kernels/torch_impl/compiled.py: a C compiler, MKL inside
+Where the compiled launches apply (kernels/cpu/compiled.py: a C compiler, MKL inside
 torch, a probe that shows the same bits), the whole call runs there in one C call and this
 module only settles the rows it cannot vouch for; otherwise the numpy path below runs.
 """
@@ -21,6 +21,23 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from helios_logprobs.kernels.cpu.compiled import compiled_best, compiled_reduce
+from helios_logprobs.kernels.cpu.lean_stats import (
+    CANDIDATE_CHUNKS,
+    CANDIDATES,
+    NAN32,
+    Candidates,
+    lean_lse,
+    lean_tile_stats,
+    native_values,
+    uses_chunks,
+)
+from helios_logprobs.kernels.cpu.tiles import (
+    CHUNK_LANES,
+    TILE_LANES,
+    TileStats,
+    tile_candidates,
+)
 from helios_logprobs.kernels.layout import (
     CHOSEN_BITS,
     CHOSEN_ID,
@@ -32,23 +49,6 @@ from helios_logprobs.kernels.layout import TILE_CANDIDATES as TOP
 from helios_logprobs.kernels.payload import top_keys
 from helios_logprobs.kernels.rows import RowRequest
 from helios_logprobs.kernels.sortkeys import EMPTY_KEY, key_ids, key_values
-from helios_logprobs.kernels.torch_impl.compiled import compiled_best, compiled_reduce
-from helios_logprobs.kernels.torch_impl.lean_stats import (
-    CANDIDATE_CHUNKS,
-    CANDIDATES,
-    NAN32,
-    Candidates,
-    lean_lse,
-    lean_tile_stats,
-    native_values,
-    uses_chunks,
-)
-from helios_logprobs.kernels.torch_impl.tiles import (
-    CHUNK_LANES,
-    TILE_LANES,
-    TileStats,
-    tile_candidates,
-)
 
 LEAN = True
 """Whether CPU tensors take this fast path (tests compare it with the tile-by-tile one)."""

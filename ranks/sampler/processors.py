@@ -1,7 +1,7 @@
 """The sampler's logits processors, on a shard's scratch rows, in vLLM v1's order: allowed ids
 (grammar mask), the blocked ids of min_tokens and bad_words, logit_bias, then the repetition,
-frequency and presence penalties (vllm/v1/sample/sampler.py; ranks/sampler.py runs them after
-the scratch copy and before the temperature and the filters).
+frequency and presence penalties (vllm/v1/sample/sampler.py; ranks/sampler/sampler.py runs them
+after the scratch copy and before the temperature and the filters).
 
 Every factor and term is a finite float32 and finite lanes saturate at +-LOGIT_LIMIT, so no
 lane becomes NaN or +-inf: the only -inf lanes are masked ones, and every row keeps a lane to
@@ -17,7 +17,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from helios_logprobs.ranks.sampling_params import GREEDY_EPS, RowSampling
+from helios_logprobs.ranks.sampler.params import GREEDY_EPS, RowSampling
 
 NEG_INF = float("-inf")
 FLOAT32_MAX = torch.finfo(torch.float32).max

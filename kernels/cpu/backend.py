@@ -1,16 +1,14 @@
-"""The torch reduction's entry point: CPU tensors take the fast path (kernels/torch_impl/lean.py),
-other devices the tile-by-tile launches (kernels/torch_impl/tiles.py); the same payload bits."""
+"""The torch reduction's entry point: CPU tensors take the fast path (kernels/cpu/lean.py),
+other devices the tile-by-tile launches (kernels/cpu/tiles.py); the same payload bits."""
 
 from __future__ import annotations
 
 import torch
 
-from helios_logprobs.kernels.payload import flagged_rows, pick_rows, write_rows
-from helios_logprobs.kernels.rows import RowRequest
-from helios_logprobs.kernels.torch_impl import lean as torch_lean
-from helios_logprobs.kernels.torch_impl.compiled import RepeatedCall, repeated_call
-from helios_logprobs.kernels.torch_impl.lean_stats import uses_chunks
-from helios_logprobs.kernels.torch_impl.tiles import (
+from helios_logprobs.kernels.cpu import lean as torch_lean
+from helios_logprobs.kernels.cpu.compiled import RepeatedCall, repeated_call
+from helios_logprobs.kernels.cpu.lean_stats import uses_chunks
+from helios_logprobs.kernels.cpu.tiles import (
     TILE_LANES,
     count_rows,
     final_merge,
@@ -18,6 +16,8 @@ from helios_logprobs.kernels.torch_impl.tiles import (
     tile_candidates,
     tile_stats,
 )
+from helios_logprobs.kernels.payload import flagged_rows, pick_rows, write_rows
+from helios_logprobs.kernels.rows import RowRequest
 
 
 def reduce_torch(

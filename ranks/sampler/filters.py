@@ -6,7 +6,7 @@ layouts compute identically and on integer or exact-order reductions, so the res
 depend on the shard layout. (The one caveat: exp and log are elementwise, but a SIMD lane and
 a scalar tail may round them 1 ulp apart; that can only matter at an exact tie.)
 
-Filters run in vLLM's order: min-p, top-k, top-p (see ranks/sampler.py). Tie rules
+Filters run in vLLM's order: min-p, top-k, top-p (see ranks/sampler/sampler.py). Tie rules
 (TP-invariant because they use values and global ids only, never lane order):
 - min-p: a lane is kept when exp(x - max) >= min_p (vLLM: softmax prob >= min_p * max prob).
 - top-k: the threshold is the k-th largest value counted with multiplicity; every lane whose

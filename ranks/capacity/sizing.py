@@ -8,7 +8,7 @@ attribute path where the live rank keeps it (``model.weights.layers[*].qkv``,
 ``reduction.driver.exchange2.recv``, ...). tests/unit/ranks/test_capacity.py and
 tests/distributed/test_capacity_tp.py build real ranks and compare these entries, buffer by
 buffer and in total, with the tensors those paths hold; a buffer added to the code but not
-here fails them. ``ranks/contract/buffers.py`` lists the buffers, this module adds them up;
+here fails them. ``ranks/capacity/buffers.py`` lists the buffers, this module adds them up;
 ``launch/capacity.py`` prints the result; ``frame_bytes`` gives a live
 server the bytes of its completion and scored frames.
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from helios_logprobs.ranks.contract.buffers import (
+from helios_logprobs.ranks.capacity.buffers import (
     FIXED_SECTIONS,
     WEIGHT_KINDS,
     Buffer,

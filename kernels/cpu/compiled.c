@@ -1,6 +1,6 @@
-/* The CPU reduction's compiled launches (kernels/torch_impl/compiled.py loads this file).
+/* The CPU reduction's compiled launches (kernels/cpu/compiled.py loads this file).
 
-   Every FP32 value here is the one the torch launches (kernels/torch_impl/tiles.py and
+   Every FP32 value here is the one the torch launches (kernels/cpu/tiles.py and
    lean.py) produce: exp and log are MKL's vmsExp / vmsLn in the mode torch's vml.h passes
    (or exp_lanes.c's copy of that exp where compiled.py's probe finds it the same),
    sums follow torch's cascade_sum order for its sum kernel's vector width, and every

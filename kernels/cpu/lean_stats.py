@@ -1,5 +1,5 @@
-"""Launch 1 of the CPU fast path (kernels/torch_impl/lean.py): tile statistics bit for bit equal to
-kernels/torch_impl/tiles.py's ``tile_stats``, in far fewer tensor calls, on the same slabs.
+"""Launch 1 of the CPU fast path (kernels/cpu/lean.py): tile statistics bit for bit equal to
+kernels/cpu/tiles.py's ``tile_stats``, in far fewer tensor calls, on the same slabs.
 
 Up to PLAN_LANES lanes per call, a StatsPlan (kept per thread, reused across calls) takes the
 chunk and tile maxima straight from the native rows, then per slab only: a slice, the exact
@@ -16,9 +16,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from helios_logprobs.kernels.layout import TILE_CANDIDATES as TOP
-from helios_logprobs.kernels.torch_impl.compiled import compiled_lse, compiled_tile_stats
-from helios_logprobs.kernels.torch_impl.tiles import (
+from helios_logprobs.kernels.cpu.compiled import compiled_lse, compiled_tile_stats
+from helios_logprobs.kernels.cpu.tiles import (
     CHUNK_LANES,
     NAN,
     NEG_INF,
@@ -26,6 +25,7 @@ from helios_logprobs.kernels.torch_impl.tiles import (
     slab_budget,
     slabs,
 )
+from helios_logprobs.kernels.layout import TILE_CANDIDATES as TOP
 
 CANDIDATE_CHUNKS = 2 * TOP
 """Chunks of 16 lanes whose lanes a row ranks in launch 3 (at most a quarter of the row's

@@ -12,8 +12,8 @@ Memory: logits are read one slab at a time (whole tiles of a block of rows, at m
 largest FP32 temporary is one slab; no [rows, vocabulary] FP32 copy ever exists. Launch 3
 converts only the few chunks that reach a floor derived from launch 1's chunk maxima.
 Only flagged rows are read: a row subset is index-selected per slab, never as whole rows.
-The sharded steps (kernels/torch_impl/sharded.py) reuse launches 1 and 3 on their shard; CPU
-tensors take the same launches with fewer tensor calls (kernels/torch_impl/lean.py).
+The sharded steps (kernels/cpu/sharded.py) reuse launches 1 and 3 on their shard; CPU
+tensors take the same launches with fewer tensor calls (kernels/cpu/lean.py).
 """
 
 from __future__ import annotations

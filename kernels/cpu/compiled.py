@@ -48,6 +48,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from helios_logprobs.kernels.cpu import exp_check
+from helios_logprobs.kernels.cpu.tiles import (
+    CHUNK_LANES,
+    TileStats,
+    normalization,
+    tile_stats,
+)
 from helios_logprobs.kernels.layout import MAX_TOKEN_IDS, PAYLOAD_WORDS
 from helios_logprobs.kernels.layout import TILE_CANDIDATES as TOP
 from helios_logprobs.kernels.native import (
@@ -58,13 +65,6 @@ from helios_logprobs.kernels.native import (
     load_library,
     mkl_routine,
     torch_openmp,
-)
-from helios_logprobs.kernels.torch_impl import exp_check
-from helios_logprobs.kernels.torch_impl.tiles import (
-    CHUNK_LANES,
-    TileStats,
-    normalization,
-    tile_stats,
 )
 
 _LOG = logging.getLogger(__name__)
@@ -239,7 +239,7 @@ def compiled_count_above(logits: torch.Tensor, valid: int, lse: np.ndarray,
 class _Outputs:
     """One shape's outputs and their views, kept per thread between calls (a view costs
     microseconds here): the next call with the same shape on the same thread overwrites
-    them, as kernels/torch_impl/lean_stats.py's StatsPlan does."""
+    them, as kernels/cpu/lean_stats.py's StatsPlan does."""
 
     def __init__(self, n: int, valid: int, tile: int, cap: int) -> None:
         full, rest = divmod(valid, tile)

@@ -1,7 +1,7 @@
 """Every buffer one rank holds, from the configuration alone (no tensor, no weight read):
 weights by kind, the completion bundle, sampler and reduction workspaces, prompt scoring, the
 KV cache and the coordinator's host frames. Each ``Buffer`` names the attribute path where a
-live rank keeps it; ``ranks/contract/sizing.py`` adds them up per rank and per job.
+live rank keeps it; ``ranks/capacity/sizing.py`` adds them up per rank and per job.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from helios_logprobs.ranks.contract.declarations import (
 )
 from helios_logprobs.ranks.model.config import ModelConfig
 from helios_logprobs.ranks.model.sharding import ShardLayout
-from helios_logprobs.ranks.sampler_filters import FILTER_WORDS, PICK_WORDS
+from helios_logprobs.ranks.sampler.filters import FILTER_WORDS, PICK_WORDS
 from helios_logprobs.ranks.step.config import StepConfig
 from helios_logprobs.ranks.step.scoring import scored_capacities
 
@@ -220,7 +220,7 @@ def exchange_buffers(
 
 
 def sampler_buffers(step: StepConfig, layout: ShardLayout) -> tuple[Buffer, ...]:
-    """ranks/sampler.py ShardedSampler: the FP32 scratch [rows, local_width] and the filter
+    """ranks/sampler/sampler.py ShardedSampler: the FP32 scratch [rows, local_width] and the filter
     (256 words) and pick (3 words) exchanges, for the submission's most sampling rows
     (StepConfig.max_rows: capacity x (1 + N) with N speculative proposals)."""
     cap, world = step.max_rows, layout.tp_size
