@@ -84,7 +84,15 @@ assert torch.cuda.is_available(), "torch does not see a GPU"
 print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__)
 print("device", torch.cuda.get_device_name(), torch.cuda.get_device_capability())
 EOF
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+# The import namespace without an install (nothing can be fetched here, so no build
+# backend): helios_logprobs/<folder> links to the checkout's five folders. The CPU native
+# extension is not built; the GPU path does not use it.
+PKG_ROOT=$(mktemp -d)
+mkdir -p "$PKG_ROOT/helios_logprobs"
+for folder in runtime ranks collectives kernels launch; do
+    ln -s "$ROOT/$folder" "$PKG_ROOT/helios_logprobs/$folder"
+done
+export PYTHONPATH="$PKG_ROOT:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
 # ------------------------------------------------------------------------------ 2. GPU tests
 step "2. tests/gpu"
