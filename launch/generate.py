@@ -22,7 +22,8 @@ from helios_logprobs.launch.arguments import add_runtime_arguments
 from helios_logprobs.launch.cluster import join
 from helios_logprobs.launch.signals import Interrupted, StopSignals, env_rank, exit_process
 from helios_logprobs.ranks.contract.requests import RequestError
-from helios_logprobs.runtime.engine.client import EngineError, SamplingParams
+from helios_logprobs.runtime.engine.client import SamplingParams
+from helios_logprobs.runtime.outputs import EngineError
 
 
 def _value(x: float) -> float:

@@ -6,12 +6,8 @@ from __future__ import annotations
 import math
 
 from helios_logprobs.ranks.contract import abi6
-from helios_logprobs.runtime.engine.client import (
-    EngineError,
-    Finished,
-    GeneratedToken,
-    SamplingParams,
-)
+from helios_logprobs.runtime.engine.client import SamplingParams
+from helios_logprobs.runtime.outputs import EngineError, Finished, GeneratedToken
 from tests.checkpoints import hf_logprobs
 
 SENTINEL = -7

@@ -22,14 +22,7 @@ from helios_logprobs.ranks.contract.requests import (
 )
 from helios_logprobs.ranks.plan import StepPlan
 from helios_logprobs.ranks.step import RankStep
-from helios_logprobs.runtime.engine.client import (
-    EngineError,
-    EngineInfo,
-    Finished,
-    GeneratedToken,
-    PromptScores,
-    SamplingParams,
-)
+from helios_logprobs.runtime.engine.client import EngineInfo, SamplingParams
 from helios_logprobs.runtime.engine.executor import FrameExecutor
 from helios_logprobs.runtime.engine.frame_reader import SpeculationCounters, read_frame
 from helios_logprobs.runtime.engine.prompt_reader import PromptReader
@@ -41,6 +34,7 @@ from helios_logprobs.runtime.engine.scheduler import (
     request_spec,
 )
 from helios_logprobs.runtime.engine.sink import WAKEUPS, Sink
+from helios_logprobs.runtime.outputs import EngineError, Finished, GeneratedToken, PromptScores
 
 
 class Engine:

@@ -12,11 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from helios_logprobs.ranks.contract import abi6
-from helios_logprobs.runtime.engine.client import Finished, GeneratedToken
 from helios_logprobs.runtime.engine.decoding.frame import decode_frame
 from helios_logprobs.runtime.engine.decoding.lanes import DecodedEntry, LaneExpectation
 from helios_logprobs.runtime.engine.executor import HostFrame
 from helios_logprobs.runtime.engine.scheduler import Request
+from helios_logprobs.runtime.outputs import Finished, GeneratedToken
 
 FINISH_NAMES = {
     abi6.FinishReason.LENGTH: "length",

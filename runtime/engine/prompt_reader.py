@@ -23,7 +23,7 @@ from helios_logprobs.kernels.layout import (
 )
 from helios_logprobs.ranks.plan import SlotWork
 from helios_logprobs.ranks.step.scoring import PromptScorer
-from helios_logprobs.runtime.engine.client import EngineError, PromptLogprob, TokenLogprob
+from helios_logprobs.runtime.outputs import EngineError, PromptLogprob, TokenLogprob
 
 
 class PromptReader:

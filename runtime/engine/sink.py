@@ -8,7 +8,7 @@ from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from helios_logprobs.runtime.engine.client import EngineError, Finished
+from helios_logprobs.runtime.outputs import EngineError, Finished
 
 
 class Wakeups(threading.local):

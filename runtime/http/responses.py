@@ -18,9 +18,9 @@ import orjson
 from fastapi.responses import Response
 
 from helios_logprobs.ranks.contract.requests import RequestError
-from helios_logprobs.runtime.engine.client import EngineError
 from helios_logprobs.runtime.http.output.wire import NonFiniteLogprob
 from helios_logprobs.runtime.http.protocol.models import error_body
+from helios_logprobs.runtime.outputs import EngineError
 
 log = logging.getLogger("helios_logprobs.runtime.http")
 

@@ -25,7 +25,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from helios_logprobs.runtime.engine.client import Finished, GeneratedToken
+from helios_logprobs.runtime.outputs import Finished, GeneratedToken
 from helios_logprobs.runtime.text.detokenizer import Detokenizer, DetokStep, TokenStart
 from helios_logprobs.runtime.text.token_bytes import TokenBytes
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from helios_logprobs.runtime.engine.client import EngineError, TokenLogprobs
+from helios_logprobs.runtime.outputs import EngineError, TokenLogprobs
 
 
 class DecodeError(EngineError):

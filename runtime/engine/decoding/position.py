@@ -15,13 +15,13 @@ from helios_logprobs.ranks.contract.abi6 import (
     SUBMISSION,
     Kind,
 )
-from helios_logprobs.runtime.engine.client import TokenLogprobs
 from helios_logprobs.runtime.engine.decoding.lanes import (
     DecodedEntry,
     DecodeError,
     LaneExpectation,
     SlotDecode,
 )
+from helios_logprobs.runtime.outputs import TokenLogprobs
 
 _KINDS = frozenset(int(kind) for kind in Kind)
 _EMITTING = frozenset(int(kind) for kind in EMITTING_KINDS)

@@ -18,15 +18,9 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
-from helios_logprobs.runtime.engine.client import (
-    EngineClient,
-    Finished,
-    GeneratedToken,
-    PromptLogprob,
-    PromptScores,
-    SamplingParams,
-)
+from helios_logprobs.runtime.engine.client import EngineClient, SamplingParams
 from helios_logprobs.runtime.http.output.wire import Position, positions
+from helios_logprobs.runtime.outputs import Finished, GeneratedToken, PromptLogprob, PromptScores
 from helios_logprobs.runtime.text.reasoning import ReasoningCounter, ReasoningTokens
 from helios_logprobs.runtime.text.stops import OutputStream
 from helios_logprobs.runtime.text.token_bytes import MAX_CONTEXT, TokenBytes

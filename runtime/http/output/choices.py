@@ -10,10 +10,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from helios_logprobs.runtime.engine.client import (
-    EngineClient,
-    PromptLogprob,
-)
+from helios_logprobs.runtime.engine.client import EngineClient
 from helios_logprobs.runtime.http.assets import ModelAssets
 from helios_logprobs.runtime.http.output.choice_stream import (
     ChoiceJob,
@@ -25,6 +22,7 @@ from helios_logprobs.runtime.http.output.choice_stream import (
 from helios_logprobs.runtime.http.output.wire import Position
 from helios_logprobs.runtime.http.protocol.models import StreamOptions
 from helios_logprobs.runtime.http.responses import new_id, now
+from helios_logprobs.runtime.outputs import PromptLogprob
 
 
 def envelope(id_prefix: str, obj: str, assets: ModelAssets) -> dict[str, Any]:

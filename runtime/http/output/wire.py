@@ -48,10 +48,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from helios_logprobs.runtime.engine.client import (
+from helios_logprobs.runtime.engine.client import SamplingParams
+from helios_logprobs.runtime.outputs import (
     GeneratedToken,
     PromptLogprob,
-    SamplingParams,
     TokenLogprob,
     TokenLogprobs,
 )

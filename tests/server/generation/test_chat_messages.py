@@ -9,9 +9,10 @@ import httpx
 import openai
 import pytest
 
-from helios_logprobs.runtime.engine.client import EngineInfo, Finished, GeneratedToken
+from helios_logprobs.runtime.engine.client import EngineInfo
 from helios_logprobs.runtime.engine.engine import Engine as RealEngine
 from helios_logprobs.runtime.http.server import create_app
+from helios_logprobs.runtime.outputs import Finished, GeneratedToken
 from tests.server.helpers import encoder, hf_tokenizer, served_name, strict_json
 
 USER = {"role": "user", "content": "Hi"}

@@ -9,12 +9,12 @@ import math
 import httpx
 import pytest
 
-from helios_logprobs.runtime.engine.client import PromptLogprob, TokenLogprob
 from helios_logprobs.runtime.http.output.wire import (
     NonFiniteLogprob,
     natural_ranks,
     prompt_logprobs_entry,
 )
+from helios_logprobs.runtime.outputs import PromptLogprob, TokenLogprob
 from helios_logprobs.runtime.text.token_bytes import TokenBytes
 from tests.checkpoints import hf_logprobs
 from tests.oracles import check_natural

@@ -15,13 +15,8 @@ from functools import cache
 import httpx
 import pytest
 
-from helios_logprobs.runtime.engine.client import (
-    EngineError,
-    Finished,
-    GeneratedToken,
-    TokenLogprob,
-)
 from helios_logprobs.runtime.http.server import create_app
+from helios_logprobs.runtime.outputs import EngineError, Finished, GeneratedToken, TokenLogprob
 from tests.server.helpers import (
     encoder,
     post,

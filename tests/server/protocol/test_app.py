@@ -11,13 +11,8 @@ import math
 import httpx
 import pytest
 
-from helios_logprobs.runtime.engine.client import (
-    EngineError,
-    Finished,
-    GeneratedToken,
-    TokenLogprob,
-)
 from helios_logprobs.runtime.http.server import create_app
+from helios_logprobs.runtime.outputs import EngineError, Finished, GeneratedToken, TokenLogprob
 from helios_logprobs.runtime.text.chat_template import ChatTemplate, ChatTemplateError
 from tests.server.helpers import strict_json
 from tests.server.scripted_engine import ScriptedEngine

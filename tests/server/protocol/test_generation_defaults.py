@@ -13,9 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from helios_logprobs.runtime.engine.client import Finished, GeneratedToken
 from helios_logprobs.runtime.http.protocol.defaults import GenerationConfigError
 from helios_logprobs.runtime.http.server import create_app
+from helios_logprobs.runtime.outputs import Finished, GeneratedToken
 from tests.server.helpers import strict_json
 from tests.server.scripted_engine import ScriptedEngine
 

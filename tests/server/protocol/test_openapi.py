@@ -10,8 +10,8 @@ import json
 import httpx
 import pytest
 
-from helios_logprobs.runtime.engine.client import Finished
 from helios_logprobs.runtime.http.server import create_app
+from helios_logprobs.runtime.outputs import Finished
 from tests.server.helpers import strict_json
 from tests.server.scripted_engine import ScriptedEngine
 

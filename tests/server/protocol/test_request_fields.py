@@ -13,7 +13,6 @@ import httpx
 import openai
 import pytest
 
-from helios_logprobs.runtime.engine.client import Finished, GeneratedToken
 from helios_logprobs.runtime.http.protocol.refusals import (
     CHAT_REFUSED,
     COMPLETION_REFUSED,
@@ -21,6 +20,7 @@ from helios_logprobs.runtime.http.protocol.refusals import (
     REFUSED,
 )
 from helios_logprobs.runtime.http.server import create_app
+from helios_logprobs.runtime.outputs import Finished, GeneratedToken
 from tests.server.helpers import served_name, strict_json
 from tests.server.scripted_engine import ScriptedEngine
 

@@ -8,9 +8,9 @@ import torch
 
 from helios_logprobs.ranks.contract.abi6 import Kind
 from helios_logprobs.ranks.contract.completion import CompletionOutputs, write_record
-from helios_logprobs.runtime.engine.client import EngineError
 from helios_logprobs.runtime.engine.decoding.frame import decode_frame
 from helios_logprobs.runtime.engine.decoding.lanes import DecodedEntry, DecodeError, LaneExpectation
+from helios_logprobs.runtime.outputs import EngineError
 
 CAPACITY = 4
 T = 4

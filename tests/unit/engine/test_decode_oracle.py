@@ -12,9 +12,9 @@ import pytest
 from helios_logprobs.ranks.contract import abi6
 from helios_logprobs.ranks.contract.abi6 import Kind
 from helios_logprobs.ranks.contract.completion import CompletionOutputs, write_record
-from helios_logprobs.runtime.engine.client import TokenLogprob
 from helios_logprobs.runtime.engine.decoding.frame import decode_frame
 from helios_logprobs.runtime.engine.decoding.lanes import LaneExpectation
+from helios_logprobs.runtime.outputs import TokenLogprob
 
 CAPACITY = 8
 T = 4

@@ -14,8 +14,9 @@ from safetensors.torch import load_file, save_file
 from helios_logprobs.kernels.layout import EXPORT_K, FIRST_PAIR
 from helios_logprobs.ranks.contract.requests import RequestError
 from helios_logprobs.runtime.engine.bootstrap import build_engine, load_rank
-from helios_logprobs.runtime.engine.client import EngineError, GeneratedToken, SamplingParams
+from helios_logprobs.runtime.engine.client import SamplingParams
 from helios_logprobs.runtime.engine.config import RuntimeConfig
+from helios_logprobs.runtime.outputs import EngineError, GeneratedToken
 from tests.checkpoints import hf_logprobs, write_llama
 from tests.oracles import check_natural
 

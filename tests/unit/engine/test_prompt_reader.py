@@ -10,8 +10,8 @@ import torch
 from helios_logprobs.kernels.layout import PROMPT_FIRST_PAIR, PROMPT_ROW_WORDS
 from helios_logprobs.kernels.scoring.driver import PreparedPromptScoring
 from helios_logprobs.ranks.plan import SlotWork
-from helios_logprobs.runtime.engine.client import EngineError
 from helios_logprobs.runtime.engine.prompt_reader import decode_prompt_rows
+from helios_logprobs.runtime.outputs import EngineError
 
 
 def scored_rows(vocab: int, rows: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor,

@@ -12,13 +12,9 @@ from helios_logprobs.ranks.contract.requests import RequestError
 from helios_logprobs.ranks.plan import RequestSpec, SlotWork, StepPlan
 from helios_logprobs.ranks.sampler.params import RowSampling
 from helios_logprobs.runtime.engine.bootstrap import build_engine, load_rank
-from helios_logprobs.runtime.engine.client import (
-    Finished,
-    GeneratedToken,
-    PromptScores,
-    SamplingParams,
-)
+from helios_logprobs.runtime.engine.client import SamplingParams
 from helios_logprobs.runtime.engine.config import RuntimeConfig
+from helios_logprobs.runtime.outputs import Finished, GeneratedToken, PromptScores
 from tests.checkpoints import hf_logprobs, write_llama, write_qwen2
 
 TOL = 1e-4

@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from helios_logprobs.runtime.engine.client import Finished
 from helios_logprobs.runtime.engine.sink import WAKEUPS, Sink
+from helios_logprobs.runtime.outputs import Finished
 
 
 class CountingLoop:

@@ -22,8 +22,9 @@ from helios_logprobs.ranks.contract.requests import RequestError
 from helios_logprobs.ranks.plan import RequestSpec, SlotWork, StepPlan
 from helios_logprobs.ranks.sampler.params import RowSampling
 from helios_logprobs.runtime.engine.bootstrap import build_engine, load_rank
-from helios_logprobs.runtime.engine.client import EngineError, SamplingParams
+from helios_logprobs.runtime.engine.client import SamplingParams
 from helios_logprobs.runtime.engine.config import RuntimeConfig
+from helios_logprobs.runtime.outputs import EngineError
 from tests.checkpoints import hf_logprobs, write_llama
 
 SENTINEL = -7

@@ -12,15 +12,10 @@ import tokenizers
 from transformers import AutoTokenizer
 
 from helios_logprobs.launch.tiny_model import EOS, EOT, ensure_tiny_model
-from helios_logprobs.runtime.engine.client import (
-    EngineInfo,
-    Finished,
-    GeneratedToken,
-    SamplingParams,
-    TokenLogprob,
-)
+from helios_logprobs.runtime.engine.client import EngineInfo, SamplingParams
 from helios_logprobs.runtime.http.assets import ModelAssets
 from helios_logprobs.runtime.http.output.choice_stream import ChoiceJob, run_choice
+from helios_logprobs.runtime.outputs import Finished, GeneratedToken, TokenLogprob
 
 
 @cache

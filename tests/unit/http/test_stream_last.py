@@ -10,14 +10,9 @@ import pytest
 import tokenizers
 
 from helios_logprobs.launch.tiny_model import ensure_tiny_model
-from helios_logprobs.runtime.engine.client import (
-    EngineInfo,
-    Finished,
-    GeneratedToken,
-    SamplingParams,
-    TokenLogprob,
-)
+from helios_logprobs.runtime.engine.client import EngineInfo, SamplingParams
 from helios_logprobs.runtime.http.output.choice_stream import ChoiceJob, run_choice
+from helios_logprobs.runtime.outputs import Finished, GeneratedToken, TokenLogprob
 from helios_logprobs.runtime.text.token_bytes import TokenBytes
 
 

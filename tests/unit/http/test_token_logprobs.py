@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from helios_logprobs.runtime.engine.client import GeneratedToken, TokenLogprob, TokenLogprobs
+from helios_logprobs.runtime.outputs import GeneratedToken, TokenLogprob, TokenLogprobs
 
 
 def test_reads_as_the_tuples_it_holds():

@@ -9,12 +9,7 @@ from openai.types.chat import ChatCompletionTokenLogprob
 from openai.types.chat.chat_completion import ChoiceLogprobs
 from openai.types.completion_choice import Logprobs
 
-from helios_logprobs.runtime.engine.client import (
-    GeneratedToken,
-    PromptLogprob,
-    SamplingParams,
-    TokenLogprob,
-)
+from helios_logprobs.runtime.engine.client import SamplingParams
 from helios_logprobs.runtime.http.output.wire import (
     NonFiniteLogprob,
     Position,
@@ -28,6 +23,7 @@ from helios_logprobs.runtime.http.output.wire import (
     wire_logprob,
     wire_logprobs,
 )
+from helios_logprobs.runtime.outputs import GeneratedToken, PromptLogprob, TokenLogprob
 from helios_logprobs.runtime.text.detokenizer import detokenize
 from helios_logprobs.runtime.text.stops import OutputStream
 

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helios_logprobs.runtime.engine.client import Finished, GeneratedToken, TokenLogprob
+from helios_logprobs.runtime.outputs import Finished, GeneratedToken, TokenLogprob
 from helios_logprobs.runtime.text.detokenizer import Detokenizer, TokenStart
 from helios_logprobs.runtime.text.stops import OutputStream, StopFilter
 from helios_logprobs.runtime.text.token_bytes import TokenBytes
