@@ -22,7 +22,6 @@ from helios_logprobs.runtime.http.output.choice_stream import ChoiceJob, Delta, 
 from helios_logprobs.runtime.http.output.choices import collect, envelope, stream_chunks
 from helios_logprobs.runtime.http.output.wire import (
     Position,
-    WireMode,
     chat_logprobs,
     request_prompt_logprobs,
 )
@@ -41,6 +40,7 @@ from helios_logprobs.runtime.http.protocol.params import (
     truncation,
     wire_mode,
 )
+from helios_logprobs.runtime.http.protocol.wire_mode import WireMode
 from helios_logprobs.runtime.text.chat_template import ChatTemplateError
 from helios_logprobs.runtime.text.reasoning import (
     ReasoningSplit,

@@ -25,7 +25,6 @@ from helios_logprobs.runtime.http.output.choice_stream import ChoiceJob, Delta, 
 from helios_logprobs.runtime.http.output.choices import collect, envelope, stream_chunks
 from helios_logprobs.runtime.http.output.wire import (
     Position,
-    WireMode,
     completion_logprobs,
     prompt_context,
     prompt_position,
@@ -45,6 +44,7 @@ from helios_logprobs.runtime.http.protocol.params import (
     truncation,
     wire_mode,
 )
+from helios_logprobs.runtime.http.protocol.wire_mode import WireMode
 from helios_logprobs.runtime.text.detokenizer import detokenize
 from helios_logprobs.runtime.text.token_bytes import TokenBytes
 

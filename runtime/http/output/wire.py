@@ -48,7 +48,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from helios_logprobs.runtime.engine.client import SamplingParams
+from helios_logprobs.runtime.http.protocol.wire_mode import WireMode
 from helios_logprobs.runtime.outputs import (
     GeneratedToken,
     PromptLogprob,
@@ -115,18 +115,6 @@ def positions(
     contexts = contexts or {}
     return [Position.generated(tok, offset + offset_base, contexts.get(tok.index, ()))
             for tok, offset in entries if not (logprobs and tok.logprob is None)]
-
-
-@dataclass(frozen=True)
-class WireMode:
-    selected: bool = False
-    """logprob_token_ids mode: alternatives are the caller's ids, not natural ones."""
-    as_token_ids: bool = False
-    """return_tokens_as_token_ids: every token text is "token_id:N"."""
-
-    @classmethod
-    def for_params(cls, params: SamplingParams, *, as_token_ids: bool = False) -> WireMode:
-        return cls(params.logprob_token_ids is not None, as_token_ids)
 
 
 def token_text(tb: TokenBytes, token_id: int, mode: WireMode,

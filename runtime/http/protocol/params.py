@@ -8,7 +8,6 @@ from collections.abc import Callable
 
 from helios_logprobs.ranks.contract.requests import RequestError, context_overflow
 from helios_logprobs.runtime.engine.client import SamplingParams
-from helios_logprobs.runtime.http.output.wire import WireMode
 from helios_logprobs.runtime.http.protocol.defaults import SamplingDefaults
 from helios_logprobs.runtime.http.protocol.models import (
     MAX_CHOICES,
@@ -16,6 +15,7 @@ from helios_logprobs.runtime.http.protocol.models import (
     MAX_STOP_STRINGS,
     SamplingFields,
 )
+from helios_logprobs.runtime.http.protocol.wire_mode import WireMode
 
 LOGIT_BIAS_LIMIT = 100.0
 TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,19}", re.ASCII)

@@ -13,7 +13,6 @@ from helios_logprobs.runtime.engine.client import SamplingParams
 from helios_logprobs.runtime.http.output.wire import (
     NonFiniteLogprob,
     Position,
-    WireMode,
     chat_logprobs,
     chat_token_logprob,
     completion_logprobs,
@@ -23,6 +22,7 @@ from helios_logprobs.runtime.http.output.wire import (
     wire_logprob,
     wire_logprobs,
 )
+from helios_logprobs.runtime.http.protocol.wire_mode import WireMode
 from helios_logprobs.runtime.outputs import GeneratedToken, PromptLogprob, TokenLogprob
 from helios_logprobs.runtime.text.detokenizer import detokenize
 from helios_logprobs.runtime.text.stops import OutputStream
