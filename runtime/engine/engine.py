@@ -20,7 +20,7 @@ from helios_logprobs.ranks.contract.requests import (
     check_token_ids,
     context_overflow,
 )
-from helios_logprobs.ranks.plan import StepPlan
+from helios_logprobs.ranks.plan import RequestSpec, StepPlan
 from helios_logprobs.ranks.step import RankStep
 from helios_logprobs.runtime.engine.client import EngineInfo, SamplingParams
 from helios_logprobs.runtime.engine.executor import FrameExecutor
@@ -94,34 +94,13 @@ class Engine:
             self._thread.join(timeout=30)
 
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Everything refused before admission, as RequestError naming the parameter."""
-        info = self.info
-        if not prompt_ids:
-            raise RequestError("prompt", "the prompt must contain at least one token")
-        check_token_ids("prompt", prompt_ids, info.vocab_size)
-        if len(prompt_ids) >= info.max_model_len:
-            raise RequestError("prompt", context_overflow(len(prompt_ids), params.max_tokens,
-                                                          info.max_model_len))
-        check_logprob_request(
-            params.logprobs, params.logprob_token_ids, info.vocab_size, info.max_logprobs,
-            info.supports_token_ids,
-        )
-        check_prompt_logprobs(params.prompt_logprobs, info.max_logprobs, info.prompt_logprobs,
-                              info.vocab_size)
-        check_token_ids("stop_token_ids", params.stop_token_ids, info.vocab_size)
-        check_token_ids("allowed_token_ids", params.allowed_token_ids or (), info.vocab_size)
-        check_token_ids("logit_bias", [t for t, _ in params.logit_bias], info.vocab_size)
-        check_thinking_budget(params.thinking_token_budget, info.reasoning)
-        check_min_tokens(params.min_tokens, params.max_tokens)
-        check_token_ids("bad_words", [t for w in params.bad_words for t in w], info.vocab_size)
-        if not isinstance(params.speculative, bool):
-            raise RequestError("speculative", f"must be a boolean, got {params.speculative!r}")
-        request_spec(info, 0, prompt_ids, params, info.reasoning)
+        """Everything refused before admission, as RequestError naming the parameter (for a
+        caller that answers before it submits: generate() runs the same check)."""
+        checked_spec(self.info, prompt_ids, params)
 
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[GeneratedToken | Finished]:
-        self.check(prompt_ids, params)
         sink = Sink(asyncio.get_running_loop(), self.max_pending_events)
         request = self._submit(prompt_ids, params, sink)
         try:
@@ -146,7 +125,6 @@ class Engine:
         self, prompt_ids: list[int], params: SamplingParams, timeout: float = 300.0
     ) -> list[PromptScores | GeneratedToken | Finished]:
         """Every event of one request, in order (scripts and tests); raises EngineError."""
-        self.check(prompt_ids, params)
         sink = Sink(None, None)
         request = self._submit(prompt_ids, params, sink)
         if not sink.done.wait(timeout):
@@ -166,7 +144,6 @@ class Engine:
         runs the same greedy or seeded jobs plans the same submissions (tests, benchmarks)."""
         sinks = []
         for prompt_ids, params in jobs:
-            self.check(prompt_ids, params)
             sinks.append(Sink(None, None))
             self._submit(prompt_ids, params, sinks[-1])
         with self._lock:
@@ -182,12 +159,13 @@ class Engine:
 
     # ----------------------------------------------------------------- step thread
     def _submit(self, prompt_ids: list[int], params: SamplingParams, sink: Sink) -> Request:
+        """Checks the request (RequestError) and queues it with the spec the check built. The
+        ordinal is taken under the lock, so a refused request takes none."""
         with self._lock:
+            spec = checked_spec(self.info, prompt_ids, params, self._ordinal + 1)
             if self._failure is not None:
                 raise EngineError(f"engine is unhealthy: {self._failure}")
             self._ordinal += 1
-            spec = request_spec(self.info, self._ordinal, prompt_ids, params,
-                                self.info.reasoning)
             request = Request(self._ordinal, list(prompt_ids), params, spec, sink)
             if params.max_tokens == 0 and params.prompt_logprobs is None:
                 sink.put(Finished("length"))
@@ -299,3 +277,32 @@ class Engine:
         with self._lock:
             self._stopped = True
             self._lock.notify_all()
+
+
+def checked_spec(
+    info: EngineInfo, prompt_ids: list[int], params: SamplingParams, ordinal: int = 0,
+) -> RequestSpec:
+    """The one validation path: everything refused before admission, as RequestError naming
+    the parameter, then the spec the ranks receive, built once (its own checks run in
+    RowSampling and RequestSpec); ``ordinal`` 0: a check before submission."""
+    if not prompt_ids:
+        raise RequestError("prompt", "the prompt must contain at least one token")
+    check_token_ids("prompt", prompt_ids, info.vocab_size)
+    if len(prompt_ids) >= info.max_model_len:
+        raise RequestError("prompt", context_overflow(len(prompt_ids), params.max_tokens,
+                                                      info.max_model_len))
+    check_logprob_request(
+        params.logprobs, params.logprob_token_ids, info.vocab_size, info.max_logprobs,
+        info.supports_token_ids,
+    )
+    check_prompt_logprobs(params.prompt_logprobs, info.max_logprobs, info.prompt_logprobs,
+                          info.vocab_size)
+    check_token_ids("stop_token_ids", params.stop_token_ids, info.vocab_size)
+    check_token_ids("allowed_token_ids", params.allowed_token_ids or (), info.vocab_size)
+    check_token_ids("logit_bias", [t for t, _ in params.logit_bias], info.vocab_size)
+    check_thinking_budget(params.thinking_token_budget, info.reasoning)
+    check_min_tokens(params.min_tokens, params.max_tokens)
+    check_token_ids("bad_words", [t for w in params.bad_words for t in w], info.vocab_size)
+    if not isinstance(params.speculative, bool):
+        raise RequestError("speculative", f"must be a boolean, got {params.speculative!r}")
+    return request_spec(info, ordinal, prompt_ids, params, info.reasoning)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -113,6 +114,21 @@ def test_requests_refused_before_admission(engine):
     with pytest.raises(RequestError) as err:
         engine.check([5], SamplingParams(top_p=0.0))
     assert err.value.param == "top_p"
+
+
+def test_each_request_is_checked_and_its_spec_built_once(engine, caplog):
+    """A temperature below vLLM's floor is warned about once per request, as vLLM does: the
+    submitting paths run the one check, whose spec goes to the ranks (no second build)."""
+    params = SamplingParams(max_tokens=2, temperature=0.005, seed=3, ignore_eos=True)
+
+    async def stream():
+        return [event async for event in engine.generate([5, 6], params)]
+
+    with caplog.at_level(logging.WARNING, logger="helios_logprobs.runtime.engine"):
+        engine.generate_sync([5, 6], params)
+        assert caplog.text.count("maxed it out to 0.01") == 1
+        asyncio.run(stream())
+        assert caplog.text.count("maxed it out to 0.01") == 2
 
 
 def test_core_without_logprob_buffers_refuses_logprobs(model_dir):
