@@ -96,7 +96,8 @@ def worker(args: argparse.Namespace) -> int:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--model", type=Path, default=None)
+    p.add_argument("--model", default="tiny",
+                   help="what launch.serve's --model takes (default: the embedded tiny model)")
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--tp", type=int, nargs="*", default=[1, 2])

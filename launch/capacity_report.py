@@ -7,10 +7,11 @@ import argparse
 from dataclasses import replace
 
 from helios_logprobs.launch.arguments import runtime_config
-from helios_logprobs.ranks.capacity.buffers import FIXED_SECTIONS, default_dtype, dtype_name
+from helios_logprobs.ranks.capacity.buffers import FIXED_SECTIONS, dtype_name
 from helios_logprobs.ranks.capacity.sizing import JobSizing, RankSizing, job_sizing, max_capacity
 from helios_logprobs.ranks.contract.declarations import resolve_completion_token_capacity
 from helios_logprobs.ranks.model.config import ModelConfig
+from helios_logprobs.ranks.model.dtype import resolve_dtype
 
 
 class UsageError(ValueError):
@@ -25,10 +26,6 @@ class Plan:
 
         cuda_here = torch.cuda.is_available()
         self.device = args.device or ("cuda" if cuda_here else "cpu")
-        try:
-            self.dtype = dtype_name(args.dtype) if args.dtype else default_dtype(self.device)
-        except ValueError as exc:
-            raise UsageError(f"--dtype: {exc}") from None
         memory = args.device_memory
         if memory is None:
             if self.device != "cuda" or not cuda_here:
@@ -44,6 +41,8 @@ class Plan:
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         self.model_dir = self.runtime.model_dir
+        # --dtype as the server resolves it (auto: the checkpoint's on CUDA, float32 on CPU)
+        self.dtype = dtype_name(resolve_dtype(self.runtime.dtype, self.device, self.model_dir)[0])
         try:
             self.model = ModelConfig.from_model_dir(self.model_dir)
         except (OSError, ValueError) as exc:  # (ModelConfigError names the file itself)

@@ -184,9 +184,9 @@ def join(args: argparse.Namespace) -> Cluster:
     topology = init_from_env(timeout_s=args.collective_timeout) if world > 1 else None
     group = world_group() if world > 1 else None
     rank = topology.rank if topology else 0
-    if args.model is None:
-        # Rank 0 builds the embedded model first; the others then find it cached (or, on
-        # another node, build the identical deterministic checkpoint themselves).
+    if args.model in (None, "tiny"):
+        # Rank 0 builds the embedded model (or prepares the default GGUF) first; the others
+        # then find it cached (or, on another node, build the identical checkpoint themselves).
         if rank == 0:
             runtime_config(args, "cpu")
         barrier(group)

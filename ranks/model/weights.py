@@ -1,4 +1,5 @@
-"""Read one rank's slices of a local Hugging Face safetensors checkpoint.
+"""Read one rank's slices of a local Hugging Face safetensors checkpoint (or, behind the same
+reader interface, a GGUF file: ranks/model/gguf.py).
 
 Only the rows/columns a rank owns are read (``safe_open(...).get_slice``). Query/key/value and
 gate/up are column-parallel (fused into one matrix each), o_proj and down_proj row-parallel, the
@@ -126,6 +127,17 @@ class CheckpointReader:
         return sliced[:, start : start + length]
 
 
+def open_checkpoint(model_dir: str | Path) -> Any:
+    """The folder's reader: its GGUF file when a prepared folder links one
+    (ranks/model/gguf.py), else its safetensors."""
+    from helios_logprobs.ranks.model.gguf import GGUF_FILE, GGUFCheckpointReader
+
+    gguf_path = Path(model_dir) / GGUF_FILE
+    if gguf_path.is_file():
+        return GGUFCheckpointReader(gguf_path)
+    return CheckpointReader(model_dir)
+
+
 def load_shard_weights(
     model_dir: str | Path,
     config: ModelConfig,
@@ -147,7 +159,7 @@ def load_shard_weights(
         if progress is not None:
             progress(done, total)
 
-    with CheckpointReader(model_dir) as reader:
+    with open_checkpoint(model_dir) as reader:
         embed = place(_vocab_rows(reader, "model.embed_tokens.weight", config, layout))
         if config.tie_word_embeddings:
             lm_head = embed
@@ -164,7 +176,7 @@ def load_shard_weights(
 
 
 def _vocab_rows(
-    reader: CheckpointReader, name: str, config: ModelConfig, layout: ShardLayout
+    reader: Any, name: str, config: ModelConfig, layout: ShardLayout
 ) -> torch.Tensor:
     rows = reader.read(
         name,
@@ -179,7 +191,7 @@ def _vocab_rows(
 
 
 def _load_layer(
-    reader: CheckpointReader,
+    reader: Any,
     prefix: str,
     config: ModelConfig,
     layout: ShardLayout,

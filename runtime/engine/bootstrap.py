@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from helios_logprobs.ranks.model import ShardedCausalLM
+from helios_logprobs.ranks.model.dtype import DTYPES, resolve_dtype
 from helios_logprobs.ranks.model.weights import LoadProgress
 from helios_logprobs.ranks.plan import StepPlan
 from helios_logprobs.ranks.step import RankStep
@@ -32,8 +33,10 @@ def eos_token_ids(model_dir: Path, from_config: tuple[int, ...]) -> tuple[int, .
 
 def load_rank(config: RuntimeConfig, group, progress: LoadProgress | None = None) -> RankStep:
     """This rank's model shard and step; ``progress(done, total)`` follows the weight load."""
+    name, _ = resolve_dtype(config.dtype, config.device, config.model_dir)
     model = ShardedCausalLM.load(config.model_dir, group, device=torch.device(config.device),
-                                 progress=progress, batch_invariant=config.batch_invariant)
+                                 dtype=DTYPES[name], progress=progress,
+                                 batch_invariant=config.batch_invariant)
     limit = config.resolve_max_model_len(model.config)
     return RankStep(model, group, config.step_config(limit), device=config.device)
 

@@ -17,6 +17,7 @@ from helios_logprobs.runtime.engine.scheduler import SchedulerConfig
 from helios_logprobs.runtime.text.reasoning import load_reasoning, reasoning_strings
 
 BACKENDS = ("torch", "triton")
+DTYPES = ("auto", "bfloat16", "float16", "float32")
 MAX_MODEL_LEN_CAP = 4096
 
 
@@ -76,6 +77,9 @@ class RuntimeConfig:
     reasoning_config: dict | None = None
     """{"reasoning_start_str": ..., "reasoning_end_str": ...}: the delimiters, overriding the
     parser's (without a parser both are needed)."""
+    dtype: str = "auto"
+    """--dtype (vLLM's values): weights, activations and KV cache; ``auto`` follows the
+    checkpoint on CUDA and is float32 on CPU (ranks/model/dtype.py). Logprobs stay FP32."""
 
     def __post_init__(self) -> None:
         positive = ("capacity", "chunk_size", "max_pending_frames", "collective_timeout_s",
@@ -109,6 +113,8 @@ class RuntimeConfig:
                 f"to N + 1 tokens into one record), got T={tokens}"
             )
         reasoning_strings(self.reasoning_parser, self.reasoning_config)
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.reduction_backend not in BACKENDS:
             raise ValueError(f"reduction_backend must be one of {BACKENDS}, "
                              f"got {self.reduction_backend!r}")

@@ -105,7 +105,7 @@ def test_the_installed_server_answers_a_completion_with_logprobs(venv, tmp_path)
     port = free_port()
     proc = subprocess.Popen(
         [str(venv / "bin" / "python"), "-m", "helios_logprobs.launch.serve", "--port", str(port),
-         "--capacity", "2", "--max-model-len", "128"],
+         "--model", "tiny", "--capacity", "2", "--max-model-len", "128"],
         cwd=tmp_path, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path),
                            "OMP_NUM_THREADS": "1"},
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

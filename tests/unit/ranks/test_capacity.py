@@ -272,16 +272,28 @@ def test_tp_ranks_with_padding(qwen2, capsys):
     assert "host" in ranks[0] and "host" not in ranks[1]
 
 
-def test_default_model_is_the_embedded_one(llama, capsys, monkeypatch):
+def test_model_tiny_is_the_embedded_one(llama, capsys, monkeypatch):
 
     calls = []
     import helios_logprobs.launch.tiny_model as tiny_model
 
     monkeypatch.setattr(tiny_model, "ensure_tiny_model",
                         lambda: calls.append(1) or llama)
-    code, out, _ = run_cli(capsys, "--device", "cpu", "--device-memory", "1GiB", "--json")
+    code, out, _ = run_cli(capsys, "--model", "tiny", "--device", "cpu", "--device-memory",
+                           "1GiB", "--json")
     assert code == 0 and calls == [1]
     assert json.loads(out)["model"]["dir"] == str(llama)
+
+
+def test_default_model_is_smollm2_in_float32_on_cpu(capsys):
+    from helios_logprobs.launch.model_source import default_gguf
+
+    code, out, _ = run_cli(capsys, "--device", "cpu", "--device-memory", "1GiB", "--json")
+    assert code == 0
+    report = json.loads(out)
+    linked = Path(report["model"]["dir"]) / "model.gguf"
+    assert linked.resolve() == default_gguf().resolve()
+    assert report["settings"]["dtype"] == "float32"
 
 
 def test_module_entry_point_and_console_script():
