@@ -23,9 +23,10 @@ class RequestSpec:
     """Sampler parameters with the request's seed; ranks set the position per step."""
     stop_token_ids: tuple[int, ...] = ()
     """Token ids that end the request without an entry (EOS unless ignore_eos, stop ids)."""
-    logprobs: bool = False
+    wants_logprobs: bool = False
+    """The request reports logprobs: its lane is flagged in every sampling submission."""
     logprob_token_ids: tuple[int, ...] = ()
-    prompt_logprobs: bool = False
+    scores_prompt: bool = False
     """The prompt is prefilled with scored_prefill chunks (SlotWork.targets)."""
     thinking_budget: int | None = None
     """Tokens allowed inside a thinking span before the commit forces ``think_end``."""
@@ -43,11 +44,11 @@ class RequestSpec:
             if not self.think_start or not self.think_end:
                 raise RequestError("thinking_token_budget",
                                    "needs the reasoning start and end token ids")
-        if self.max_tokens < (0 if self.prompt_logprobs else 1):
+        if self.max_tokens < (0 if self.scores_prompt else 1):
             raise RequestError("max_tokens", f"must be >= 1 when sampling, got {self.max_tokens}")
         if len(self.logprob_token_ids) > MAX_TOKEN_IDS:
             raise RequestError("logprob_token_ids", f"at most {MAX_TOKEN_IDS} ids")
-        if self.logprob_token_ids and not self.logprobs:
+        if self.logprob_token_ids and not self.wants_logprobs:
             raise RequestError("logprob_token_ids", "requires the logprob flag")
 
 

@@ -16,7 +16,9 @@ from helios_logprobs.ranks.contract.requests import check_logprob_request
 class LaneRequest:
     """What one lane of a submission asks for: N natural alternatives or selected IDs."""
 
-    logprobs: int | None = None
+    natural_alternatives: int | None = None
+    """N: the natural top-N the lane exports (the core's K for a serving request; None:
+    selected ids only)."""
     token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
@@ -27,7 +29,7 @@ class LaneRequest:
 
     @property
     def requesting(self) -> bool:
-        return self.logprobs is not None or self.token_ids is not None
+        return self.natural_alternatives is not None or self.token_ids is not None
 
 
 @dataclass(frozen=True)
@@ -79,7 +81,8 @@ class LogprobUploader:
 
     def check(self, lane: LaneRequest) -> None:
         check_logprob_request(
-            lane.logprobs, lane.token_ids, self.vocab_size, self.k, self.supports_token_ids
+            lane.natural_alternatives, lane.token_ids, self.vocab_size, self.k,
+            self.supports_token_ids,
         )
 
     def upload(self, submission_lanes: Mapping[int, LaneRequest]) -> UploadResult:

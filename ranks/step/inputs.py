@@ -113,13 +113,13 @@ def prepare_inputs(
         first_row = len(logit_index)
         logit_index.extend(range(len(ids) - 1 - len(work.proposals), len(ids)))
         rows.append(SampleRow(work.slot, state, first_row, work.proposals))
-        if state.spec.logprobs:
+        if state.spec.wants_logprobs:
             if not config.logprobs:
                 raise RuntimeError(
                     f"slot {work.slot} requests logprobs; the core declares no logprob outputs"
                 )
             if state.lane is None:
-                state.lane = LaneRequest(logprobs=config.max_logprobs,
+                state.lane = LaneRequest(natural_alternatives=config.max_logprobs,
                                          token_ids=state.spec.logprob_token_ids or None)
             lanes[work.slot] = state.lane
     row_slots = [-1] * config.max_rows

@@ -64,7 +64,7 @@ class Request:
 
     @property
     def wants_logprobs(self) -> bool:
-        return self.spec.logprobs
+        return self.spec.wants_logprobs
 
 
 class Scheduler:
@@ -130,14 +130,14 @@ class Scheduler:
             take = min(self.config.chunk_size, budget, len(request.prompt) - request.prefilled)
             if take < 1:
                 break
-            if request.spec.prompt_logprobs and scored:
+            if request.spec.scores_prompt and scored:
                 continue  # one scored chunk per submission: it waits for the next one
             start = request.prefilled
             chunk = tuple(request.prompt[start : start + take])
             last = start + take == len(request.prompt)
             first = start == 0
             targets = (scored_targets(request.prompt, start, take)
-                       if request.spec.prompt_logprobs else ())
+                       if request.spec.scores_prompt else ())
             scored = scored or bool(targets)
             work.append(SlotWork(request.slot, request.epoch, chunk, start,
                                  samples=last and request.spec.max_tokens > 0,
@@ -225,8 +225,8 @@ def request_spec(
         max_tokens=max(0 if scored else 1, min(params.max_tokens, room)),
         sampling=sampling,
         stop_token_ids=tuple(sorted(stops)),
-        logprobs=params.wants_logprobs,
+        wants_logprobs=params.wants_logprobs,
         logprob_token_ids=tuple(params.logprob_token_ids or ()),
-        prompt_logprobs=scored,
+        scores_prompt=scored,
         **thinking,
     )

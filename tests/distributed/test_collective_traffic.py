@@ -71,7 +71,7 @@ def _spec(ordinal: int, logprobs: bool = False, ids: tuple[int, ...] = (), **sam
 
     return RequestSpec(ordinal=ordinal, max_tokens=16,
                        sampling=RowSampling(seed=100 + ordinal, position=0, **sampling),
-                       logprobs=logprobs, logprob_token_ids=ids)
+                       wants_logprobs=logprobs, logprob_token_ids=ids)
 
 
 def _steps(step, world: int) -> list[dict]:
@@ -101,7 +101,8 @@ def _steps(step, world: int) -> list[dict]:
         with record_collectives() as log:
             step.run(plan)
         tokens = sum(len(w.tokens) for w in plan.work)
-        logprob_lanes = sum(1 for w in plan.work if w.samples and step.slots[w.slot].spec.logprobs)
+        logprob_lanes = sum(1 for w in plan.work
+                            if w.samples and step.slots[w.slot].spec.wants_logprobs)
         out.append({"label": label, "tokens": tokens, "sampled": sum(w.samples for w in plan.work),
                     "logprob_lanes": logprob_lanes, "log": list(log)})
 

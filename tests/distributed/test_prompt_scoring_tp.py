@@ -43,7 +43,7 @@ def rank_main(model_dir: str) -> dict:
         scored = name != "plain"
         spec = RequestSpec(ordinal, max_tokens=0 if name == "two" else 2,
                            sampling=RowSampling(seed=ordinal, position=0, temperature=0.0),
-                           prompt_logprobs=scored)
+                           scores_prompt=scored)
         requests[name] = Request(ordinal, prompt, SamplingParams(), spec, sink=None)
         scheduler.add(requests[name])
     entries: dict[str, list] = {name: [] for name in PROMPTS}

@@ -31,7 +31,7 @@ def plan(logprob_ids: tuple[int, ...] = (), logprobs: bool = True):
     def spec(ordinal: int, ids: tuple[int, ...] = ()) -> RequestSpec:
         sampling = RowSampling(seed=ordinal, position=0, temperature=0.0)
         return RequestSpec(ordinal=ordinal, max_tokens=4, sampling=sampling,
-                           logprobs=logprobs, logprob_token_ids=ids)
+                           wants_logprobs=logprobs, logprob_token_ids=ids)
 
     return StepPlan(0, (
         SlotWork(3, 1, PROMPTS[3], 0, True, spec(1)),

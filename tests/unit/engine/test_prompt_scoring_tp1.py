@@ -157,7 +157,7 @@ def test_scoring_never_materializes_more_than_64_vocabulary_rows(scoring_engine)
     with OutputShapes() as recorded:
         # One scored plan on this thread (the engine's own thread is idle and not traced).
         spec = RequestSpec(9999, max_tokens=0, sampling=RowSampling(seed=1, position=0),
-                           prompt_logprobs=True)
+                           scores_prompt=True)
         targets = (*prompt[1:256], prompt[256])
         work = SlotWork(2, 10**6, tuple(prompt[:256]), 0, samples=False, request=spec,
                         targets=targets)

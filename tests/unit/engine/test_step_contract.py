@@ -42,7 +42,7 @@ def runtime(model_dir, **overrides) -> RuntimeConfig:
 
 def spec(ordinal: int, logprobs: bool = True, ids: tuple[int, ...] = ()) -> RequestSpec:
     sampling = RowSampling(seed=ordinal, position=0, temperature=0.0)
-    return RequestSpec(ordinal=ordinal, max_tokens=8, sampling=sampling, logprobs=logprobs,
+    return RequestSpec(ordinal=ordinal, max_tokens=8, sampling=sampling, wants_logprobs=logprobs,
                        logprob_token_ids=ids)
 
 

@@ -31,7 +31,7 @@ def test_upload_writes_full_flag_and_count_vectors():
     target = uploader(capacity=5)
     result = target.upload(
         {
-            0: LaneRequest(logprobs=3),
+            0: LaneRequest(natural_alternatives=3),
             2: LaneRequest(token_ids=(7, 3, 9)),
             3: LaneRequest(),
         }
@@ -43,8 +43,8 @@ def test_upload_writes_full_flag_and_count_vectors():
 
 def test_next_submission_clears_lanes_it_does_not_contain():
     target = uploader()
-    target.upload({1: LaneRequest(token_ids=(4, 5)), 3: LaneRequest(logprobs=0)})
-    result = target.upload({0: LaneRequest(logprobs=1)})
+    target.upload({1: LaneRequest(token_ids=(4, 5)), 3: LaneRequest(natural_alternatives=0)})
+    result = target.upload({0: LaneRequest(natural_alternatives=1)})
     assert target.outputs.logprob_requested.tolist() == [1, 0, 0, 0]
     assert target.outputs.logprob_token_id_counts.tolist() == [0, 0, 0, 0]
     assert result.requesting_slots == (0,)
@@ -53,7 +53,7 @@ def test_next_submission_clears_lanes_it_does_not_contain():
 def test_only_each_selecting_slots_prefix_is_written():
     target = uploader()
     target.outputs.logprob_token_ids.fill_(SENTINEL)
-    target.upload({1: LaneRequest(token_ids=(10, 2, 33)), 2: LaneRequest(logprobs=5)})
+    target.upload({1: LaneRequest(token_ids=(10, 2, 33)), 2: LaneRequest(natural_alternatives=5)})
     ids = target.outputs.logprob_token_ids
     assert ids[1, :3].tolist() == [10, 2, 33]
     assert torch.all(ids[1, 3:] == SENTINEL)
@@ -62,7 +62,8 @@ def test_only_each_selecting_slots_prefix_is_written():
 
 def test_copy_width_is_the_larger_of_k_and_the_largest_count():
     target = uploader()
-    result = target.upload({0: LaneRequest(token_ids=tuple(range(30))), 1: LaneRequest(logprobs=2)})
+    result = target.upload({0: LaneRequest(token_ids=tuple(range(30))),
+                            1: LaneRequest(natural_alternatives=2)})
     assert result.copy_width == 30
     assert result.payload_words == 62
 
@@ -75,7 +76,7 @@ def test_copy_width_is_k_for_natural_requests():
 
 def test_submission_without_requesting_lanes_copies_nothing():
     target = uploader()
-    target.upload({0: LaneRequest(logprobs=1)})
+    target.upload({0: LaneRequest(natural_alternatives=1)})
     result = target.upload({0: LaneRequest(), 1: LaneRequest()})
     assert result == UploadResult(requesting_slots=(), copy_width=0)
     assert result.payload_words == 0
@@ -90,21 +91,22 @@ def test_selected_ids_set_the_flag_with_their_count():
 
 
 def test_natural_core_serves_k_and_its_copy_width():
-    result = uploader(k=5, supports_token_ids=False).upload({0: LaneRequest(logprobs=5)})
+    target = uploader(k=5, supports_token_ids=False)
+    result = target.upload({0: LaneRequest(natural_alternatives=5)})
     assert result.copy_width == 5
 
 
 def test_logprobs_above_k_are_refused():
-    error = refused({0: LaneRequest(logprobs=6)}, k=5, supports_token_ids=False)
+    error = refused({0: LaneRequest(natural_alternatives=6)}, k=5, supports_token_ids=False)
     assert error.param == "logprobs"
     assert error.message == "Requested sample logprobs of 6, which is greater than max allowed: 5"
 
 
 def test_negative_logprobs_are_refused():
-    error = refused({1: LaneRequest(logprobs=-2)})
+    error = refused({1: LaneRequest(natural_alternatives=-2)})
     assert (error.param, error.message) == (
         "logprobs", "`logprobs` must be a positive value or -1.")
-    whole = refused({1: LaneRequest(logprobs=-1)})  # vLLM's whole vocabulary
+    whole = refused({1: LaneRequest(natural_alternatives=-1)})  # vLLM's whole vocabulary
     assert whole.message == (
         f"Requested sample logprobs of {VOCAB}, which is greater than max allowed: 20")
     with pytest.raises(RequestError, match="-1 \\(the whole vocabulary\\) is not served"):
@@ -112,7 +114,7 @@ def test_negative_logprobs_are_refused():
 
 
 def test_boolean_logprobs_are_refused():
-    error = refused({1: LaneRequest(logprobs=True)})
+    error = refused({1: LaneRequest(natural_alternatives=True)})
     assert error.param == "logprobs"
     assert "must be an integer in [0, 20], got True" in error.message
 
@@ -160,7 +162,7 @@ def test_non_integer_token_ids_are_refused():
 
 
 def test_core_without_logprobs_refuses_logprobs():
-    error = refused({0: LaneRequest(logprobs=0)}, k=0, supports_token_ids=False)
+    error = refused({0: LaneRequest(natural_alternatives=0)}, k=0, supports_token_ids=False)
     assert error.param == "logprobs"
     assert "allow_logprobs: false" in error.message
 
@@ -175,15 +177,16 @@ def test_core_without_logprobs_refuses_token_ids():
 
 def test_one_refused_lane_writes_nothing_for_the_others():
     target = uploader()
-    target.upload({0: LaneRequest(logprobs=1)})
+    target.upload({0: LaneRequest(natural_alternatives=1)})
     with pytest.raises(RequestError):
-        target.upload({1: LaneRequest(logprobs=2), 2: LaneRequest(logprobs=21)})
+        target.upload({1: LaneRequest(natural_alternatives=2),
+                       2: LaneRequest(natural_alternatives=21)})
     assert target.outputs.logprob_requested.tolist() == [1, 0, 0, 0]
 
 
 def test_slot_outside_capacity_is_an_internal_error():
     with pytest.raises(ValueError, match="slot: expected 0..3, got 4") as caught:
-        uploader().upload({4: LaneRequest(logprobs=1)})
+        uploader().upload({4: LaneRequest(natural_alternatives=1)})
     assert not isinstance(caught.value, RequestError)
 
 
@@ -226,5 +229,5 @@ def test_a_lane_object_is_validated_once_and_a_new_one_again(monkeypatch):
     target.upload({1: LaneRequest(token_ids=(4, 5))})  # an equal lane, another object
     assert len(checked) == 2
     with pytest.raises(RequestError):  # the same slot, a bad lane: refused as before
-        target.upload({1: LaneRequest(logprobs=21)})
+        target.upload({1: LaneRequest(natural_alternatives=21)})
     assert target.outputs.logprob_token_id_counts.tolist() == [0, 2, 0, 0]
