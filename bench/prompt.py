@@ -126,13 +126,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--capacity", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
-    parser.add_argument("--only", choices=("tiny", "large"), default=None,
-                        help=f"only the tiny model, or only the {LARGE_VOCAB:,}-token checkpoint")
+    parser.add_argument("--only", choices=("tiny", "large", "smollm2"), default=None,
+                        help=f"only the tiny model, only the {LARGE_VOCAB:,}-token checkpoint, "
+                             "or only SmolLM2-135M-Instruct (the default model; not by default)")
     args = parser.parse_args(argv)
     targets: list[tuple[str, Path | None]] = []
-    if args.only != "large":
+    if args.only == "smollm2":
+        from helios_logprobs.launch.model_source import default_gguf
+
+        targets.append(("SmolLM2-135M-Instruct Q4_1 (vocabulary 49,152)", default_gguf()))
+    elif args.only != "large":
         targets.append(("embedded tiny model (vocabulary 1,031)", None))
-    if args.only != "tiny":
+    if args.only in (None, "large"):
         args.cache.mkdir(parents=True, exist_ok=True)
         targets.append((f"random checkpoint, vocabulary {LARGE_VOCAB:,}",
                         large_vocab_model(args.cache)))
