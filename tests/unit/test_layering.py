@@ -17,6 +17,7 @@ No module is exempt today; an exception would be listed here with the reason.
 from __future__ import annotations
 
 import ast
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,8 @@ class Import:
     """The imported module, or module.name for `from module import name`."""
     where: str
     """path:line."""
+    attribute: bool = False
+    """`module.name` of `from module import name`: a module or any attribute of module."""
 
     def within(self, *prefixes: str) -> bool:
         return _under(self.target, prefixes)
@@ -85,8 +88,9 @@ def imports_in(text: str, source: str, where: str, is_package: bool = False) -> 
         elif isinstance(node, ast.Attribute) and node.attr == "distributed" \
                 and isinstance(node.value, ast.Name) and node.value.id == "torch":
             targets = ["torch.distributed"]
-        for target in targets:
-            yield Import(source, target, f"{where}:{node.lineno}")
+        for i, target in enumerate(targets):
+            yield Import(source, target, f"{where}:{node.lineno}",
+                         attribute=isinstance(node, ast.ImportFrom) and i > 0)
 
 
 def _is_import_module(func: ast.expr) -> bool:
@@ -173,14 +177,97 @@ def package_imports() -> list[Import]:
     return found
 
 
+@pytest.fixture(scope="module")
+def client_imports() -> list[Import]:
+    return collect(CLIENTS)
+
+
 @pytest.mark.parametrize("rule", [r for r in RULES if r != "imports a bare folder name"])
 def test_package_modules_keep_the_layering(package_imports, rule):
     broken = [str(imp) for imp in package_imports if RULES[rule](imp)]
     assert not broken, f"{rule}:\n" + "\n".join(broken)
 
 
-def test_nothing_imports_the_bare_folder_names(package_imports):
-    broken = [str(imp) for imp in package_imports + collect(CLIENTS) if bare_name(imp)]
+def _source_of(module: str) -> Path | None:
+    """The file of a namespace module (a package's __init__.py, possibly absent), or None."""
+    parts = module.split(".")
+    if parts[0] != NAMESPACE or len(parts) < 2 or parts[1] not in LAYERS:
+        return None
+    path = ROOT.joinpath(*parts[1:])
+    if path.is_dir():
+        return path / "__init__.py"
+    if path.with_suffix(".py").is_file():
+        return path.with_suffix(".py")
+    if any(path.parent.glob(f"{path.name}.*.so")) or path.with_suffix(".c").is_file():
+        return path.with_suffix(".c")  # (a compiled extension: built from its C source)
+    return None
+
+
+def _bound(tree: ast.Module) -> set[str] | None:
+    """The names a module binds at its top level (None: a star import binds anything)."""
+    names: set[str] = set()
+    pending: list[ast.stmt] = list(tree.body)
+    while pending:
+        node = pending.pop()
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            if any(alias.name == "*" for alias in node.names):
+                return None
+            names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+        else:
+            pending += [child for child in ast.iter_child_nodes(node)
+                        if isinstance(child, ast.stmt)]
+    return names
+
+
+def resolves(imp: Import) -> bool:
+    """`import X` needs module X; `from X import name` needs module X.name or a top-level
+    name of X."""
+    if not imp.attribute:
+        return _source_of(imp.target) is not None
+    module, name = imp.target.rsplit(".", 1)
+    if _source_of(imp.target) is not None:
+        return True
+    source = _source_of(module)
+    if source is None or source.suffix != ".py" or not source.is_file():
+        return False
+    names = _names_of(source)
+    return names is None or name in names
+
+
+@functools.cache
+def _names_of(source: Path) -> frozenset[str] | None:
+    names = _bound(ast.parse(source.read_text(encoding="utf-8")))
+    return None if names is None else frozenset(names)
+
+
+def test_every_namespace_import_resolves_in_the_tree(package_imports, client_imports):
+    """A moved module or name leaves no import behind, function-level ones included."""
+    found = package_imports + client_imports
+    stale = [str(imp) for imp in found if imp.within(NAMESPACE) and not resolves(imp)]
+    assert not stale, "\n".join(stale)
+
+
+@pytest.mark.parametrize(("text", "resolved"), [
+    ("from helios_logprobs.ranks.capacity import buffers", True),
+    ("from helios_logprobs.ranks.contract import buffers", False),
+    ("from helios_logprobs.runtime.outputs import GeneratedToken", True),
+    ("from helios_logprobs.runtime.engine.client import TokenLogprobs", False),
+    ("import helios_logprobs.kernels.cpu.backend", True),
+    ("import helios_logprobs.kernels.torch_impl.backend", False),
+])
+def test_a_stale_import_does_not_resolve(text, resolved):
+    found = [imp for imp in imports_in(text, "tests.unit.x", "tests/unit/x.py")
+             if imp.attribute or text.startswith("import")]
+    assert found and all(resolves(imp) == resolved for imp in found)
+
+
+def test_nothing_imports_the_bare_folder_names(package_imports, client_imports):
+    broken = [str(imp) for imp in package_imports + client_imports if bare_name(imp)]
     assert not broken, "\n".join(broken)
 
 

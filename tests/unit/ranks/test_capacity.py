@@ -98,7 +98,7 @@ def test_report_tells_tied_from_untied_heads(llama, qwen2):
 def test_triton_workspaces_are_listed(llama, monkeypatch):
     """The Triton reduction's prepared workspaces (interpreter geometry on CPU tensors)."""
     from helios_logprobs.kernels.triton import prepared, sharded
-    from helios_logprobs.ranks.contract import buffers
+    from helios_logprobs.ranks.capacity import buffers
 
     # A serving process builds one step; here other tests may have cached larger launches
     # for the same width, which prepared_sharded would reuse.
