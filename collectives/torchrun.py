@@ -14,6 +14,8 @@ class TorchrunEnd:
     """The stop signal torchrun forwarded to its workers (then waited for them)."""
     failure: str | None = None
     """torchrun's summary of a worker that failed."""
+    exit_code: int | None = None
+    """The exit status of the first worker that failed."""
 
 
 def run_torchrun(args: list[str]) -> TorchrunEnd:
@@ -26,10 +28,16 @@ def run_torchrun(args: list[str]) -> TorchrunEnd:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
+    if os.environ["LOGLEVEL"] == "ERROR":
+        # its "failed (exitcode: N)" line too: the caller reports a failure (TorchrunEnd)
+        logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(
+            logging.CRITICAL)
+
     try:
         torchrun(args)
     except SignalException as exc:
         return TorchrunEnd(signal=int(exc.sigval))
     except ChildFailedError as exc:
-        return TorchrunEnd(failure=exc.format_msg())
+        _, first = exc.get_first_failure()
+        return TorchrunEnd(failure=exc.format_msg(), exit_code=first.exitcode)
     return TorchrunEnd()

@@ -24,13 +24,17 @@ def add_runtime_arguments(p: argparse.ArgumentParser) -> None:
                    help="auto, bfloat16, float16 or float32 (half, float): weights, "
                         "activations and KV cache; auto follows the checkpoint on CUDA and is "
                         "float32 on CPU. Logprobs are computed in float32 whatever this is")
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--capacity", type=int, default=d("capacity"), help="physical request slots")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="the names requests may give as `model`; the first is the one "
+                        "responses carry (default: the model directory's name)")
+    p.add_argument("--max-num-seqs", "--capacity", dest="capacity", type=int,
+                   default=d("capacity"), help="physical request slots (vLLM's --max-num-seqs)")
     p.add_argument("--max-model-len", type=int, default=d("max_model_len"),
                    help="default: the checkpoint's max_position_embeddings, at most 4096")
     p.add_argument("--chunk-size", type=int, default=d("chunk_size"),
                    help="prefill chunk in tokens")
-    p.add_argument("--max-batched-tokens", type=int, default=d("max_batched_tokens"),
+    p.add_argument("--max-num-batched-tokens", "--max-batched-tokens",
+                   dest="max_batched_tokens", type=int, default=d("max_batched_tokens"),
                    help="tokens per step; default: twice the larger of chunk size and capacity")
     p.add_argument("--prompt-logprobs", action="store_true",
                    help="allocate prompt scoring (prompt_logprobs, echo with logprobs); "
@@ -65,7 +69,24 @@ def add_runtime_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds before a silent peer fails a collective")
     p.add_argument("--heartbeat-timeout", type=float, default=d("heartbeat_timeout_s"),
                    help="seconds without a heartbeat before a rank counts as lost")
-    p.add_argument("--log-level", default="WARNING")
+    p.add_argument("--seed", type=int, default=d("seed"),
+                   help="seeds the draws of requests without a seed: the same requests in the "
+                        "same order sample the same tokens in every run (vLLM's --seed); "
+                        "default: fresh draws")
+    p.add_argument("--gpu-memory-utilization", type=_fraction, default=None,
+                   help="on CUDA, the fraction of the device's memory this process may "
+                        "allocate (the caching allocator refuses beyond it); ignored on the "
+                        "CPU. Memory is sized by --max-num-seqs and --max-model-len "
+                        "(python -m helios_logprobs.launch.capacity reports it); default: "
+                        "no limit")
+    p.add_argument("--log-level", default="WARNING", help="Python logging level")
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
 
 
 _DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "bf16": "bfloat16", "float": "float32",
@@ -97,7 +118,7 @@ def runtime_config(args: argparse.Namespace, device: str) -> RuntimeConfig:
     backend = args.reduction_backend or ("triton" if device == "cuda" else "torch")
     return RuntimeConfig(
         model_dir=source.path,
-        served_model_name=args.served_model_name or source.name,
+        served_model_name=(args.served_model_name or [source.name])[0],
         dtype=args.dtype,
         device=device,
         capacity=args.capacity,
@@ -117,4 +138,5 @@ def runtime_config(args: argparse.Namespace, device: str) -> RuntimeConfig:
         batch_invariant=args.batch_invariant,
         reasoning_parser=args.reasoning_parser,
         reasoning_config=args.reasoning_config,
+        seed=args.seed,
     )

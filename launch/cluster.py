@@ -176,6 +176,9 @@ def join(args: argparse.Namespace) -> Cluster:
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        fraction = getattr(args, "gpu_memory_utilization", None)
+        if fraction is not None:  # vLLM's --gpu-memory-utilization, as an allocator limit
+            torch.cuda.set_per_process_memory_fraction(fraction)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if not cuda:

@@ -33,63 +33,82 @@ if __name__ == "__main__":  # before the imports below, which take seconds (torc
     for _sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(_sig, _stop_while_importing)
 
-import argparse  # noqa: E402
 import contextlib  # noqa: E402
+import logging  # noqa: E402
+import socket  # noqa: E402
 import threading  # noqa: E402
+import time  # noqa: E402
 from collections.abc import Callable, Iterator  # noqa: E402
 
 import uvicorn  # noqa: E402
 
-from helios_logprobs.launch.arguments import add_runtime_arguments  # noqa: E402
-from helios_logprobs.launch.cluster import join  # noqa: E402
 from helios_logprobs.launch.heap import settle_heap  # noqa: E402
+from helios_logprobs.launch.serve_options import parse_serve_args  # noqa: E402
 from helios_logprobs.launch.signals import Interrupted, StopSignals, env_rank, exit_process, say  # noqa: E402
-from helios_logprobs.ranks.model import ModelConfigError, UnsupportedModelError, WeightLoadError  # noqa: E402
-from helios_logprobs.runtime.http.protocol.defaults import (  # noqa: E402
-    FROM_MODEL,
-    GenerationConfigError,
-    load_sampling_defaults,
-)
 
-CHECKPOINT_ERRORS = (ModelConfigError, UnsupportedModelError, WeightLoadError,
-                     GenerationConfigError)
-"""What a checkpoint directory can be refused with at start-up."""
+log = logging.getLogger("launch")
 
 DRAIN_S = 3.0
 """How long requests in flight may still finish after a stop (see serve_http)."""
 GRACEFUL_S = 5
 """uvicorn's timeout_graceful_shutdown: it cancels what is still running after this long."""
-
-
-MAX_REQUEST_BYTES = 8 * 1024 * 1024
-"""--max-request-bytes' default (runtime.http.protocol.limits.DEFAULT_MAX_REQUEST_BYTES)."""
+PEER_REPORT_S = 10.0
+"""How long a peer refused at start-up waits for rank 0 to report (see refused)."""
 MIB = 1024 * 1024
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+class ListenError(OSError):
+    """The address to serve on cannot be bound (taken, or not this host's)."""
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="helios_logprobs.launch.serve", description=__doc__)
-    add_runtime_arguments(p)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000, help="0: any free port (printed)")
-    p.add_argument("--max-request-bytes", type=_positive, default=MAX_REQUEST_BYTES,
-                   help="largest request body in bytes; a larger one gets HTTP 413 "
-                        "(default: 8 MiB)")
-    p.add_argument("--generation-config", default=FROM_MODEL,
-                   help="sampling defaults for fields a request leaves unset (temperature, "
-                        "top_p, top_k, min_p, repetition_penalty; max_new_tokens caps "
-                        "max_tokens): 'auto' reads the model's generation_config.json, 'vllm' "
-                        "uses neutral ones, or a directory holding generation_config.json")
-    p.add_argument("--max-queued-requests", type=_positive, default=None,
-                   help="engine requests (one per choice) waiting or running at once; beyond "
-                        "it HTTP 429 with Retry-After (default: 4 x --capacity)")
-    return p.parse_args(argv)
+def startup_refusals() -> tuple[type[BaseException], ...]:
+    """What start-up is refused with: one line, exit status 2 (a bad checkpoint or
+    generation_config.json, shapes that do not shard over the ranks, a setting out of range,
+    an address that cannot be bound). Imported here: --help needs no torch."""
+    from helios_logprobs.ranks.model import (
+        ModelConfigError,
+        UnsupportedModelError,
+        WeightLoadError,
+    )
+    from helios_logprobs.runtime.http.protocol.defaults import GenerationConfigError
+
+    return (ModelConfigError, UnsupportedModelError, WeightLoadError, GenerationConfigError,
+            ValueError, OSError)
+
+
+def parse_args(argv: list[str] | None = None):
+    return parse_serve_args(argv, description=__doc__)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before any weight loads (uvicorn listens on it later)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ListenError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
+def refused(exc: BaseException, rank: int) -> int:
+    """Report a start-up refusal: one ``helios: error:`` line from rank 0, exit status 2.
+
+    A peer refused for the same reason as rank 0 (every rank loads the same shapes) stays
+    silent: rank 0's exit makes torchrun end it within PEER_REPORT_S. A refusal of its own
+    (rank 0 never learns of it) is reported by the peer after that wait."""
+    log.debug("start-up refused", exc_info=exc)
+    if rank == 0:
+        say(f"error: {exc}")
+        return 2
+    try:
+        time.sleep(PEER_REPORT_S)
+    except Interrupted:
+        return 2
+    say(f"error: rank {rank}: {exc}")
+    return 2
 
 
 def ready_line(model: str, host: str, port: int, tp: int, max_logprobs: int,
@@ -137,24 +156,28 @@ class HttpServer(uvicorn.Server):
             self.on_ready(self.servers[0].sockets[0].getsockname()[1])
 
 
-def serve_http(app, engine, host: str, port: int, stop: StopSignals,
-               on_ready: Callable[[int], None]) -> bool:
-    """Run uvicorn in this (main) thread until ``stop`` is requested; returns whether the
-    engine was healthy then.
+def serve_http(app, engine, listener: socket.socket, stop: StopSignals,
+               on_ready: Callable[[int], None], access_log: bool = True) -> bool:
+    """Run uvicorn on ``listener`` in this (main) thread until ``stop`` is requested; returns
+    whether the engine was healthy then. ``access_log``: uvicorn's line per request (vLLM's
+    default), while its other messages stay at WARNING.
 
     A stop closes the listening socket at once; requests in flight get DRAIN_S to finish,
     then the engine fails them (a stream ends with an error event), before uvicorn's own
     GRACEFUL_S would cancel them mid-response. A forced stop fails them at once."""
+    host, port = listener.getsockname()[:2]
     config = uvicorn.Config(
         app,
         host=host,
         port=port,
         log_level="warning",
-        access_log=False,
+        access_log=access_log,
         timeout_graceful_shutdown=GRACEFUL_S,
         lifespan="off",
         loop="asyncio",  # uvloop would take over signal.set_wakeup_fd (see StopSignals)
     )
+    if access_log:
+        logging.getLogger("uvicorn.access").setLevel(logging.INFO)
     server = HttpServer(config, on_ready)
     healthy_at_stop: list[bool] = []
 
@@ -175,52 +198,87 @@ def serve_http(app, engine, host: str, port: int, stop: StopSignals,
     stop.on_stop(exit_now)
     stop.on_force(force)
     stop.serving()
-    server.run()
+    server.run(sockets=[listener])
     return healthy_at_stop[0] if healthy_at_stop else engine.healthy()
+
+
+def build_app(args, engine, model_dir):
+    """The HTTP app for ``engine`` with the command line's frontend settings."""
+    from helios_logprobs.runtime.http.access import Cors, protect
+    from helios_logprobs.runtime.http.server import create_app
+
+    names = [engine.info.model_name, *(args.served_model_name or [])[1:]]
+    app = create_app(engine, model_dir, names,
+                     max_request_bytes=args.max_request_bytes,
+                     max_queued_requests=args.max_queued_requests,
+                     generation_config=args.generation_config,
+                     log_requests=args.enable_log_requests)
+    cors = Cors(tuple(args.allowed_origins), tuple(args.allowed_methods),
+                tuple(args.allowed_headers), args.allow_credentials)
+    protect(app, tuple(args.api_key or ()), cors)
+    return app
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    stop = StopSignals(env_rank()).install()
-    cluster = engine = None
+    rank, world = env_rank(), int(os.environ.get("WORLD_SIZE", "1"))
+    stop = StopSignals(rank).install()
+    tp = args.tensor_parallel_size
+    if tp is not None and tp != world:
+        return refused(ValueError(
+            f"--tensor-parallel-size {tp} needs {tp} ranks, this job has {world}: start it "
+            f"with helios-serve -tp {tp} (or torchrun --nproc-per-node {tp})"), rank)
+    listener = cluster = engine = None
     try:
-        if args.model is not None:  # (a bad generation_config.json fails before the weights load)
-            load_sampling_defaults(args.generation_config, args.model)
-        cluster = join(args)
+        try:
+            if rank == 0:  # a taken port is refused before any weight loads
+                listener = listen(args.host, args.port)
+            from helios_logprobs.launch.cluster import join
+            from helios_logprobs.runtime.http.protocol.defaults import load_sampling_defaults
+
+            if args.model is not None:  # (a bad generation_config.json: before the weights)
+                load_sampling_defaults(args.generation_config, args.model)
+            cluster = join(args)
+            if cluster.is_coordinator:
+                engine = cluster.engine(stop)
+                app = build_app(args, engine, cluster.config.model_dir)
+        except Interrupted:
+            return 0
+        except Exception as exc:
+            if isinstance(exc, startup_refusals()):
+                return refused(exc, rank)
+            raise
         if not cluster.is_coordinator:
             return cluster.run_peer(stop)
-        engine = cluster.engine(stop)
-        from helios_logprobs.runtime.http.server import create_app
-
-        app = create_app(engine, cluster.config.model_dir, engine.info.model_name,
-                         max_request_bytes=args.max_request_bytes,
-                         max_queued_requests=args.max_queued_requests,
-                         generation_config=args.generation_config)
         info, world = engine.info, cluster.world
         try:
             sizing = capacity_line(engine, world, app.state.admission.limit)
         except Exception as exc:  # noqa: BLE001 - a report, never a reason not to serve
             sizing = f"capacity summary unavailable ({type(exc).__name__}: {exc})"
 
+        from helios_logprobs.kernels.native import absence
+
+        native_line = absence()  # (one line where the native CPU kernels are off or absent)
+
         def on_ready(port: int) -> None:
             if not stop.requested:
                 say(ready_line(info.model_name, args.host, port, world, info.max_logprobs,
                                info.prompt_logprobs))
                 say(sizing)
+                if native_line is not None:
+                    say(native_line)
 
         settle_heap()  # the app's objects too
-        healthy = serve_http(app, engine, args.host, args.port, stop, on_ready)
+        healthy = serve_http(app, engine, listener, stop, on_ready,
+                             access_log=not args.disable_uvicorn_access_log)
         return 0 if healthy else 1
     except Interrupted:
         return 0
-    except CHECKPOINT_ERRORS as exc:  # one line naming the file, buffer or field, no traceback
-        say(f"error: {exc}")
-        return 2
-    except SystemExit as exc:  # uvicorn could not start (e.g. the port is taken)
-        return exc.code if isinstance(exc.code, int) else 1
     finally:
         if cluster is not None and cluster.is_coordinator:
             cluster.close(engine)
+        if listener is not None:
+            listener.close()
 
 
 if __name__ == "__main__":

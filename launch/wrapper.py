@@ -1,18 +1,23 @@
 """`helios-serve --tp N [serve args]`: start the server at tensor-parallel degree N.
 
+`-tp N` / `--tensor-parallel-size N` (vLLM's names) are the same flag. The whole command line
+is checked here first (a refused one: one `helios: error: ...` line, exit status 2, before
+any process starts) and passed on unchanged; a positional MODEL is `--model MODEL`.
+
 N > 1 runs torchrun in this process (`torch.distributed.run --standalone --nproc-per-node N
 -m helios_logprobs.launch.serve [serve args]`), so signals reach torchrun directly, which
 forwards them to its workers. Unlike a bare `torchrun`, a stop is quiet: torchrun's start-up
 banner and shutdown warnings are off (LOGLEVEL=ERROR unless set), a SIGINT/SIGTERM/SIGHUP ends
-with status 0 instead of torchrun's SignalException traceback, and a failed rank is reported by
-torchrun's summary without the launcher's own traceback (status 1). N = 1 execs
+with status 0 instead of torchrun's SignalException traceback, a start-up refusal is rank
+0's one `helios: error: ...` line with exit status 2 (no torchrun summary), and any other
+failed rank is reported by torchrun's summary without the launcher's own traceback (status
+1). N = 1 execs
 `python -m helios_logprobs.launch.serve [serve args]` without torchrun. Every other argument
 goes to launch.serve unchanged (see `python -m helios_logprobs.launch.serve --help`).
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import signal
@@ -21,25 +26,21 @@ import time
 from pathlib import Path
 
 from helios_logprobs.collectives.torchrun import run_torchrun as run_torchrun_main
+from helios_logprobs.launch.serve_options import parse_serve_args
 
+STARTUP_REFUSED = 2
+"""launch.serve's exit status for a start-up refusal (its one `helios: error:` line)."""
 WORKERS_GRACE_S = 20.0
 """After a repeated stop signal, how long the workers get before SIGKILL (more than a rank's
 own deadline, launch.signals.STOP_GRACE_S)."""
 
 
 def parse(argv: list[str] | None = None) -> tuple[int, list[str]]:
-    parser = argparse.ArgumentParser(
-        prog="helios-serve",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (processes)")
-    args, rest = parser.parse_known_args(argv)
-    if args.tp < 1:
-        parser.error(f"--tp must be >= 1, got {args.tp}")
-    if rest[:1] == ["--"]:
-        rest = rest[1:]
-    return args.tp, rest
+    """The tensor-parallel degree and launch.serve's arguments (the whole command line, checked
+    with launch.serve's own parser: no torch is imported for --help or a refusal)."""
+    rest = list(sys.argv[1:] if argv is None else argv)
+    args = parse_serve_args(rest, prog="helios-serve", description=__doc__)
+    return args.tensor_parallel_size or 1, rest
 
 
 def torchrun_args(tp: int, rest: list[str]) -> list[str]:
@@ -72,6 +73,8 @@ def run_torchrun(args: list[str]) -> int:
         # torchrun has forwarded the signal and waited for its workers (rank 0 announced the
         # stop: "helios: shutting down (...)"), unless a repeat cut that wait short.
         return finish_workers(end.signal)
+    if end.exit_code == STARTUP_REFUSED:
+        return STARTUP_REFUSED  # rank 0 has said why, in one line
     if end.failure is not None:
         print(end.failure, file=sys.stderr, flush=True)
         return 1

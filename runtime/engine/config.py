@@ -8,13 +8,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from helios_logprobs.kernels.layout import EXPORT_K
-from helios_logprobs.ranks.contract.declarations import DEFAULT_COMPLETION_TOKEN_CAPACITY
-from helios_logprobs.ranks.model import ModelConfig
-from helios_logprobs.ranks.step import StepConfig
-from helios_logprobs.runtime.engine.scheduler import SchedulerConfig
 from helios_logprobs.runtime.text.reasoning import load_reasoning, reasoning_strings
+
+if TYPE_CHECKING:  # (torch: the command line reads this module's defaults without it)
+    from helios_logprobs.ranks.model import ModelConfig
+    from helios_logprobs.ranks.step import StepConfig
+    from helios_logprobs.runtime.engine.scheduler import SchedulerConfig
 
 BACKENDS = ("torch", "triton")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -81,6 +83,10 @@ class RuntimeConfig:
     """--dtype (vLLM's values): weights, activations and KV cache; ``auto`` follows the
     checkpoint on CUDA and is float32 on CPU (ranks/model/dtype.py). Logprobs stay FP32."""
 
+    seed: int | None = None
+    """--seed (vLLM's): requests without a seed draw theirs from it (scheduler.unset_seed), so
+    a run is repeatable; None: fresh draws."""
+
     def __post_init__(self) -> None:
         positive = ("capacity", "chunk_size", "max_pending_frames", "collective_timeout_s",
                     "heartbeat_timeout_s")
@@ -105,6 +111,10 @@ class RuntimeConfig:
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got ngram_min="
                              f"{self.ngram_min}, ngram_max={self.ngram_max}")
+        from helios_logprobs.ranks.contract.declarations import (
+            DEFAULT_COMPLETION_TOKEN_CAPACITY,
+        )
+
         tokens = self.completion_token_capacity or DEFAULT_COMPLETION_TOKEN_CAPACITY
         if self.speculative_tokens >= tokens:
             raise ValueError(
@@ -140,6 +150,8 @@ class RuntimeConfig:
         return self.max_model_len or min(n for n in limits if n is not None)
 
     def step_config(self, max_seq_len: int) -> StepConfig:
+        from helios_logprobs.ranks.step import StepConfig
+
         return StepConfig(
             capacity=self.capacity,
             max_seq_len=max_seq_len,
@@ -154,6 +166,8 @@ class RuntimeConfig:
     def scheduler_config(self, max_seq_len: int) -> SchedulerConfig:
         """The coordinator's planning settings; resolves the reasoning delimiters' token ids
         with the model's tokenizer."""
+        from helios_logprobs.runtime.engine.scheduler import SchedulerConfig
+
         batched = self.max_batched_tokens or 2 * max(
             self.chunk_size, self.capacity * (1 + self.speculative_tokens)
         )
@@ -164,4 +178,5 @@ class RuntimeConfig:
             ngram_max=self.ngram_max,
             reasoning=load_reasoning(self.reasoning_parser, self.reasoning_config,
                                      self.model_dir),
+            seed=self.seed,
         )

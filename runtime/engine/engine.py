@@ -162,7 +162,8 @@ class Engine:
         """Checks the request (RequestError) and queues it with the spec the check built. The
         ordinal is taken under the lock, so a refused request takes none."""
         with self._lock:
-            spec = checked_spec(self.info, prompt_ids, params, self._ordinal + 1)
+            spec = checked_spec(self.info, prompt_ids, params, self._ordinal + 1,
+                                self.scheduler.config.seed)
             if self._failure is not None:
                 raise EngineError(f"engine is unhealthy: {self._failure}")
             self._ordinal += 1
@@ -281,6 +282,7 @@ class Engine:
 
 def checked_spec(
     info: EngineInfo, prompt_ids: list[int], params: SamplingParams, ordinal: int = 0,
+    server_seed: int | None = None,
 ) -> RequestSpec:
     """The one validation path: everything refused before admission, as RequestError naming
     the parameter, then the spec the ranks receive, built once (its own checks run in
@@ -305,4 +307,4 @@ def checked_spec(
     check_token_ids("bad_words", [t for w in params.bad_words for t in w], info.vocab_size)
     if not isinstance(params.speculative, bool):
         raise RequestError("speculative", f"must be a boolean, got {params.speculative!r}")
-    return request_spec(info, ordinal, prompt_ids, params, info.reasoning)
+    return request_spec(info, ordinal, prompt_ids, params, info.reasoning, server_seed)

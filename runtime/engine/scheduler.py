@@ -4,6 +4,7 @@ into step plans."""
 from __future__ import annotations
 
 import logging
+import random
 import secrets
 from collections import deque
 from dataclasses import dataclass, field
@@ -33,6 +34,8 @@ class SchedulerConfig:
     ngram_max: int = 4
     reasoning: ReasoningTokens | None = None
     """The reasoning delimiters' ids (thinking_token_budget needs them); None: refused."""
+    seed: int | None = None
+    """--seed: where the seeds of requests without one come from (see unset_seed)."""
 
     def __post_init__(self) -> None:
         if self.capacity < 1 or self.chunk_size < 1 or self.max_batched_tokens < 1:
@@ -183,12 +186,22 @@ def check_thinking_budget(budget: object, reasoning: ReasoningTokens | None) -> 
         )
 
 
+def unset_seed(server_seed: int | None, ordinal: int) -> int:
+    """The seed of the ``ordinal``-th request, which set none: a fresh draw, or with a server
+    seed (vLLM's --seed) a function of both, so the same requests in the same order sample
+    the same tokens in every run."""
+    if server_seed is None:
+        return secrets.randbits(63)
+    return random.Random(f"{server_seed}/{ordinal}").getrandbits(63)
+
+
 def request_spec(
     info: EngineInfo,
     ordinal: int,
     prompt_ids: list[int],
     params: SamplingParams,
     reasoning: ReasoningTokens | None = None,
+    server_seed: int | None = None,
 ) -> RequestSpec:
     """What the ranks need to know about a request; the seed is drawn here when unset."""
     stops = set(params.stop_token_ids)
@@ -200,7 +213,7 @@ def request_spec(
                     "inf in tensors. We have maxed it out to %s.", params.temperature,
                     MIN_TEMPERATURE, MIN_TEMPERATURE)  # (vLLM's words)
     sampling = RowSampling(
-        seed=params.seed if params.seed is not None else secrets.randbits(63),
+        seed=params.seed if params.seed is not None else unset_seed(server_seed, ordinal),
         position=0,
         temperature=params.sampled_temperature,
         top_k=params.top_k,

@@ -4,6 +4,7 @@ sampling defaults."""
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import tokenizers
@@ -44,10 +45,18 @@ def _replace_shrinks(spec: dict | None) -> bool:
 class ModelAssets:
     """What presentation needs from the model directory."""
 
-    def __init__(self, model_dir: str | Path, served_model_name: str, vocab_size: int,
-                 generation_config: str = FROM_MODEL) -> None:
+    def __init__(self, model_dir: str | Path, served_model_name: str | Sequence[str],
+                 vocab_size: int, generation_config: str = FROM_MODEL) -> None:
         self.model_dir = Path(model_dir)
-        self.served_model_name = served_model_name
+        names = (served_model_name,) if isinstance(served_model_name, str) else tuple(
+            served_model_name)
+        if not names or not all(names):
+            raise ValueError(f"served model names must be non-empty, got {names}")
+        self.served_model_names = names
+        """Every name requests may give as `model` (--served-model-name), each listed by
+        /v1/models."""
+        self.served_model_name = names[0]
+        """The name responses carry (vLLM's: the first)."""
         self.sampling_defaults = load_sampling_defaults(generation_config, self.model_dir)
         self.tokenizer = tokenizers.Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
         self.token_bytes = TokenBytes(self.tokenizer, vocab_size)
@@ -118,4 +127,4 @@ class ModelAssets:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def accepts_model(self, name: str | None) -> bool:
-        return name in (None, "", self.served_model_name, str(self.model_dir))
+        return name in (None, "", *self.served_model_names, str(self.model_dir))

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server (FastAPI), and its uvicorn runner.
 
-Routes: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions,
+Routes: GET /health, GET /v1/models, GET /v1/models/{id}, POST /v1/completions,
+POST /v1/chat/completions,
 POST /v1/responses, and
 vLLM's tokenizer routes POST /tokenize, POST /detokenize, GET /tokenizer_info.
 Every refusal before admission is HTTP 400 with vLLM's error object naming the parameter;
@@ -13,7 +14,7 @@ import asyncio
 import contextlib
 import importlib.metadata
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +82,8 @@ from helios_logprobs.runtime.http.responses import (
 )
 
 log = logging.getLogger("helios_logprobs.runtime.http.server")
+request_log = logging.getLogger("helios_logprobs.requests")
+"""--enable-log-requests: one INFO line per admitted request."""
 try:
     VERSION = importlib.metadata.version("helios-logprobs")
 except importlib.metadata.PackageNotFoundError:  # (run from a checkout without installing)
@@ -97,10 +100,12 @@ def capabilities(engine: EngineClient) -> dict[str, Any]:
             "prompt_logprobs": info.prompt_logprobs}
 
 
-def model_card(engine: EngineClient, assets: ModelAssets, created: int) -> dict[str, Any]:
-    """vLLM's model card, with the permission entry that advertises allow_logprobs, and
-    `capabilities` (this server's addition)."""
-    name = assets.served_model_name
+def model_card(engine: EngineClient, assets: ModelAssets, created: int,
+               name: str | None = None) -> dict[str, Any]:
+    """vLLM's model card (of ``name``, one of the served names; default: the first), with the
+    permission entry that advertises allow_logprobs, and `capabilities` (this server's
+    addition)."""
+    name = name or assets.served_model_name
     return {
         "id": name,
         "object": "model",
@@ -127,13 +132,19 @@ def model_card(engine: EngineClient, assets: ModelAssets, created: int) -> dict[
     }
 
 
-def create_app(engine: EngineClient, model_dir: str | Path, served_model_name: str, *,
+def create_app(engine: EngineClient, model_dir: str | Path,
+               served_model_name: str | Sequence[str], *,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                max_queued_requests: int | None = None,
-               generation_config: str = FROM_MODEL) -> FastAPI:
-    """The app. `max_queued_requests` bounds waiting + running engine requests (None: four
+               generation_config: str = FROM_MODEL,
+               log_requests: bool = False) -> FastAPI:
+    """The app. `served_model_name`: the names requests may give as `model` (responses carry
+    the first). `max_queued_requests` bounds waiting + running engine requests (None: four
     per slot of an engine with a scheduler, else unbounded); beyond it, 429.
-    `generation_config`: where unset sampling fields take their defaults (defaults.py)."""
+    `generation_config`: where unset sampling fields take their defaults (defaults.py).
+    `log_requests`: log each admitted request at INFO (vLLM's --enable-log-requests)."""
+    if log_requests:
+        request_log.setLevel(logging.INFO)
     assets = ModelAssets(model_dir, served_model_name, engine.info.vocab_size,
                          generation_config)
     if assets.sampling_defaults.overrides():
@@ -193,7 +204,14 @@ def create_app(engine: EngineClient, model_dir: str | Path, served_model_name: s
 
     @app.get("/v1/models")
     async def models() -> Response:
-        return json_response({"object": "list", "data": [model_card(engine, assets, created)]})
+        cards = [model_card(engine, assets, created, name) for name in assets.served_model_names]
+        return json_response({"object": "list", "data": cards})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> Response:
+        if model_id not in assets.served_model_names:
+            return error_response(f"The model `{model_id}` does not exist.", "model", 404)
+        return json_response(model_card(engine, assets, created, model_id))
 
     def precheck(req: Any) -> Response | None:
         if not assets.accepts_model(req.model):
@@ -268,6 +286,8 @@ def create_app(engine: EngineClient, model_dir: str | Path, served_model_name: s
         if not admission.try_admit(len(prepared.jobs)):
             return overloaded()
         admitted(prepared)
+        if log_requests:
+            log_request(request.url.path, prepared)
         if req.stream:
             return streamed(prepared, chunks(prepared, engine, assets), framing)
         reasons: list[str | None] = [None] * len(prepared.jobs)
@@ -349,6 +369,15 @@ def create_app(engine: EngineClient, model_dir: str | Path, served_model_name: s
         return json_response(tokenizer_info(assets))
 
     return app
+
+
+def log_request(route: str, prepared: Any) -> None:
+    """One line per admitted request: route, model, each choice's prompt length, the first
+    choice's sampling parameters (vLLM's "Received request" line)."""
+    jobs = prepared.jobs
+    request_log.info("received request %s: model=%r, choices=%d, prompt_tokens=%s, params=%s",
+                     route, prepared.request.model, len(jobs),
+                     [len(job.prompt_ids) for job in jobs], jobs[0].params if jobs else None)
 
 
 def invocation_model(data: dict[str, Any]) -> type[BaseModel]:

@@ -264,6 +264,7 @@ def error_body(message: str, param: str | None, code: int = 400) -> dict[str, An
     {"error": {"message", "type", "param", "code"}}, `code` the HTTP status."""
     kind = {
         400: "BadRequestError",
+        401: "AuthenticationError",
         404: "NotFoundError",
         405: "MethodNotAllowedError",
         413: "RequestTooLargeError",
