@@ -57,7 +57,8 @@ def test_lost_peer_fails_in_flight_requests_without_hanging(tmp_path, sig):
         code = coordinator.wait(timeout=90)  # nothing hangs: the job ends on its own
         assert code != 0
         results = json.loads(out.read_text())["results"]
-        assert all("request failed" in r.get("error", "") for r in results), results
+        assert len(results) == len(reqs)
+        assert all("request failed" in r["error"]["message"] for r in results), results
         if sig == signal.SIGSTOP:
             # A hung peer is noticed by the heartbeat; the coordinator ends the job itself.
             text = coordinator.stderr.read().decode(errors="replace")
