@@ -1,4 +1,5 @@
-/* The CPU reduction's compiled launches (kernels/cpu/compiled.py loads this file).
+/* The CPU reduction's compiled launches (built into the native extension through
+   kernels/cpu/reduction.c, with exp_lanes.c before this file and count.c after it).
 
    Every FP32 value here is the one the torch launches (kernels/cpu/tiles.py and
    lean.py) produce: exp and log are MKL's vmsExp / vmsLn in the mode torch's vml.h passes
@@ -6,9 +7,10 @@
    sums follow torch's cascade_sum order for its sum kernel's vector width, and every
    other step is one IEEE operation. compiled.py checks that on this machine before use.
 */
+#if defined(__x86_64__)
 #include <immintrin.h>
+#endif
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -33,28 +35,15 @@ void configure(void *vexp, void *vln, void *local_threads, void *max_threads, lo
     WIDTH = width;
 }
 
-/* fn(jobs + i * size) for i < count, one job per thread. Built with -fopenmp, the threads
-   are the process's OpenMP team: torch's own libgomp (the library this file links against
-   is the libgomp.so.1 torch already loaded), whose threads have just run torch's intra-op
-   work and are still spinning; new pthreads would compete with them for the same cores
-   (measured: 32 x 151,936 right after a torch op took the one-thread time). Without
-   OpenMP, pthreads (the calling thread takes job 0). */
+/* fn(jobs + i * size) for i < count, one job per thread of the process's OpenMP team:
+   torch's own libgomp (the extension links libgomp.so.1, the soname torch has already
+   loaded; kernels/native.py), whose threads have just run torch's intra-op work and are
+   still spinning; new pthreads would compete with them for the same cores (measured: 32 x
+   151,936 right after a torch op took the one-thread time). */
 static void fan_out(void *(*fn)(void *), char *jobs, size_t size, int64_t count)
 {
-#ifdef _OPENMP
 #pragma omp parallel for num_threads((int)count) schedule(static, 1)
     for (int64_t i = 0; i < count; i++) fn(jobs + i * size);
-#else
-    pthread_t ids[64];
-    int created[64] = {0};
-    for (int64_t i = 1; i < count; i++)
-        created[i] = pthread_create(&ids[i], NULL, fn, jobs + i * size) == 0;
-    fn(jobs);
-    for (int64_t i = 1; i < count; i++) {
-        if (created[i]) pthread_join(ids[i], NULL);
-        else fn(jobs + i * size);
-    }
-#endif
 }
 
 static int64_t ceil_log2(int64_t x)
@@ -231,15 +220,18 @@ static void offer_chunk(Picks *p, const char *row, int64_t elem, float chunk_max
    maxima takes -0.0 as +0.0 (torch's amax, which the probe compares with, is vectorized too). */
 static float max_of(const float *v, int64_t n)
 {
-    __m256 a0 = _mm256_set1_ps(-INFINITY), a1 = a0;
     int64_t i = 0;
+    float best = -INFINITY;
+#if defined(__x86_64__) /* (reduction.c compiles this file for AVX2) */
+    __m256 a0 = _mm256_set1_ps(-INFINITY), a1 = a0;
     for (; i + 16 <= n; i += 16) {
         a0 = _mm256_max_ps(_mm256_loadu_ps(v + i), a0);
         a1 = _mm256_max_ps(_mm256_loadu_ps(v + i + 8), a1);
     }
-    float lanes[8], best = -INFINITY;
+    float lanes[8];
     _mm256_storeu_ps(lanes, _mm256_max_ps(a1, a0));
     for (int k = 0; k < 8; k++) best = lanes[k] > best ? lanes[k] : best;
+#endif
     for (; i < n; i++) best = v[i] > best ? v[i] : best;
     return best;
 }
@@ -265,8 +257,11 @@ static float heap_select(const float *x, int64_t n, int64_t k, float *raw, int64
         }
         raw[at] = v, lanes[at] = i;
     }
+#if defined(__x86_64__)
     __m256 out8 = _mm256_set1_ps(-INFINITY); /* (the left-out maximum of whole blocks) */
+#endif
     for (; i < n; i++) { /* the others replace the root when above it: sift down */
+#if defined(__x86_64__)
         while (i + 8 <= n) { /* eight at a time while none of them is above the root */
             const __m256 v8 = _mm256_loadu_ps(x + i);
             if (_mm256_movemask_ps(_mm256_cmp_ps(v8, _mm256_set1_ps(raw[0]), _CMP_GT_OQ)))
@@ -274,6 +269,7 @@ static float heap_select(const float *x, int64_t n, int64_t k, float *raw, int64
             out8 = _mm256_max_ps(v8, out8); /* (a NaN lane keeps out8) */
             i += 8;
         }
+#endif
         if (i == n) break;
         const float v = x[i];
         if (!(v > raw[0])) {
@@ -292,8 +288,12 @@ static float heap_select(const float *x, int64_t n, int64_t k, float *raw, int64
         }
         raw[at] = v, lanes[at] = i;
     }
+#if defined(__x86_64__)
     const float blocks = max_of((const float *)&out8, 8);
     return blocks > left ? blocks : left;
+#else
+    return left;
+#endif
 }
 
 #define FEW_CHUNK_LANES (2 * 64 * 16 + 16)

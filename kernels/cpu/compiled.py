@@ -32,8 +32,8 @@ internals (the exp and log routines, the summation order), the library is used o
 probe on this machine compares launches 1 and 2 with ``tile_stats`` and ``normalization``
 word for word (maxima with -0.0 read as +0.0, masses, chunk maxima, lse) over shapes that
 reach every branch; a mismatch, a torch build without MKL's ``vmsExp``/``vmsLn``, a CPU
-capability other than AVX2/AVX512, no C compiler, or ``HELIOS_NATIVE_REDUCTION=0`` leaves the
-torch path in place.
+capability other than AVX2/AVX512, a package built without the native extension
+(kernels/native.py), or ``HELIOS_NATIVE=0`` leaves the torch path in place.
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ import logging
 import os
 import threading
 from collections import OrderedDict
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -60,20 +59,13 @@ from helios_logprobs.kernels.layout import TILE_CANDIDATES as TOP
 from helios_logprobs.kernels.native import (
     PARALLEL_LANES,
     VML_MODE,
-    X86,
     built_once,
-    load_library,
+    library,
     mkl_routine,
-    torch_openmp,
 )
 
 _LOG = logging.getLogger(__name__)
 
-
-_SOURCE = "\n".join((Path(__file__).parent / name).read_text()
-                    for name in ("exp_lanes.c", "compiled.c", "count.c"))
-_FLAGS = ("-O3", "-fPIC", "-shared", "-ffp-contract=off", "-mavx2", "-pthread")
-_SWITCH = "HELIOS_NATIVE_REDUCTION"
 _EXP_SWITCH = "HELIOS_EMULATED_EXP"
 
 
@@ -106,40 +98,9 @@ def _build() -> ctypes.CDLL | None:
     width, exp, log = _vector_width(), mkl_routine("vmsExp"), mkl_routine("vmsLn")
     if width is None or exp is None or log is None:
         return None
-    lib = None
-    if torch_openmp():  # (rows fan out on torch's OpenMP threads; see fan_out in the C file)
-        lib = load_library("reduction", _SOURCE, (*_FLAGS, "-fopenmp"), _SWITCH, machines=X86,
-                           quiet=True)
-    if lib is None:
-        lib = load_library("reduction", _SOURCE, _FLAGS, _SWITCH, machines=X86)
-    if lib is None:
+    lib = library()
+    if lib is None or not lib.reduction_supported():  # (its code is built for AVX2)
         return None
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    for name, args in (
-        ("configure", [ptr, ptr, ptr, ptr, ctypes.c_longlong, ctypes.c_int]),
-        ("tile_stats", [ptr, i64, i64, ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr,
-                        i64]),
-        ("row_lse", [ptr, ptr, i64, i64, ptr, ptr, ptr]),
-        ("best_lanes", [ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, ptr, i64, ptr, ptr, ptr,
-                        i64, ptr, i64, ptr, ptr, ptr]),
-        ("reduce_rows", [ptr, i64, i64, ptr, i64, i64, i64, ptr, ptr, ptr, i64, i64, i64, ptr,
-                         ptr, ptr, ptr, ptr, ptr, i64]),
-        ("reduce_flagged", [ptr, i64, i64, ptr, i64, i64, i64, ptr, ptr, ptr, i64, i64, i64,
-                            ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, ptr, ptr]),
-    ):
-        getattr(lib, name).restype = None
-        getattr(lib, name).argtypes = args
-    lib.reduce_rows.restype = i64
-    lib.reduce_flagged.restype = i64
-    lib.reduce_prepared.argtypes = [ptr, i64]
-    lib.reduce_prepared.restype = i64
-    lib.use_emulated_exp.argtypes = [ptr, ctypes.c_longlong, ctypes.c_int]
-    lib.exp_lanes.argtypes = [ptr, i64]
-    lib.exp_lanes.restype = None
-    lib.exp_mismatches.argtypes = [ctypes.c_uint32, ctypes.c_uint64, ptr]
-    lib.exp_mismatches.restype = i64
-    lib.count_above.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, i64]
-    lib.count_above.restype = None
     configure(lib, width)
     failed = _probe(lib)
     _KEPT.outputs.clear()

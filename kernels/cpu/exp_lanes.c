@@ -1,4 +1,4 @@
-/* torch's FP32 exp, lane for lane, in AVX-512 (compiled.py prepends this file to compiled.c).
+/* torch's FP32 exp, lane for lane, in AVX-512 (reduction.c puts this file before compiled.c).
 
    Why: torch.exp on FP32 calls MKL's vmsExp. On an AMD CPU MKL does not take its AVX2 or
    AVX-512 kernels; it runs the SSE kernel mkl_vml_kernel_sExp_EXHAynn (4 lanes per
@@ -27,7 +27,9 @@
    other branches of the EX kernel: a block of 16 lanes holding one is handed to vmsExp
    whole, as is the tail under 16 lanes.
 */
+#if defined(__x86_64__)
 #include <immintrin.h>
+#endif
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -58,10 +60,16 @@ int use_emulated_exp(void *reference, long long mode, int on)
     EXP_REFERENCE = (exp_routine_t)reference;
     EXP_MODE = mode;
     exp_table();
+#if defined(__x86_64__)
     EXP_EMULATED = on && reference && __builtin_cpu_supports("avx512f");
+#else
+    (void)on;
+    EXP_EMULATED = 0; /* (no AVX-512 path off x86-64: vmsExp stays) */
+#endif
     return EXP_EMULATED;
 }
 
+#if defined(__x86_64__)
 /* The 16-lane table lookup: vpermt2ps reads 32 entries from two registers (index bits 0-4),
    bits 5 and 6 of the index pick one of the four results. */
 __attribute__((target("avx512f"), always_inline)) static inline __m512
@@ -128,6 +136,8 @@ __attribute__((target("avx512f"))) static int64_t exp_block_avx512(float *x, int
     return waiting;
 }
 
+#endif
+
 /* x[i] = exp(x[i]) for i < n, torch.exp's values: the AVX-512 path when it is on, else
    vmsExp itself. */
 static void exp_tile(float *x, int64_t n)
@@ -136,8 +146,10 @@ static void exp_tile(float *x, int64_t n)
         EXP_REFERENCE((int)n, x, x, EXP_MODE);
         return;
     }
+#if defined(__x86_64__)
     for (int64_t start = 0; start < n; start += EXP_BLOCK)
         exp_block_avx512(x + start, n - start < EXP_BLOCK ? n - start : EXP_BLOCK);
+#endif
 }
 
 /* exp_tile, exported for the probe and the tests. */

@@ -4,62 +4,47 @@
 dim=1)``, the sampler's greedy rule, for FP32 or BF16 rows on the CPU, reading each row once
 and writing no scratch copy (the torch path converts the rows into the sampler's FP32 scratch,
 then takes its argmax: two passes and a write over [rows, vocabulary]). The integer answer is
-exact, not close: maxima and equality are the only float operations. None (callers keep the
-torch path) off x86-64 CPUs with AVX2, without a C compiler, on a failed build, for other
-devices or dtypes, or with ``HELIOS_NATIVE_GREEDY=0``.
+exact, not close: maxima and equality are the only float operations. Eight lanes at a time
+where the CPU has AVX2, else a scalar loop (``vector_level`` caps it; both give the same
+answer). None (callers keep the torch path) for other devices or dtypes, where the package was
+built without the native extension (kernels/native.py), or with ``HELIOS_NATIVE=0``.
 """
 
 from __future__ import annotations
 
-import ctypes
 import threading
-from pathlib import Path
 
 import torch
 
-from helios_logprobs.kernels.native import (
-    X86,
-    built_once,
-    load_library,
-    parallel_threads,
-    torch_openmp,
-)
+from helios_logprobs.kernels.native import built_once, library, parallel_threads
 
-_SOURCE = (Path(__file__).parent / "argmax.c").read_text()
-_FLAGS = ("-O3", "-fPIC", "-shared", "-mavx2")
-_SWITCH = "HELIOS_NATIVE_GREEDY"
 _LOCK = threading.Lock()
 _STATE: dict[str, object] = {}
 _ELEMENTS = {torch.float32: 4, torch.bfloat16: 2}
 
 
-def _build() -> ctypes.CDLL | None:
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        return None  # (built with -mavx2: it would stop on an illegal instruction)
-    lib = None
-    if torch_openmp():  # (rows fan out on torch's OpenMP threads)
-        lib = load_library("greedy", _SOURCE, (*_FLAGS, "-fopenmp"), _SWITCH, machines=X86,
-                           quiet=True)
-    if lib is None:
-        lib = load_library("greedy", _SOURCE, _FLAGS, _SWITCH, machines=X86)
+def available() -> bool:
+    return built_once(_STATE, _LOCK, library) is not None
+
+
+VECTOR_LEVELS = ("scalar", "avx2")
+"""argmax.c's vector levels, in order."""
+
+
+def vector_level(cap: str = "avx2") -> str | None:
+    """Caps the pick's vector level at `cap` (at most what this CPU has) and returns the level
+    in use; None without the native library."""
+    lib = built_once(_STATE, _LOCK, library)
     if lib is None:
         return None
-    i64 = ctypes.c_int64
-    lib.greedy_argmax.restype = None
-    lib.greedy_argmax.argtypes = [ctypes.c_void_p, i64, i64, ctypes.c_void_p, i64, i64, i64,
-                                  ctypes.c_void_p]
-    return lib
-
-
-def available() -> bool:
-    return built_once(_STATE, _LOCK, _build) is not None
+    return VECTOR_LEVELS[lib.greedy_vector_level(VECTOR_LEVELS.index(cap))]
 
 
 def native_argmax(logits: torch.Tensor, which: torch.Tensor | None = None) -> torch.Tensor | None:
     """First lane of each row's largest value (NaN as -inf; lane 0 for a row of -inf and NaN
     only), int64 [rows], of the rows `which` (int64 row indices, default every row) in that
     order; None where the compiled path does not apply."""
-    lib = built_once(_STATE, _LOCK, _build)
+    lib = built_once(_STATE, _LOCK, library)
     if (lib is None or logits.device.type != "cpu" or logits.dim() != 2
             or logits.dtype not in _ELEMENTS or logits.stride(1) != 1):
         return None

@@ -1,6 +1,6 @@
 /* The Gumbel-max's searches over CPU rows (ranks/sampler/gumbel.py), in compiled code: noise
    bounds, the candidates of dense rows and the lanes of sparse ones. Built after philox.c in
-   one library (kernels/noise/philox_native.py): it uses philox_bits, has_avx2, vector_level
+   one unit (kernels/noise/noise.c): it uses philox_bits, has_avx2, vector_level
    and BLOCK from there. */
 
 /* The FP32 noise bound of bits m: c0 - c1 * (the int32 pattern of FP32(h)), h = (2**52 - 1 - m)

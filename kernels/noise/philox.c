@@ -1,5 +1,5 @@
-/* Philox4x32-10 bits of CPU lanes, in compiled code (kernels/noise/philox_native.py builds it
-   with gumbel.c into one library; kernels/noise/philox.py is the torch definition).
+/* Philox4x32-10 bits of CPU lanes, in compiled code (built with gumbel.c and sparse.c as one
+   unit, kernels/noise/noise.c; kernels/noise/philox.py is the torch definition).
 
    Bits: m = (w0 << 20) | (w1 >> 12) of Philox4x32-10 with counter (id, position, 0, 0) and
    key (k0, k1), integer arithmetic only, so every path writes the same bits.

@@ -1,6 +1,6 @@
 """Philox bits and the Gumbel-max searches of CPU rows in compiled code
-(kernels/noise/philox.c, gumbel.c and sparse.c, built as one library), when a C compiler is at
-hand.
+(kernels/noise/philox.c, gumbel.c and sparse.c: one unit of the native extension,
+kernels/noise/noise.c).
 
 ``native_bits(ids, position, k0, k1, out)`` writes the same int64 m = (w0 << 20) | (w1 >> 12)
 as ``kernels.noise.philox.philox_bits`` (integer arithmetic only, so the bits are identical, not
@@ -8,18 +8,16 @@ merely close). ``native_gumbel_bounds`` is the same for kernels.noise.philox.gum
 (float32, rounded as the torch path rounds it). ``native_candidates`` finds the few lanes of
 each sampled row that can still win its Gumbel-max (ranks/sampler/gumbel.py scores them);
 ``native_sparse_best`` scores a sparse row's lanes itself, with torch's float64 log, and
-``native_scaled_best`` a temperature-only row's candidates, read from its raw logits. The
-C file is compiled once per source hash with the system C compiler (``$CC``, else ``cc``) into
-a per-user cache directory and loaded with ctypes. Without a compiler, on failure, off
-x86/aarch64 CPUs, or with ``HELIOS_NATIVE_PHILOX=0``, ``available()`` is False and callers
-keep the torch path. Tests compare both paths.
+``native_scaled_best`` a temperature-only row's candidates, read from its raw logits. Where
+the package was built without the native extension (kernels/native.py), or with
+``HELIOS_NATIVE=0``, ``available()`` is False and callers keep the torch path. Tests compare
+both paths.
 """
 
 from __future__ import annotations
 
 import ctypes
 import threading
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -27,60 +25,28 @@ import torch
 from helios_logprobs.kernels.native import (
     VML_MODE,
     built_once,
-    load_library,
+    library,
     mkl_routine,
     parallel_threads,
-    torch_openmp,
 )
 
-_SOURCE = "\n".join((Path(__file__).parent / name).read_text()
-                    for name in ("philox.c", "gumbel.c", "sparse.c"))
-_FLAGS = ("-O3", "-fPIC", "-shared", "-ffp-contract=off", "-fopenmp-simd", "-lm")
-_ENV_SWITCH = "HELIOS_NATIVE_PHILOX"
 _LOCK = threading.Lock()
 _STATE: dict[str, object] = {}
+"""state["lib"]: the extension, or None (tests set None to force the torch path);
+state["log"]: _log_routines' answer, made on first use."""
 
 
 def _build() -> ctypes.CDLL | None:
-    lib = None
-    if torch_openmp():  # (rows fan out on torch's OpenMP threads, as in the reduction)
-        lib = load_library("philox", _SOURCE, (*_FLAGS, "-fopenmp"), _ENV_SWITCH, quiet=True)
-    if lib is None:
-        lib = load_library("philox", _SOURCE, _FLAGS, _ENV_SWITCH)
-    if lib is None:
-        return None
-    fn = lib.philox_bits
-    fn.restype = None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint32, ctypes.c_uint32,
-                   ctypes.c_uint32, ctypes.c_void_p]
-    fn = lib.philox_bits_lanes
-    fn.restype = None
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p]
-    fn = lib.gumbel_bounds
-    fn.restype = None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_float,
-                   ctypes.c_void_p]
-    lib.philox_vector_level.restype = ctypes.c_int
-    lib.philox_vector_level.argtypes = [ctypes.c_int]
-    fn = lib.gumbel_candidates
-    fn.restype = None
-    i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-    fn.argtypes = [ptr, i64, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, f32, f32,
-                   ctypes.c_double, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64]
-    lib.cutoff_counts.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, i64]
-    lib.cutoff_counts.restype = None
-    lib.cutoff_lanes.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, i64]
-    lib.cutoff_lanes.restype = None
-    lib.sparse_best.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, ptr, i64, ptr,
-                                ctypes.c_longlong, ptr, ptr, ptr, ptr, i64]
-    lib.sparse_best.restype = None
-    lib.scaled_rows.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, i64]
-    lib.scaled_rows.restype = None
-    lib.score_candidates.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ctypes.c_longlong,
-                                     ptr, ptr, ptr, ptr, i64]
-    lib.score_candidates.restype = None
-    lib.log_routines = _log_routines()
-    return lib
+    return library()
+
+
+def log_routines() -> tuple[int, int | None, int | None] | None:
+    """_log_routines' answer, found once."""
+    if "log" not in _STATE:
+        with _LOCK:
+            if "log" not in _STATE:
+                _STATE["log"] = _log_routines()
+    return _STATE["log"]
 
 
 def _log_routines() -> tuple[int, int | None, int | None] | None:
@@ -219,10 +185,10 @@ def native_candidates(x: torch.Tensor, rows: list[int], seeds: list[int], positi
 
 
 def scores_candidates() -> bool:
-    """Whether native_scaled_best can score candidates here (a C compiler, and MKL's vmdLn
-    giving torch's float64 log on this machine)."""
+    """Whether native_scaled_best can score candidates here (the native extension, and MKL's
+    vmdLn giving torch's float64 log on this machine)."""
     lib = _lib()
-    return lib is not None and lib.log_routines is not None
+    return lib is not None and log_routines() is not None
 
 
 def native_scaled_best(x: torch.Tensor, rows: list[int], temperatures: torch.Tensor,
@@ -232,7 +198,7 @@ def native_scaled_best(x: torch.Tensor, rows: list[int], temperatures: torch.Ten
     """The Gumbel-max of rows `rows` of the raw logits x, divided by their temperatures (as
     native_candidates reads them), as (score key, global id) int64 [len(rows)]: the
     candidates scored in compiled code as the torch path scores them (sparse.c's
-    score_candidates). None when not applicable: no compiler, no torch-exact log on this
+    score_candidates). None when not applicable: no native extension, no torch-exact log on this
     machine (scores_candidates), or a row the search leaves."""
     if not scores_candidates():
         return None
@@ -246,7 +212,7 @@ def native_scaled_best(x: torch.Tensor, rows: list[int], temperatures: torch.Ten
     counts = torch.tensor(found, dtype=torch.int64)
     key = torch.full((n_rows,), -(2**63), dtype=torch.int64)
     best_id = torch.full((n_rows,), 2**63 - 1, dtype=torch.int64)
-    ln, set_local, get_max = lib.log_routines
+    ln, set_local, get_max = log_routines()
     lib.score_candidates(counts.data_ptr(), n_rows, CANDIDATE_CAP, lanes.data_ptr(),
                          bits.data_ptr(), values.data_ptr(), vocab_start, ln, VML_MODE,
                          set_local, get_max, key.data_ptr(), best_id.data_ptr(),
@@ -359,9 +325,9 @@ def native_sparse_best(x: torch.Tensor, rows: list[int], low: torch.Tensor, seed
                and t.shape == (x.shape[0],) for t, dtype in inputs):
         return False
     lib = _lib()
-    if lib is None or lib.log_routines is None:
+    if lib is None or log_routines() is None:
         return False
-    ln, set_local, get_max = lib.log_routines
+    ln, set_local, get_max = log_routines()
     n_rows, width = len(rows), x.shape[1]
     index = torch.tensor(rows, dtype=torch.int64)
     lib.sparse_best(x.data_ptr(), x.stride(0), index.data_ptr(), n_rows, width, low.data_ptr(),

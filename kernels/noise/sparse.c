@@ -1,5 +1,5 @@
 /* The Gumbel-max of sparse rows, scored in compiled code (ranks/sampler/gumbel.py). Built
-   after philox.c and gumbel.c into one library (kernels/noise/philox_native.py): it uses
+   after philox.c and gumbel.c as one unit (kernels/noise/noise.c): it uses
    philox_bits, has_avx2, fill_row and fill_row_avx2 from there.
 
    A sparse row (a narrow vocabulary, or most lanes filtered to -inf) can only be won by its

@@ -8,8 +8,9 @@ the lanes under each row's cut and ``remove_below`` sets them to -inf. Keys, wei
 are those of the torch path (ranks/sampler/filters.py TorchRadixLanes), exactly: the weights'
 exp is the MKL routine torch.exp calls. ``top_values`` is torch.topk's values, ``fill_below``
 the cut at a key, ``fill_min_p`` min-p's cut. None or False (callers keep the torch path)
-without MKL in this torch build, without a C compiler, for other devices, dtypes or layouts,
-for rows whose maximum is not finite (``start``), or with ``HELIOS_NATIVE_RADIX=0``.
+without MKL in this torch build, where the package was built without the native extension
+(kernels/native.py), for other devices, dtypes or layouts, for rows whose maximum is not
+finite (``start``), or with ``HELIOS_NATIVE=0``.
 """
 
 from __future__ import annotations
@@ -17,24 +18,21 @@ from __future__ import annotations
 import ctypes
 import math
 import threading
-from pathlib import Path
 
 import torch
 
 from helios_logprobs.kernels.native import (
     VML_MODE,
     built_once,
-    load_library,
+    library,
     mkl_routine,
     parallel_threads,
-    torch_openmp,
 )
 
-_SOURCE = (Path(__file__).parent / "radix.c").read_text()
-_FLAGS = ("-O3", "-fPIC", "-shared", "-ffp-contract=off", "-lm")
-_SWITCH = "HELIOS_NATIVE_RADIX"
 _LOCK = threading.Lock()
 _STATE: dict[str, object] = {}
+"""state["lib"]: the extension, or None (no MKL, no extension; tests set None to force the
+torch path); state["routines"]: (vmdExp, MKL's thread setters) for it."""
 
 
 MAX_BITS = 7
@@ -70,28 +68,8 @@ def _build() -> ctypes.CDLL | None:
                 ("vmdExp", "MKL_Set_Num_Threads_Local", "MKL_Get_Max_Threads")]
     if routines[0] is None:
         return None
-    lib = None
-    if torch_openmp():  # (rows fan out on torch's OpenMP threads)
-        lib = load_library("radix", _SOURCE, (*_FLAGS, "-fopenmp"), _SWITCH, quiet=True)
-    if lib is None:
-        lib = load_library("radix", _SOURCE, _FLAGS, _SWITCH)
-    if lib is None:
-        return None
-    i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    lib.radix_start.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_double, ptr,
-                                ctypes.c_longlong, ptr, ptr, ptr, ptr, ptr, i64]
-    lib.radix_round.argtypes = [ptr, ptr, ptr, i64, i64, c_int, c_int, ptr, c_int, c_int,
-                                ptr, i64]
-    lib.radix_below.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64]
-    lib.radix_fill_below.argtypes = [ptr, i64, i64, i64, ptr, i64]
-    lib.radix_top_values.argtypes = [ptr, i64, i64, i64, i64, ptr, i64]
-    lib.radix_min_p.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ctypes.c_longlong, ptr,
-                                ptr, i64]
-    for fn in (lib.radix_start, lib.radix_round, lib.radix_below, lib.radix_fill_below,
-               lib.radix_top_values, lib.radix_min_p):
-        fn.restype = None
-    lib.routines = routines
-    return lib
+    _STATE["routines"] = tuple(routines)
+    return library()
 
 
 def available() -> bool:
@@ -146,7 +124,7 @@ def fill_min_p(x: torch.Tensor, row_max: torch.Tensor, floors: torch.Tensor) -> 
         raise ValueError(f"fill_min_p: row_max and floors must be [{rows}]")
     if not bool(((floors > 0) & (floors <= 1)).all()):
         raise ValueError("fill_min_p: floors must lie in (0, 1]")
-    exp, set_local, get_max = lib.routines
+    exp, set_local, get_max = _STATE["routines"]
     lib.radix_min_p(x.data_ptr(), x.stride(0), rows, width, maxima.data_ptr(),
                     floors.data_ptr(), exp, VML_MODE, set_local, get_max,
                     parallel_threads(rows * width))
@@ -177,7 +155,7 @@ class RadixLanes:
         rows, width = x.shape
         keys, weights = _BUFFERS.take(rows * width)
         counts = torch.empty(rows, dtype=torch.int64)
-        exp, set_local, get_max = lib.routines
+        exp, set_local, get_max = _STATE["routines"]
         lib.radix_start(x.data_ptr(), x.stride(0), rows, width,
                         None if maxima is None else maxima.data_ptr(), scale,
                         None if maxima is None else exp, VML_MODE, set_local, get_max,

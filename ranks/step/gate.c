@@ -1,13 +1,15 @@
 /* The reduction gate and payload write of ranks/step/reduce.py on host tensors, in C.
  *
- * The record indices (SLOT, EPOCH, ...) are prepended as #defines by gate_native.py from
- * ranks/contract/abi6.py, the one place they are spelled. The gate and the write return 0,
+ * The record indices (SLOT, EPOCH, ...) come from abi6.h, a copy of ranks/contract/abi6.py
+ * that a test compares with it. The gate and the write return 0,
  * or -1 when an index would leave its buffer (the Python caller raises; numpy would have
  * raised IndexError or wrapped a negative index). step_reduce runs both around the kernels'
  * prepared one-rank reduction, in one call from Python.
  */
 #include <stdint.h>
 #include <string.h>
+
+#include "abi6.h"
 
 /* 1 when bit `at` of the forced mask is set (numpy's >> for shifts past the width). */
 static int64_t forced_bit(int64_t mask, int64_t at) {

@@ -1,57 +1,28 @@
 """The reduction gate and payload write on host tensors in C (gate.c), for StepReduction.
 
 On CPU the gate's dozen tensor (or numpy) operations cost ~0.1-0.3 ms per step, more than
-the compiled reduction of a row; the C loop costs a few microseconds. The record indices come from
-ranks/contract/abi6.py as #defines. Without a compiler, off x86-64/aarch64, or with
-``HELIOS_NATIVE_REDUCTION=0`` (the switch of every native reduction path) ``native_gate()``
-is None and StepReduction keeps its tensor-op form (CUDA's), which tests compare this one
-with.
+the compiled reduction of a row; the C loop costs a few microseconds. The record indices come
+from ranks/step/abi6.h, a copy of ranks/contract/abi6.py that a test compares with it. Where
+the package was built without the native extension (kernels/native.py), or with
+``HELIOS_NATIVE=0``, ``native_gate()`` is None and StepReduction keeps its tensor-op form
+(CUDA's), which tests compare this one with.
 """
 
 from __future__ import annotations
 
 import ctypes
-import threading
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from helios_logprobs.kernels.native import built_once, load_library
-from helios_logprobs.ranks.contract import abi6
+from helios_logprobs.kernels.native import library
 from helios_logprobs.ranks.contract.completion import CompletionOutputs
-
-_DEFINES = {
-    "SLOT": abi6.SLOT, "EPOCH": abi6.EPOCH, "KIND": abi6.KIND, "EMITTED": abi6.EMITTED,
-    "FORCED_MASK": abi6.FORCED_MASK, "FIRST_LOGIT_ROW": abi6.FIRST_LOGIT_ROW,
-    "HEADER": abi6.HEADER, "KIND_SAMPLE": int(abi6.Kind.SAMPLE),
-    "KIND_SPECULATIVE": int(abi6.Kind.SPECULATIVE),
-}
-_SOURCE = "".join(f"#define {name} {value}\n" for name, value in _DEFINES.items()) + (
-    Path(__file__).with_name("gate.c").read_text()
-)
-_FLAGS = ("-O2", "-fPIC", "-shared")
-_SWITCH = "HELIOS_NATIVE_REDUCTION"
-_state: dict = {}
-_lock = threading.Lock()
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
-def _build() -> ctypes.CDLL | None:
-    lib = load_library("step_gate", _SOURCE, _FLAGS, _SWITCH)
-    if lib is not None:
-        lib.gate_rows.argtypes = [_P, _I, _I, _P, _P, _P, _I, _P, _P, _P, _P, _P, _P, _P, _I, _I]
-        lib.gate_rows.restype = ctypes.c_int
-        lib.write_payload.argtypes = [_P, _I, _I, _I, _P, _I, _P, _P, _P, _I]
-        lib.write_payload.restype = ctypes.c_int
-        lib.step_reduce.argtypes = [_P, _I, _I, _I, _I]
-        lib.step_reduce.restype = ctypes.c_int
-    return lib
-
-
 def native_gate() -> ctypes.CDLL | None:
-    return built_once(_state, _lock, _build)
+    return library()
 
 
 class StepBlock(ctypes.Structure):

@@ -42,10 +42,21 @@ def planted(rows: int, width: int, seed: int) -> torch.Tensor:
     return x
 
 
+@pytest.fixture(params=native.VECTOR_LEVELS)
+def level(request):
+    """Each vector level of the pick (argmax.c: scalar, AVX2), the CPU's best one after."""
+    used = native.vector_level(request.param)
+    if used != request.param:
+        native.vector_level()
+        pytest.skip(f"this CPU has no {request.param} level")
+    yield used
+    native.vector_level()
+
+
 @needs_native
 @pytest.mark.parametrize("width", [1, 7, 31, 423, TILE - 1, TILE, TILE + 1, 32_000, 151_936])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_pick_is_torch_argmax_with_nan_as_minus_inf(width, dtype) -> None:
+def test_the_pick_is_torch_argmax_with_nan_as_minus_inf(width, dtype, level) -> None:
     x = planted(10, width + 3, width).to(dtype)[:, 2 : width + 2]  # strided rows, odd offset
     assert torch.equal(native.native_argmax(x), oracle(x))
     assert torch.equal(native.native_argmax(x[:1]), oracle(x[:1]))
@@ -105,10 +116,10 @@ def test_the_sampler_takes_it_for_unprocessed_greedy_rows_only(monkeypatch) -> N
         rows = [RowSampling(seed=0, position=0, **({"temperature": 0.0} | change)), *plain[:3]]
         real = sampler.sample(x, rows, [[1]] * 4, [[1]] * 4).tolist()
         assert real[1:] == oracle(x[1:]).tolist(), change
-        monkeypatch.setattr("helios_logprobs.ranks.sampler.native_argmax", marker)
+        monkeypatch.setattr("helios_logprobs.ranks.sampler.sampler.native_argmax", marker)
         picked = sampler.sample(x, rows, [[1]] * 4, [[1]] * 4).tolist()
         monkeypatch.undo()
         assert picked == [real[0], 7, 7, 7] and asked.pop() == [1, 2, 3], change
-    monkeypatch.setattr("helios_logprobs.ranks.sampler.native_argmax", marker)
+    monkeypatch.setattr("helios_logprobs.ranks.sampler.sampler.native_argmax", marker)
     assert sampler.sample(x, plain, [[]] * 4, [[]] * 4).tolist() == [7] * 4
     assert asked == [None]

@@ -27,7 +27,7 @@ def torch_only(monkeypatch):
     monkeypatch.setitem(native._STATE, "lib", None)
 
 
-needs_native = pytest.mark.skipif(not native.available(), reason="no C compiler")
+needs_native = pytest.mark.skipif(not native.available(), reason="no native extension")
 
 
 @needs_native
@@ -193,7 +193,7 @@ def test_scaled_rows_are_the_scratch_copy_and_division(level):
     (a copy), FLOAT32_MAX and tiny ones, a row width that leaves a vector tail, and a
     destination with a row stride of its own."""
     if not native.available():
-        pytest.skip("no C compiler")
+        pytest.skip("no native extension")
     used = native.vector_level(level)
     try:
         gen = torch.Generator().manual_seed(3)

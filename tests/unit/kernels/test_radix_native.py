@@ -23,7 +23,7 @@ from helios_logprobs.ranks.sampler.filters import (
 from helios_logprobs.ranks.sampler.params import RowSampling
 from helios_logprobs.ranks.sampler.sampler import ShardedSampler
 
-needs_native = pytest.mark.skipif(not native.available(), reason="no C compiler or no MKL")
+needs_native = pytest.mark.skipif(not native.available(), reason="no native extension or no MKL")
 
 
 def awkward_rows(rows: int, width: int, seed: int) -> torch.Tensor:
@@ -210,7 +210,7 @@ def test_kth_cut_keeps_the_values_at_or_above_each_rows_kth(compiled, monkeypatc
         monkeypatch.setattr("helios_logprobs.ranks.sampler.filters.fill_below",
                             lambda x, cut: False)
     elif not native.available():
-        pytest.skip("no C compiler or no MKL")
+        pytest.skip("no native extension or no MKL")
     x = awkward_rows(4, 3001, seed=5)
     x[1] = -x[1].abs() - 1.0  # (row 1's 7th largest value is a zero: all 20 zeros stay)
     x[:, 100:110] = 0.0

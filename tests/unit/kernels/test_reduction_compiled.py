@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import platform
-import shutil
 
 import numpy as np
 import pytest
@@ -21,12 +20,12 @@ from helios_logprobs.kernels.api import pack_token_ids, reduce_logprobs
 from helios_logprobs.kernels.cpu import compiled
 from helios_logprobs.kernels.cpu.backend import reduce_torch, reduce_torch_repeated
 from helios_logprobs.kernels.cpu.tiles import TileStats, normalization, tile_stats
-from helios_logprobs.kernels.native import mkl_routine
+from helios_logprobs.kernels.native import extension_path, mkl_routine
 from helios_logprobs.kernels.rows import RowRequest
 from tests.oracles import WORDS, check_payload
 
 needs_compiled = pytest.mark.skipif(not compiled.available(),
-                                    reason="no C compiler, MKL or AVX2 on this machine")
+                                    reason="no native extension, MKL or AVX2 on this machine")
 
 
 def same_words(got: torch.Tensor, want: torch.Tensor) -> bool:
@@ -58,14 +57,14 @@ def logits_of(kind: str, rows: int, width: int, seed: int, dtype: torch.dtype) -
 
 
 def test_compiled_path_is_on_where_it_can_be() -> None:
-    """On an AVX2 or AVX512 x86 machine (AMD EPYC and Intel Sapphire Rapids seen) with a C
-    compiler and a torch build with MKL, the probe passes: the fast path is not silently off
-    (the benchmarks measure it). Elsewhere the probe decides; a mismatch only costs speed."""
+    """On an AVX2 or AVX512 x86 machine (AMD EPYC and Intel Sapphire Rapids seen) with the
+    native extension built and a torch build with MKL, the probe passes: the fast path is not
+    silently off (the benchmarks measure it). Elsewhere the probe decides; a mismatch only
+    costs speed."""
     capability = torch.backends.cpu.get_cpu_capability()
-    if (platform.machine().lower() not in ("x86_64", "amd64") or shutil.which(
-            os.environ.get("CC") or "cc") is None or capability not in ("AVX2", "AVX512")
-            or mkl_routine("vmsExp") is None
-            or os.environ.get("HELIOS_NATIVE_REDUCTION") == "0"):
+    if (platform.machine().lower() not in ("x86_64", "amd64") or extension_path() is None
+            or capability not in ("AVX2", "AVX512") or mkl_routine("vmsExp") is None
+            or os.environ.get("HELIOS_NATIVE") == "0"):
         pytest.skip("the compiled path cannot apply here")
     assert compiled.available()
 

@@ -14,8 +14,8 @@ from helios_logprobs.ranks.sampler.filters import NO_ID, NO_KEY, score_keys
 NAN, INF = float("nan"), float("inf")
 
 pytestmark = pytest.mark.skipif(
-    not native.available() or native._lib().log_routines is None,
-    reason="no C compiler, or no MKL vmdLn equal to torch's float64 log in this torch build")
+    not native.available() or native.log_routines() is None,
+    reason="no native extension, or no MKL vmdLn equal to torch's float64 log in this torch build")
 
 
 def torch_best(x, rows, low, seeds, positions, start, best, best_id):

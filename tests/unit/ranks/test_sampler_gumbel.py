@@ -269,8 +269,8 @@ def test_scaled_search_reads_the_raw_rows_as_the_scratch_holds_them(width, threa
     never guessed."""
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     if scoring == "torch":
-        monkeypatch.setattr(native._lib(), "log_routines", None)
-    elif native._lib().log_routines is None:
+        monkeypatch.setitem(native._STATE, "log", None)
+    elif native.log_routines() is None:
         pytest.skip("vmdLn does not give torch's log on this machine")
     gen = torch.Generator().manual_seed(width)
     raw = torch.randn(4, width, generator=gen) * 4
@@ -353,7 +353,7 @@ def test_mixed_batches_pick_each_rows_own_winner(path, greedy_pick, monkeypatch)
     (through the scratch) picks, row by row, the argmax or the exhaustive Gumbel-max of the
     scratch rows `processed` returns, with FP32 and BF16 logits, NaN lanes and NaN rows."""
     if greedy_pick == "torch":
-        monkeypatch.setattr("helios_logprobs.ranks.sampler.native_argmax",
+        monkeypatch.setattr("helios_logprobs.ranks.sampler.sampler.native_argmax",
                             lambda raw, which=None: None)
     vocab = 20_011
     params = [dict(temperature=0.8), dict(temperature=0.0), dict(temperature=0.9, top_p=0.9),
