@@ -101,6 +101,9 @@ GETS: dict[str, dict[str, Any]] = {
               **_errors({503: GENERATION_ERRORS[503]})},
     "/metrics": {"200": {"description": "Prometheus text",
                          "content": {"text/plain": {"schema": {"type": "string"}}}}},
+    "/v1/models/{model_id}": {"200": {"description": "the model card",
+                                      "content": {"application/json": {"schema": OBJECT}}},
+                              **_errors({404: GENERATION_ERRORS[404]})},
 }
 
 
