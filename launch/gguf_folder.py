@@ -18,7 +18,7 @@ from pathlib import Path
 from helios_logprobs.ranks.model.errors import ModelConfigError
 from helios_logprobs.ranks.model.gguf import GGUF_FILE, hf_config, open_gguf
 
-FORMAT = "helios-gguf-1"
+FORMAT = "helios-gguf-2"
 """Bump when what a prepared folder holds changes, so old folders are rebuilt."""
 
 

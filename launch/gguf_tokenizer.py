@@ -69,6 +69,12 @@ def gguf_tokenizer(reader: Any) -> tuple[Tokenizer, dict[str, Any]]:
         raise UnsupportedModelError(f"unsupported GGUF tokenizer model {kind!r}; supported: "
                                     f"gpt2 (byte-level BPE), llama (SentencePiece BPE)")
     _add_special_tokens(tokenizer, tokens, types, byte_level=kind == "gpt2")
+    named = [config[k] for k in ("bos_token", "eos_token", "unk_token", "pad_token")]
+    added = {t.content for t in tokenizer.get_added_tokens_decoder().values()}
+    missing = [AddedToken(t, normalized=False, special=True) for t in dict.fromkeys(named)
+               if t is not None and t not in added]
+    if missing:  # transformers adds the tokenizer's named special tokens as special ones
+        tokenizer.add_special_tokens(missing)
     tokenizer.post_processor = _post_processor(config, tokenizer)
     return tokenizer, config
 
@@ -78,6 +84,7 @@ def _tokenizer_config(reader: Any, tokens: list[str], kind: str | None) -> dict[
         index = metadata_value(reader, f"tokenizer.ggml.{key}")
         return tokens[int(index)] if index is not None and 0 <= int(index) < len(tokens) else None
 
+    defaults = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
     add_bos = metadata_value(reader, "tokenizer.ggml.add_bos_token")
     if add_bos is None:
         add_bos = kind == "llama"  # llama.cpp's default for SentencePiece vocabularies
@@ -89,6 +96,10 @@ def _tokenizer_config(reader: Any, tokens: list[str], kind: str | None) -> dict[
         "add_bos_token": bool(add_bos),
         "add_eos_token": bool(metadata_value(reader, "tokenizer.ggml.add_eos_token", False)),
     }
+    if kind == "llama":  # LlamaTokenizer's own names, where the file gives no id
+        for key, name in defaults.items():
+            if config[key] is None and name in tokens:
+                config[key] = name
     template = metadata_value(reader, "tokenizer.chat_template")
     if template:
         config["chat_template"] = template
@@ -126,8 +137,7 @@ def _sentencepiece(tokens: list[str], merges: list[str] | None,
     else:
         pairs = derive_merges(vocab, dict(zip(tokens, scores or [0.0] * len(tokens),
                                               strict=True)))
-    unk = "<unk>" if "<unk>" in vocab else None
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=pairs, unk_token=unk, fuse_unk=True,
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=True,
                                      byte_fallback=True, dropout=None))
     tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first",
                                                        split=False)
