@@ -8,7 +8,8 @@ submission.
 One walk (``RecordBatch.emit``) commits both an ordinary sample (one row) and a speculative
 round (rows 0..N of the slot's contiguous logit rows): at each position the target's token
 is the forced token when the thinking budget forces one, else the sampled one; the position
-is emitted unless it is a stop token, the walk ends at max_tokens, and it continues to the
+is emitted unless it is a stop token (a scoring request's stop token is emitted, last:
+RequestSpec.stop_entry), the walk ends at max_tokens, and it continues to the
 next row only while the proposal for the next position equals this position's target token.
 The first mismatch therefore emits the target's own token (the correction), and a round
 whose every proposal is accepted emits the bonus token of its last row.
@@ -173,8 +174,11 @@ class RecordBatch:
             row[abi6.HEADER + i] = token
             if token in spec.stop_token_ids:
                 # The terminating token stays in its token slot for the coordinator to
-                # read, but it is not emitted: it gets no logprob and no text.
+                # read. It is not emitted (no logprob, no text) unless the request scores it
+                # (stop_entry): then it is the last emitted position, never part of the output.
                 row[abi6.FINISH_REASON] = int(abi6.FinishReason.STOP_TOKEN)
+                if spec.stop_entry:
+                    emitted += 1
                 break
             output.append(token)
             if thinking is not None:

@@ -22,7 +22,8 @@ class RequestSpec:
     sampling: RowSampling
     """Sampler parameters with the request's seed; ranks set the position per step."""
     stop_token_ids: tuple[int, ...] = ()
-    """Token ids that end the request without an entry (EOS unless ignore_eos, stop ids)."""
+    """Token ids that end the request (EOS unless ignore_eos, stop ids): without an entry,
+    unless ``stop_entry``."""
     wants_logprobs: bool = False
     """The request reports logprobs: its lane is flagged in every sampling submission."""
     logprob_token_ids: tuple[int, ...] = ()
@@ -35,6 +36,10 @@ class RequestSpec:
     think_end: tuple[int, ...] = ()
     """The reasoning end string's token ids, forced one per position once the budget is
     spent."""
+    stop_entry: bool = False
+    """A scoring request (Completions echo with logprobs): the terminating stop token is
+    emitted as the record's last position, so the reduction scores it like any sampled token
+    (vLLM reports every generated token); the request ends with it all the same."""
 
     def __post_init__(self) -> None:
         if self.thinking_budget is not None:
@@ -50,6 +55,8 @@ class RequestSpec:
             raise RequestError("logprob_token_ids", f"at most {MAX_TOKEN_IDS} ids")
         if self.logprob_token_ids and not self.wants_logprobs:
             raise RequestError("logprob_token_ids", "requires the logprob flag")
+        if self.stop_entry and not self.wants_logprobs:
+            raise RequestError("logprobs", "a scored stop token requires the logprob flag")
 
 
 @message("ranks.slot_work")

@@ -114,4 +114,8 @@ class Finished:
     reason: str
     """"stop" (EOS or a stop token id) or "length"."""
     stop_token_id: int | None = None
-    """The terminating EOS / stop token: never yielded as a GeneratedToken, so it has no entry."""
+    """The terminating EOS / stop token: never yielded as a GeneratedToken, so it has no entry
+    (except ``entry``)."""
+    entry: GeneratedToken | None = None
+    """A scoring request's (SamplingParams.stop_token_entry) terminating stop token with its
+    logprob: reported as the last entry, its text left out as the stop token's always is."""

@@ -45,6 +45,11 @@ class SamplingParams:
     start string); then the reasoning end string's tokens are forced, one per position. Forced
     tokens are part of the text but have no logprob entry. Needs an engine with a reasoning
     configuration (reasoning_parser / reasoning_config)."""
+    stop_token_entry: bool = False
+    """A scoring request (Completions echo with logprobs): the terminating EOS or stop token
+    is scored and reported with an entry (Finished.entry), as vLLM reports every generated
+    token; its text stays out of the output as for any other request. Other requests: no
+    entry."""
     speculative: bool = True
     """False opts this request out of speculative rounds (on an engine that runs them). Either
     way the tokens and logprobs are the same for greedy and seeded requests; speculation only

@@ -5,6 +5,8 @@ proposals, then its correction or bonus token); each becomes one GeneratedToken,
 logprob entry unless the position is forced. A speculative record must agree with the plan:
 OFFERED = the proposals the scheduler sent, ACCEPTED <= OFFERED, EMITTED <= ACCEPTED + 1,
 and the first ACCEPTED emitted tokens are those proposals; anything else fails the request.
+A request that scores its stop token (RequestSpec.stop_entry) emits it last: it becomes the
+finish's entry, not a GeneratedToken.
 """
 
 from __future__ import annotations
@@ -127,9 +129,13 @@ def read_frame(
             entries = result.entries
             if result.error is not None:
                 outcome.error = str(result.error)
-        finishing = record[abi6.FINISH_REASON] != abi6.FinishReason.NONE
+        reason = abi6.FinishReason(record[abi6.FINISH_REASON])
+        finishing = reason != abi6.FinishReason.NONE
+        stopped = reason in (abi6.FinishReason.EOS, abi6.FinishReason.STOP_TOKEN)
+        scored_stop = stopped and request.spec.stop_entry and bool(emitted)
         end: bool | None = finishing or (False if not request.spec.stop_token_ids else None)
-        base, forced_mask, last = len(request.generated), record[abi6.FORCED_MASK], len(emitted) - 1
+        base, forced_mask = len(request.generated), record[abi6.FORCED_MASK]
+        last = len(emitted) - 1 - int(scored_stop)  # (a scored stop token comes after it)
         held = len(entries)  # the decoder's entries, in emitted order without forced positions
         at = 0
         for position, token in enumerate(emitted):
@@ -145,8 +151,11 @@ def read_frame(
             ))
         if outcome.error is not None or not finishing:
             continue
-        reason, stop_token = abi6.FinishReason(record[abi6.FINISH_REASON]), None
-        if reason in (abi6.FinishReason.EOS, abi6.FinishReason.STOP_TOKEN):
+        stop_token, entry = None, None
+        if scored_stop:  # its entry rides on the finish: it is no output token
+            entry = outcome.tokens.pop()
+            stop_token = entry.token_id
+        elif stopped:
             stop_token = record[abi6.HEADER + len(emitted)]
-        outcome.finish = Finished(FINISH_NAMES.get(reason, "stop"), stop_token)
+        outcome.finish = Finished(FINISH_NAMES.get(reason, "stop"), stop_token, entry)
     return outcomes

@@ -239,6 +239,7 @@ def request_spec(
         sampling=sampling,
         stop_token_ids=tuple(sorted(stops)),
         wants_logprobs=params.wants_logprobs,
+        stop_entry=params.stop_token_entry and params.wants_logprobs,
         logprob_token_ids=tuple(params.logprob_token_ids or ()),
         scores_prompt=scored,
         **thinking,

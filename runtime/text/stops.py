@@ -15,7 +15,10 @@ under ignore_eos, which keeps its place in generation order. A token whose text 
 after the cut has no entry.
 
 Terminating EOS and stop-token-id tokens are never yielded by the engine (Finished.stop_token_id)
-and therefore never have an entry. Every queue holds only what cannot be released yet.
+and have no entry, except a scoring request's (Finished.entry, SamplingParams.stop_token_entry):
+its text stays out of the output all the same, and its entry comes last, silent at the end of
+the text (with include_stop_str_in_output, at the start of its text). Every queue holds only
+what cannot be released yet.
 """
 
 from __future__ import annotations
@@ -72,6 +75,11 @@ class StopFilter(Generic[T]):
     @property
     def held_chars(self) -> int:
         return len(self._held)
+
+    @property
+    def released_chars(self) -> int:
+        """Characters released so far: the offset of a silent token placed at the end."""
+        return self._released
 
     @property
     def queued_entries(self) -> int:
@@ -198,15 +206,20 @@ class OutputStream:
 
     def finish(self, finished: Finished | None = None) -> Chunk:
         """End of generation. The terminating stop token (finished.stop_token_id), if any, was
-        never yielded and gets no entry; with include_stop_str_in_output its text still ends
-        the output, as vLLM's detokenizer keeps it (a special token only when special tokens
-        are not skipped)."""
+        never yielded and gets no entry unless the finish carries it (finished.entry, a
+        scoring request); with include_stop_str_in_output its text still ends the output, as
+        vLLM's detokenizer keeps it (a special token only when special tokens are not
+        skipped), else the entry sits at the end of the text."""
         if self.done:
             return Chunk("", ())
         stop_token = None if finished is None else finished.stop_token_id
+        entry = None if finished is None else finished.entry
         if stop_token is None or not self._include_stop_token:
-            return self._chunk(self._detok.finish(), final=True)
-        self._pending.append(GeneratedToken(self._generated, stop_token, logprob=None))
+            rest = self._chunk(self._detok.finish(), final=True)
+            if entry is None or rest.stop is not None or entry.logprob is None:
+                return rest
+            return Chunk(rest.text, (*rest.entries, (entry, self._filter.released_chars)))
+        self._pending.append(entry or GeneratedToken(self._generated, stop_token, logprob=None))
         fed = self._chunk(self._detok.feed(stop_token), final=False)
         if self.done:  # (its text completed a stop string)
             return fed

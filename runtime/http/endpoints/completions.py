@@ -6,7 +6,11 @@ choice's `prompt_logprobs` (vLLM's list: null for position 0, then a dict per po
 first entry null), with offsets into the echoed prompt text. The engine is asked for
 max(prompt_logprobs, logprobs) natural alternatives; each use takes its own first N. In
 streams the prompt entries come first, in prompt order, one chunk per scored chunk (the first
-also carries the echoed text)."""
+also carries the echoed text).
+
+A scoring request (echo with logprobs) reports an entry for every generated token, a
+terminating EOS or stop token included (its text still left out), as vLLM does: harnesses
+read `token_logprobs[ctxlen:-1]`, assuming the last entry is the generated token's."""
 
 from __future__ import annotations
 
@@ -199,6 +203,7 @@ def prepare_completion(
                 req, defaults, max_tokens=max_tokens, logprobs=req.logprobs,
                 logprob_token_ids=req.logprob_token_ids, seed=choice_seed(req.seed, i),
                 prompt_logprobs=engine_prompt_logprobs, bad_words=bad_words,
+                stop_token_entry=echo_logprobs,
             )
             if i == 0:
                 engine.check(ids, params)

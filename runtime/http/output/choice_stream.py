@@ -194,6 +194,8 @@ async def run_choice(engine: EngineClient, job: ChoiceJob, tb: TokenBytes,
                     if chunk.stop is not None:
                         delta.finish_reason, delta.stop_reason = "stop", chunk.stop
                 else:
+                    if wants_logprobs and event.entry is not None:  # (a scoring request)
+                        contexts[event.entry.index] = tuple(recent)
                     chunk = stream.finish(event)
                     delta = Delta(
                         chunk.text,

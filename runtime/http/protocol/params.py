@@ -66,10 +66,12 @@ def build_params(
     seed: int | None,
     prompt_logprobs: int | None = None,
     bad_words: tuple[tuple[int, ...], ...] = (),
+    stop_token_entry: bool = False,
 ) -> SamplingParams:
     """SamplingParams for one choice (its __post_init__ raises RequestError naming the field).
     A field the request leaves unset takes the model's default (`defaults`), else vLLM's
-    neutral one. `prompt_logprobs`: what the engine scores (None: the prompt is not scored)."""
+    neutral one. `prompt_logprobs`: what the engine scores (None: the prompt is not scored).
+    `stop_token_entry`: a scoring request, whose terminating stop token has an entry."""
     allowed = None
     if req.allowed_token_ids is not None:
         allowed = tuple(dict.fromkeys(req.allowed_token_ids))
@@ -94,6 +96,7 @@ def build_params(
         prompt_logprobs=prompt_logprobs,
         thinking_token_budget=req.thinking_token_budget,
         speculative=req.speculative,
+        stop_token_entry=stop_token_entry,
     )
 
 
