@@ -112,13 +112,14 @@ def refused(exc: BaseException, rank: int) -> int:
 
 
 def ready_line(model: str, host: str, port: int, tp: int, max_logprobs: int,
-               prompt_scoring: bool) -> str:
-    """The start-up line (after ``helios: ``)."""
+               prompt_scoring: bool, dtype: str | None = None) -> str:
+    """The start-up line (after ``helios: ``); ``dtype``: the serving dtype and why."""
     where = f"[{host}]" if ":" in host else host
     logprobs = f"K={max_logprobs}" if max_logprobs > 0 else "off"
     scoring = "on" if prompt_scoring else "off"
+    weights = f", dtype: {dtype}" if dtype else ""
     return (f"serving {model} at http://{where}:{port}/v1 "
-            f"(TP={tp}, logprobs: {logprobs}, prompt scoring: {scoring})")
+            f"(TP={tp}, logprobs: {logprobs}, prompt scoring: {scoring}{weights})")
 
 
 def capacity_line(engine, world: int, queue_limit: int | None) -> str:
@@ -260,10 +261,15 @@ def main(argv: list[str] | None = None) -> int:
 
         native_line = absence()  # (one line where the native CPU kernels are off or absent)
 
+        from helios_logprobs.ranks.model.dtype import resolve_dtype
+
+        config = cluster.config
+        dtype = "{} ({})".format(*resolve_dtype(config.dtype, config.device, config.model_dir))
+
         def on_ready(port: int) -> None:
             if not stop.requested:
                 say(ready_line(info.model_name, args.host, port, world, info.max_logprobs,
-                               info.prompt_logprobs))
+                               info.prompt_logprobs, dtype))
                 say(sizing)
                 if native_line is not None:
                     say(native_line)

@@ -121,6 +121,10 @@ def test_chat_prompt_is_the_template_and_im_end_ends_the_turn(server):
     check_logprobs(choice["logprobs"]["content"], expected[:-1], rows[:-1])
 
 
-def test_the_served_name_is_the_file_name(server):
+def test_the_served_name_is_the_file_name_and_the_start_up_line_says_the_dtype(server):
     assert [m.id for m in server.client().models.list().data] == [smollm2_file().stem]
+    ready = [line for line in server.log_path.read_text().splitlines()
+             if line.startswith("helios: serving")]
+    assert len(ready) == 1
+    assert ready[0].endswith("dtype: float32 (auto: exact and fastest on CPU))")
 

@@ -39,6 +39,10 @@ def test_ready_line():
     assert ready_line("m", "::1", 80, 1, 0, True) == (
         "serving m at http://[::1]:80/v1 (TP=1, logprobs: off, prompt scoring: on)"
     )
+    assert ready_line("m", "h", 80, 1, 20, False, "bfloat16 (--dtype)") == (
+        "serving m at http://h:80/v1 (TP=1, logprobs: K=20, prompt scoring: off, "
+        "dtype: bfloat16 (--dtype))"
+    )
 
 
 def test_progress_on_a_terminal_is_one_line_redrawn_then_erased():
@@ -117,7 +121,8 @@ def serve_then_stop(model_dir: Path, log_dir: Path,
         ready = [line for line in server.log_path.read_text().splitlines()
                  if line.startswith("helios: serving")]
         assert ready == [f"helios: serving launch-test at http://127.0.0.1:{server.port}/v1 "
-                         "(TP=2, logprobs: K=20, prompt scoring: off)"], server.log_tail()
+                         "(TP=2, logprobs: K=20, prompt scoring: off, dtype: float32 (auto: "
+                         "exact and fastest on CPU))"], server.log_tail()
         pids = {server.pid} | descendants(server.pid)
         assert len(pids) >= 3, pids  # torchrun and two ranks
         sent = time.monotonic()
