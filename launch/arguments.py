@@ -27,14 +27,15 @@ def add_runtime_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="the names requests may give as `model`; the first is the one "
                         "responses carry (default: the model directory's name)")
-    p.add_argument("--max-num-seqs", "--capacity", dest="capacity", type=int,
+    p.add_argument("--max-num-seqs", "--capacity", dest="capacity", type=int, metavar="N",
                    default=d("capacity"), help="physical request slots (vLLM's --max-num-seqs)")
     p.add_argument("--max-model-len", type=int, default=d("max_model_len"),
                    help="default: the checkpoint's max_position_embeddings, at most 4096")
     p.add_argument("--chunk-size", type=int, default=d("chunk_size"),
                    help="prefill chunk in tokens")
     p.add_argument("--max-num-batched-tokens", "--max-batched-tokens",
-                   dest="max_batched_tokens", type=int, default=d("max_batched_tokens"),
+                   dest="max_batched_tokens", type=int, metavar="N",
+                   default=d("max_batched_tokens"),
                    help="tokens per step; default: twice the larger of chunk size and capacity")
     p.add_argument("--prompt-logprobs", action="store_true",
                    help="allocate prompt scoring (prompt_logprobs, echo with logprobs); "

@@ -146,7 +146,7 @@ def serve_parser(prog: str = "helios_logprobs.launch.serve",
     add("--max-queued-requests", type=_positive, default=None,
         help="engine requests (one per choice) waiting or running at once; beyond it HTTP 429 "
              "with Retry-After; default: 4 x --max-num-seqs")
-    add("--tensor-parallel-size", "-tp", "--tp", type=_positive, default=None,
+    add("--tensor-parallel-size", "-tp", "--tp", type=_positive, default=None, metavar="N",
         help="ranks (processes): helios-serve starts torchrun with this many; default: 1, or "
              "under a bare torchrun its world size")
     p.set_defaults(model_action=grouped.actions.get("model"))
