@@ -1,10 +1,10 @@
 """The serving dtype of weights, activations and the KV cache (``--dtype``, vLLM's values).
 
 ``auto`` follows the checkpoint (config.json's ``torch_dtype``/``dtype``; float32 ones in
-bfloat16, as vLLM serves them) on an accelerator; on
-CPU it is float32: exact for every checkpoint dtype (bf16 and fp16 values are float32 values)
-and, measured on CPUs without native bf16 matrix units, faster than bfloat16 (README). The
-logprob math is FP32 whatever this is (ranks/step casts logits before the reduction).
+bfloat16, as vLLM serves them) on an accelerator. On CPU it is float32, the one exact choice:
+bf16 and fp16 values are float32 values, while serving in bfloat16 rounds every activation
+(SmolLM2's logprobs move by about 0.3). ``--dtype bfloat16`` is the faster opt-in where the CPU
+has bf16 instructions (README: measured figures). The logprob math is FP32 whatever this is.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def resolve_dtype(requested: str, device: str, model_dir: str | Path) -> tuple[s
     if name != "auto":
         return name, "--dtype"
     if device == "cpu":
-        return "float32", "auto: exact and fastest on CPU"
+        return "float32", "auto: the exact choice on CPU"
     found = checkpoint_dtype(model_dir)
     if found is None:
         return "bfloat16", "auto: the checkpoint names no dtype"

@@ -126,5 +126,5 @@ def test_the_served_name_is_the_file_name_and_the_start_up_line_says_the_dtype(s
     ready = [line for line in server.log_path.read_text().splitlines()
              if line.startswith("helios: serving")]
     assert len(ready) == 1
-    assert ready[0].endswith("dtype: float32 (auto: exact and fastest on CPU))")
+    assert ready[0].endswith("dtype: float32 (auto: the exact choice on CPU))")
 

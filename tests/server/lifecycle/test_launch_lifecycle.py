@@ -122,7 +122,7 @@ def serve_then_stop(model_dir: Path, log_dir: Path,
                  if line.startswith("helios: serving")]
         assert ready == [f"helios: serving launch-test at http://127.0.0.1:{server.port}/v1 "
                          "(TP=2, logprobs: K=20, prompt scoring: off, dtype: float32 (auto: "
-                         "exact and fastest on CPU))"], server.log_tail()
+                         "the exact choice on CPU))"], server.log_tail()
         pids = {server.pid} | descendants(server.pid)
         assert len(pids) >= 3, pids  # torchrun and two ranks
         sent = time.monotonic()
