@@ -38,6 +38,7 @@ UNITS = {
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
 SECTION_TITLES = {
+    "inputs": "step inputs",
     "completion": "completion bundle",
     "sampler": "sampler",
     "reduction": "logprob reduction",

@@ -202,6 +202,8 @@ class RecordBatch:
     def flush(self, records: torch.Tensor) -> None:
         """Clear the frame's records and write this submission's rows."""
         records.zero_()
-        if self.slots:
+        if self.slots and records.device.type == "cpu":
+            records.numpy()[self.slots] = self.rows  # (numpy: no tensor storage per step)
+        elif self.slots:
             index = torch.tensor(self.slots, dtype=torch.int64, device=records.device)
             records[index] = torch.tensor(self.rows, dtype=records.dtype, device=records.device)

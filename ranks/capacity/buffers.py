@@ -46,9 +46,9 @@ DTYPE_ALIASES = {
     "fp16": "float16", "float16": "float16", "half": "float16",
 }
 
-SECTIONS = ("weights", "completion", "sampler", "reduction", "scoring", "kv_cache")
+SECTIONS = ("weights", "inputs", "completion", "sampler", "reduction", "scoring", "kv_cache")
 """Device sections in report order; ``host`` (the coordinator's frames) is reported apart."""
-FIXED_SECTIONS = ("completion", "sampler", "reduction", "scoring")
+FIXED_SECTIONS = ("inputs", "completion", "sampler", "reduction", "scoring")
 GATED_KINDS = (Kind.SAMPLE, Kind.SPECULATIVE)
 """The record kinds StepReduction.kinds holds (the rows its gate admits)."""
 WEIGHT_KINDS = ("embeddings", "lm_head", "attention", "mlp", "norms", "rotary")
@@ -217,6 +217,14 @@ def exchange_buffers(
         Buffer(section, f"{label} send", path + ".send", (rows, words), "int32"),
         Buffer(section, f"{label} recv", path + ".recv", (world * rows, words), "int32"),
     )
+
+
+def input_buffers(step: StepConfig) -> tuple[Buffer, ...]:
+    """ranks/step/inputs.py StepBuffers: one int64 vector holding token ids, positions and
+    slots [token budget each], forward rows [max_rows + chunk_limit] and the rows' slots,
+    epochs and positions [3 x max_rows] (on CUDA a pinned host twin of it, not counted here)."""
+    n = 3 * step.token_budget + step.max_rows + step.chunk_limit + 3 * step.max_rows
+    return (Buffer("inputs", "step inputs", "buffers.values", (n,), "int64"),)
 
 
 def sampler_buffers(step: StepConfig, layout: ShardLayout) -> tuple[Buffer, ...]:

@@ -28,6 +28,7 @@ from helios_logprobs.ranks.capacity.buffers import (
     completion_buffers,
     dtype_name,
     host_buffers,
+    input_buffers,
     kv_bytes_per_token,
     kv_cache_buffers,
     reduction_buffers,
@@ -106,6 +107,7 @@ def rank_sizing(
     layout = shard_layout(config, world, rank)
     buffers = (
         *weight_buffers(config, layout, dt),
+        *input_buffers(step),
         *completion_buffers(step),
         *sampler_buffers(step, layout),
         *reduction_buffers(step, config, layout, dt, interpreted),

@@ -115,6 +115,9 @@ class LogprobUploader:
             if outputs.logprob_token_id_counts is not None:
                 outputs.logprob_token_id_counts.copy_(torch.tensor(counts, dtype=torch.int32))
         for slot, token_ids in selecting:
+            if self.host:  # (numpy: no tensor storage per step)
+                outputs.logprob_token_ids.numpy()[slot, : len(token_ids)] = token_ids
+                continue
             prefix = torch.tensor(token_ids, dtype=torch.int32)
             outputs.logprob_token_ids[slot, : len(prefix)].copy_(prefix)
         requesting.sort()

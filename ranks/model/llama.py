@@ -182,12 +182,15 @@ class ShardedCausalLM:
         positions: torch.Tensor,
         slots: torch.Tensor,
         row_indices: torch.Tensor,
+        host: tuple[list[int], list[int], list[int], list[int]] | None = None,
     ) -> torch.Tensor:
         """Advance the cache by every token; the final-normed hidden state of the selected
-        token rows ``[len(row_indices), hidden]`` (what ``project`` turns into logits)."""
+        token rows ``[len(row_indices), hidden]`` (what ``project`` turns into logits).
+        ``host``: the same (ids, positions, slots, rows) as host lists, checked instead of
+        reading the tensors back (the rank step's prepare has them)."""
         if self.cache is None:
             raise RuntimeError("allocate_cache must be called before forward")
-        plan = self._plan(input_ids, positions, slots, row_indices)
+        plan = self._plan(input_ids, positions, slots, row_indices, host)
         cfg = self.config
         cos, sin = self._rotary(positions)
         h = self._embed(input_ids)
@@ -204,8 +207,9 @@ class ShardedCausalLM:
         positions: torch.Tensor,
         slots: torch.Tensor,
         logit_indices: torch.Tensor,
+        host: tuple[list[int], list[int], list[int], list[int]] | None = None,
     ) -> _AttentionPlan:
-        slot_list, pos_list = self._validate(input_ids, positions, slots, logit_indices)
+        slot_list, pos_list = self._validate(input_ids, positions, slots, logit_indices, host)
         rows_by_slot: dict[int, list[int]] = {}
         for row, slot in enumerate(slot_list):
             rows_by_slot.setdefault(slot, []).append(row)
@@ -231,6 +235,7 @@ class ShardedCausalLM:
         positions: torch.Tensor,
         slots: torch.Tensor,
         logit_indices: torch.Tensor,
+        host: tuple[list[int], list[int], list[int], list[int]] | None = None,
     ) -> tuple[list[int], list[int]]:
         if input_ids.dim() != 1 or logit_indices.dim() != 1:
             raise ValueError("input_ids and logit_indices must be one-dimensional")
@@ -240,7 +245,10 @@ class ShardedCausalLM:
                 raise ValueError(f"{name} must have shape [{n}], got {list(t.shape)}")
         cache = self.cache
         assert cache is not None
-        slot_list, pos_list = slots.tolist(), positions.tolist()
+        if host is None:
+            host = (input_ids.tolist(), positions.tolist(), slots.tolist(),
+                    logit_indices.tolist())
+        id_list, pos_list, slot_list, row_list = host
         if not n:
             if logit_indices.numel():
                 raise ValueError("logit_indices must be empty for an empty batch")
@@ -251,12 +259,9 @@ class ShardedCausalLM:
             raise ValueError(f"slots must lie in [0, {cache.capacity})")
         if len(set(zip(slot_list, pos_list, strict=True))) != n:
             raise ValueError("two tokens of one batch write the same (slot, position)")
-        if not 0 <= int(input_ids.min()) <= int(input_ids.max()) < self.vocab_size:
+        if not 0 <= min(id_list) <= max(id_list) < self.vocab_size:
             raise ValueError(f"input ids must lie in [0, {self.vocab_size})")
-        if (
-            logit_indices.numel()
-            and not 0 <= int(logit_indices.min()) <= int(logit_indices.max()) < n
-        ):
+        if row_list and not 0 <= min(row_list) <= max(row_list) < n:
             raise ValueError(f"logit_indices must lie in [0, {n})")
         return slot_list, pos_list
 

@@ -26,6 +26,9 @@ class StepConfig:
     speculative_tokens: int = 0
     """N, the most proposals a speculative round verifies (0: no rounds); a round emits at
     most N + 1 tokens, so N + 1 <= T."""
+    max_batched_tokens: int = 0
+    """Tokens of one submission (the scheduler's budget): the static input buffers' length.
+    0: the scheduler's default, twice the larger of chunk_limit and max_rows."""
 
     def __post_init__(self) -> None:
         if self.capacity < 1:
@@ -39,6 +42,8 @@ class StepConfig:
                              f"got max_logprobs={self.max_logprobs}")
         if self.chunk_limit < 1:
             raise ValueError(f"chunk_limit must be >= 1, got {self.chunk_limit}")
+        if self.max_batched_tokens < 0:
+            raise ValueError(f"max_batched_tokens must be >= 0, got {self.max_batched_tokens}")
         tokens = resolve_completion_token_capacity(self.token_capacity)
         if not 0 <= self.speculative_tokens < tokens:
             raise ValueError(
@@ -50,6 +55,11 @@ class StepConfig:
     def max_rows(self) -> int:
         """Sampling rows of one submission: capacity x (1 + N)."""
         return self.capacity * (1 + self.speculative_tokens)
+
+    @property
+    def token_budget(self) -> int:
+        """The most tokens one submission feeds the forward (its input buffers' length)."""
+        return self.max_batched_tokens or 2 * max(self.chunk_limit, self.max_rows)
 
     @property
     def logprobs(self) -> bool:

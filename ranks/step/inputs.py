@@ -6,13 +6,21 @@ plan order: an ordinary sampling item has one row (its last token's), a speculat
 (last, p1..pi), i.e. emitted position i of the slot's record (packed targets). ``row_slots``
 / ``row_epochs`` / ``row_positions`` give each row's physical slot, epoch and emitted
 position as lists of the step's ``max_rows`` (-1 past the last row): they are what the
-reduction's gate compares with the committed records (it makes them vectors on its device).
+reduction's gate compares with the committed records; ``row_tensors`` holds the same three
+as int64 [3, max_rows] on the step's device).
+
+Every tensor of the inputs is a view of ``StepBuffers``: one int64 vector per rank, sized at
+start-up from the step's token budget and rows, that prepare fills (through a numpy view of
+the host buffer, then on CUDA one fixed-size non-blocking copy from pinned memory). The
+later phases take views of it, so a captured graph reads the same addresses every step and
+prepare allocates no tensor storage.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from helios_logprobs.ranks.commit import RecordBatch, SlotState
@@ -65,10 +73,60 @@ class StepInputs:
     """int64 [n]: the tokens of the submission's scored chunk (empty when none)."""
     scored_targets: tuple[int, ...] = ()
     """The scored chunk's targets (SlotWork.targets)."""
+    row_index: torch.Tensor | None = None
+    """int64 [rows + n]: logit_index then scored_index, contiguous (the forward's rows)."""
+    row_tensors: torch.Tensor | None = None
+    """int64 [3, max_rows]: row_slots, row_epochs, row_positions on the step's device."""
+    host: tuple[list[int], list[int], list[int], list[int]] | None = None
+    """(token ids, positions, slots, forward rows) as host lists, checked in prepare, so the
+    forward reads no tensor back to decide anything."""
 
     @property
     def frame(self) -> int:
         return self.plan.frame
+
+
+class StepBuffers:
+    """The step's static int64 inputs, laid out in one vector: token ids, positions, slots
+    [token_budget each], forward rows [max_rows + chunk_limit], and the rows' slots, epochs
+    and positions [max_rows each]."""
+
+    def __init__(self, config: StepConfig, device: torch.device) -> None:
+        tokens, rows = config.token_budget, config.max_rows
+        self.tokens, self.rows, self.scored = tokens, rows, config.chunk_limit
+        sizes = (tokens, tokens, tokens, rows + config.chunk_limit, 3 * rows)
+        total = sum(sizes)
+        self.device = torch.device(device)
+        self.values = torch.zeros(total, dtype=torch.int64, device=self.device)
+        cuda = self.device.type == "cuda"
+        self.host = torch.zeros(total, dtype=torch.int64, pin_memory=cuda) if cuda \
+            else self.values
+        self.array = self.host.numpy()
+        self.uploaded = torch.cuda.Event() if cuda else None
+        bounds = np.cumsum((0, *sizes)).tolist()
+        spans = [slice(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
+        self._spans = spans
+        self.token_ids, self.positions, self.slots, self.row_index = (
+            self.values[span] for span in spans[:4])
+        self.row_tensors = self.values[spans[4]].view(3, rows)
+
+    def write(self, ids: list[int], positions: list[int], slots: list[int],
+              forward_rows: list[int], row_values: list[int]) -> None:
+        """Fill the host buffer (numpy; no tensor storage) and, on CUDA, upload it whole."""
+        if len(ids) > self.tokens:
+            raise RuntimeError(f"{len(ids)} tokens exceed the step's budget {self.tokens}")
+        if len(forward_rows) > self.rows + self.scored:
+            raise RuntimeError(f"{len(forward_rows)} forward rows exceed "
+                               f"{self.rows + self.scored}")
+        if self.uploaded is not None:
+            self.uploaded.synchronize()  # the last upload has left the pinned buffer
+        for span, values in zip(self._spans, (ids, positions, slots, forward_rows),
+                                strict=False):
+            self.array[span.start : span.start + len(values)] = values
+        self.array[self._spans[4]] = row_values
+        if self.host is not self.values:
+            self.values.copy_(self.host, non_blocking=True)
+            self.uploaded.record()
 
 
 def prepare_inputs(
@@ -77,6 +135,7 @@ def prepare_inputs(
     config: StepConfig,
     record_width: int,
     device: torch.device,
+    buffers: StepBuffers | None = None,
 ) -> StepInputs:
     """Admit new requests into ``slots``, advance each slot's cached length and build the
     step's inputs (records ``record_width`` = 16+T words wide). Raises RuntimeError for a plan
@@ -130,23 +189,29 @@ def prepare_inputs(
             r = row.first_row + i
             row_slots[r], row_epochs[r], row_positions[r] = row.slot, row.state.epoch, i
 
-    def as_long(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=device)
-
+    if buffers is None:
+        buffers = StepBuffers(config, device)
+    forward_rows = logit_index + scored_index
+    buffers.write(ids, positions, token_slots, forward_rows,
+                  row_slots + row_epochs + row_positions)
+    n, r = len(ids), len(logit_index)
     return StepInputs(
         plan=plan,
-        token_ids=as_long(ids),
-        positions=as_long(positions),
-        slots=as_long(token_slots),
-        logit_index=as_long(logit_index),
+        token_ids=buffers.token_ids[:n],
+        positions=buffers.positions[:n],
+        slots=buffers.slots[:n],
+        logit_index=buffers.row_index[:r],
         rows=tuple(rows),
         row_slots=row_slots,
         row_epochs=row_epochs,
         row_positions=row_positions,
         records=records,
         lanes=lanes,
-        scored_index=as_long(scored_index),
+        scored_index=buffers.row_index[r : len(forward_rows)],
         scored_targets=plan.scored.targets if plan.scored else (),
+        row_index=buffers.row_index[: len(forward_rows)],
+        row_tensors=buffers.row_tensors,
+        host=(ids, positions, token_slots, forward_rows),
     )
 
 

@@ -4,13 +4,18 @@
              the upload of the logprob flags, counts and ID prefixes
     forward  the sharded model -> logits [sampling rows, local vocabulary]
     sample   the sharded sampler -> one token per sampling row, identical on every rank
-             (a speculative round's rows are its verification: ranks/speculative.py)
+             (a speculative round's rows are its verification: ranks/speculative.py), then
+             ``readback``: the one point where the step reads device values on the host
     commit   ABI6 records into the active frame (the token writer): acceptance, limits,
              thinking-budget forcing, stop tokens
     reduce   the gated logprob reduction, which reads the committed records
     score    the submission's scored_prefill chunk -> prompt_logprobs rows (ranks/step/scoring)
 
-Scored prefill and graph capture each replace or wrap one phase.
+Scored prefill and graph capture each replace or wrap one phase. Prepare makes every host
+decision: it writes the step's static input buffers (``StepBuffers``, sized at start-up) and
+hands the forward its host lists; forward and reduce read only tensors (the reduction's gate
+takes the row slots, epochs and positions from the same buffers), and commit works on the
+read-back tokens (tests/unit/ranks/test_capture_safe_step.py checks it under a guard).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from helios_logprobs.ranks.plan import StepPlan
 from helios_logprobs.ranks.sampler.sampler import ShardedSampler
 from helios_logprobs.ranks.speculative import sampler_rows, split_rows
 from helios_logprobs.ranks.step.config import StepConfig
-from helios_logprobs.ranks.step.inputs import StepInputs, prepare_inputs
+from helios_logprobs.ranks.step.inputs import StepBuffers, StepInputs, prepare_inputs
 from helios_logprobs.ranks.step.reduce import StepReduction
 from helios_logprobs.ranks.step.scoring import PromptScorer
 
@@ -53,6 +58,8 @@ class RankStep:
         self.upload = NO_UPLOAD
         """The last submission's upload: requesting slots and the copy width W."""
         model.allocate_cache(config.capacity, config.max_seq_len)
+        self.buffers = StepBuffers(config, self.device)
+        """The step's static inputs, written by prepare."""
         self.outputs = completion_outputs(config, self.device)
         self.scorer: PromptScorer | None = None
         if config.prompt_logprobs:
@@ -84,14 +91,15 @@ class RankStep:
     def run(self, plan: StepPlan) -> None:
         inputs = self.prepare(plan)
         logits, scored_hidden = self.forward(inputs)
-        tokens = self.sample(inputs, logits)
+        tokens = self.readback(self.sample(inputs, logits))
         self.commit(inputs, tokens)
         self.reduce(inputs, logits)
         self.score(inputs, scored_hidden)
 
     def prepare(self, plan: StepPlan) -> StepInputs:
         width = self.outputs.completion_records.shape[-1]
-        inputs = prepare_inputs(plan, self.slots, self.config, width, self.device)
+        inputs = prepare_inputs(plan, self.slots, self.config, width, self.device,
+                                self.buffers)
         # A submission without sampling rows runs no graph with logprob outputs: no transfers.
         sampling = self.uploader is not None and bool(inputs.rows)
         self.upload = self.uploader.upload(inputs.lanes) if sampling else NO_UPLOAD
@@ -102,21 +110,24 @@ class RankStep:
         if not inputs.token_ids.numel():
             return None, None
         sampling = inputs.logit_index.numel()
-        rows = inputs.logit_index
-        if inputs.scored_index.numel():
-            rows = torch.cat((rows, inputs.scored_index))
         hidden = self.model.forward_hidden(inputs.token_ids, inputs.positions, inputs.slots,
-                                           rows)
+                                           inputs.row_index, inputs.host)
         # The logits go straight into the buffer the reduction reads (no copy of them).
         out = None if self.reduction is None else self.reduction.logits[:sampling]
         logits = self.model.project(hidden[:sampling], out=out)
         return logits, (hidden[sampling:] if inputs.scored_index.numel() else None)
 
-    def sample(self, inputs: StepInputs, logits: torch.Tensor | None) -> list[int]:
+    def sample(self, inputs: StepInputs, logits: torch.Tensor | None) -> torch.Tensor | None:
+        """One token per sampling row (int64, on the step's device); None without rows."""
         if not inputs.rows:
-            return []
+            return None
         params, prompts, histories = sampler_rows(inputs.rows)
-        return self.sampler.sample(logits, params, prompts, histories).tolist()
+        return self.sampler.sample(logits, params, prompts, histories)
+
+    @staticmethod
+    def readback(tokens: torch.Tensor | None) -> list[int]:
+        """The sampled tokens on the host, for the commit writer (the step's one read)."""
+        return [] if tokens is None else tokens.tolist()
 
     def commit(self, inputs: StepInputs, tokens: list[int]) -> None:
         for row, sampled in zip(inputs.rows, split_rows(inputs.rows, tokens), strict=True):
@@ -128,7 +139,7 @@ class RankStep:
         if self.reduction is None or not self.upload.requesting_slots or not inputs.rows:
             return
         self.reduction(inputs.frame, logits, inputs.row_slots, inputs.row_epochs,
-                       inputs.row_positions)
+                       inputs.row_positions, inputs.row_tensors)
 
     def score(self, inputs: StepInputs, hidden: torch.Tensor | None) -> None:
         if self.scorer is None:

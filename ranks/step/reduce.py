@@ -114,10 +114,13 @@ class StepReduction:
         row_slots: list[int],
         row_epochs: list[int],
         row_positions: list[int] | None = None,
+        row_tensors: torch.Tensor | None = None,
     ) -> None:
         """Reduce the gated rows of ``logits`` [rows, local_width] into their emitted
         positions (``row_positions``; 0 for every row of a slot when omitted) in ``frame``'s
-        packed output. The row lists hold one entry per buffer row (-1 past the last row)."""
+        packed output. The row lists hold one entry per buffer row (-1 past the last row);
+        ``row_tensors``: the same three lists as int64 [3, buffer rows] on the device (the
+        step's static inputs), which the tensor gate reads instead of building them."""
         rows = logits.shape[0]
         if row_positions is None:
             row_positions = [0 if slot >= 0 else -1 for slot in row_slots]
@@ -130,9 +133,10 @@ class StepReduction:
             # The C call gated the rows and left some to Python: the driver's own path.
             slots, positions = self.native.row_tensors()
         else:
-            device = self.rows.device
-            slots, epochs, positions = (torch.tensor(values, dtype=torch.int64, device=device)
-                                        for values in (row_slots, row_epochs, row_positions))
+            if row_tensors is None:
+                row_tensors = torch.tensor((row_slots, row_epochs, row_positions),
+                                           dtype=torch.int64, device=self.rows.device)
+            slots, epochs, positions = row_tensors
             self.gate(frame, slots, epochs, positions)
         self.driver(self.logits, self.request, self.out)
         self.write(frame, slots[:rows], positions[:rows])

@@ -98,7 +98,10 @@ class PromptScorer:
         n = hidden.shape[0]
         frames = self.frames_for(n)
         target_tokens = frames.prompt_target_tokens
-        target_tokens[:n].copy_(torch.tensor(targets, dtype=torch.int32))
+        if target_tokens.device.type == "cpu":
+            target_tokens.numpy()[:n] = targets  # (numpy: no tensor storage per step)
+        else:
+            target_tokens[:n].copy_(torch.tensor(targets, dtype=torch.int32))
         rows = frames.prompt_logprobs[frame]
         for start in range(0, n, PROMPT_BLOCK_ROWS):
             stop = min(n, start + PROMPT_BLOCK_ROWS)

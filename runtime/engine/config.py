@@ -161,6 +161,15 @@ class RuntimeConfig:
             prompt_logprobs=self.prompt_logprobs,
             chunk_limit=self.chunk_size,
             speculative_tokens=self.speculative_tokens,
+            max_batched_tokens=self.batched_tokens,
+        )
+
+    @property
+    def batched_tokens(self) -> int:
+        """Tokens per submission: the explicit value, else twice the larger of chunk_size and
+        capacity x (1 + N)."""
+        return self.max_batched_tokens or 2 * max(
+            self.chunk_size, self.capacity * (1 + self.speculative_tokens)
         )
 
     def scheduler_config(self, max_seq_len: int) -> SchedulerConfig:
@@ -168,9 +177,7 @@ class RuntimeConfig:
         with the model's tokenizer."""
         from helios_logprobs.runtime.engine.scheduler import SchedulerConfig
 
-        batched = self.max_batched_tokens or 2 * max(
-            self.chunk_size, self.capacity * (1 + self.speculative_tokens)
-        )
+        batched = self.batched_tokens
         return SchedulerConfig(
             self.capacity, max_seq_len, self.chunk_size, batched,
             speculative_tokens=self.speculative_tokens,
