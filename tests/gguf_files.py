@@ -10,7 +10,7 @@ import gguf
 import numpy as np
 
 from helios_logprobs.ranks.model.gguf import hf_name
-from tests.checkpoints import write_llama
+from tests.checkpoints import write_llama, write_qwen2
 
 Q = gguf.GGMLQuantizationType
 VOCAB = 320
@@ -25,20 +25,22 @@ def permute(w: np.ndarray, heads: int) -> np.ndarray:
         w.shape)
 
 
-def write_gguf(hf_dir: Path, path: Path) -> Path:
+def write_gguf(hf_dir: Path, path: Path, arch: str = "llama", rope_theta: float = 5000.0
+               ) -> Path:
+    """``hf_dir``'s checkpoint as llama.cpp writes it (q/k permuted for llama only)."""
     from safetensors.torch import load_file
 
     config = json.loads((hf_dir / "config.json").read_text())
     state = load_file(str(hf_dir / "model.safetensors"))
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_name("random llama")
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(f"random {arch}")
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(config["num_attention_heads"])
     writer.add_head_count_kv(config["num_key_value_heads"])
-    writer.add_rope_freq_base(5000.0)  # write_llama's rope_theta
+    writer.add_rope_freq_base(rope_theta)
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_rope_dimension_count(config["hidden_size"] // config["num_attention_heads"])
     writer.add_tokenizer_model("gpt2")
@@ -53,9 +55,10 @@ def write_gguf(hf_dir: Path, path: Path) -> Path:
     for name, tensor in state.items():
         array = tensor.float().numpy()
         target = gguf_names[name]
-        if ".attn_q." in target:
+        permuted = arch == "llama"  # llama.cpp's LlamaModel.permute; Qwen2Model keeps rows
+        if permuted and ".attn_q." in target:
             array = permute(array, config["num_attention_heads"])
-        elif ".attn_k." in target:
+        elif permuted and ".attn_k." in target:
             array = permute(array, config["num_key_value_heads"])
         kind = target.split(".")[-2]
         qtype = TYPES.get(kind, Q.F32) if array.ndim == 2 else Q.F32
@@ -74,9 +77,16 @@ def _gguf_names(config: dict) -> list[str]:
              "ffn_up", "ffn_down")
     for layer in range(config["num_hidden_layers"]):
         names += [f"blk.{layer}.{part}.weight" for part in parts]
+        names += [f"blk.{layer}.{part}.bias" for part in ("attn_q", "attn_k", "attn_v")]
     return names
 
 
 def random_llama_gguf(root: Path) -> Path:
     """A random Llama (tests/checkpoints.py write_llama, vocabulary VOCAB) as a GGUF file."""
     return write_gguf(write_llama(root / "hf", vocab_size=VOCAB), root / "random-llama.gguf")
+
+
+def random_qwen2_gguf(root: Path) -> Path:
+    """A random Qwen2 (write_qwen2: tied embeddings, qkv bias) as a GGUF file."""
+    return write_gguf(write_qwen2(root / "hf", vocab_size=VOCAB), root / "random-qwen2.gguf",
+                      arch="qwen2", rope_theta=20000.0)

@@ -13,7 +13,7 @@ import torch
 from helios_logprobs.launch.gguf_folder import prepare_gguf_folder
 from helios_logprobs.ranks.model import ShardedCausalLM
 from helios_logprobs.ranks.model.gguf import GGUF_FILE, GGUFCheckpointReader
-from tests.gguf_files import VOCAB, random_llama_gguf
+from tests.gguf_files import VOCAB, random_llama_gguf, random_qwen2_gguf
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +62,25 @@ def test_the_served_model_matches_transformers_logits(gguf_file, oracle, tmp_pat
     folder = prepare_gguf_folder(gguf_file, tmp_path / "cache")
     assert (folder / GGUF_FILE).resolve() == gguf_file.resolve()
     model = ShardedCausalLM.load(folder, dtype=torch.float32)
+    model.allocate_cache(1, 32)
+    ids = [5, 17, 200, 3, 99, 250, 7, 1]
+    n = len(ids)
+    logits = model(torch.tensor(ids), torch.arange(n), torch.zeros(n, dtype=torch.long),
+                   torch.arange(n))[:, :VOCAB]
+    with torch.no_grad():
+        expected = oracle(torch.tensor([ids])).logits[0]
+    assert (logits.log_softmax(-1) - expected.log_softmax(-1)).abs().max() <= 1e-5
+
+
+def test_a_qwen2_file_tied_with_qkv_bias_matches_transformers(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    path = random_qwen2_gguf(tmp_path)
+    oracle = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                  dtype=torch.float32).eval()
+    folder = prepare_gguf_folder(path, tmp_path / "cache")
+    model = ShardedCausalLM.load(folder, dtype=torch.float32)
+    assert model.config.architecture == "qwen2" and model.config.tie_word_embeddings
     model.allocate_cache(1, 32)
     ids = [5, 17, 200, 3, 99, 250, 7, 1]
     n = len(ids)
