@@ -82,3 +82,15 @@ def test_the_default_is_smollm2_and_a_gguf_folder_resolves_alike(tmp_path):
     (holder / "model-q4.gguf").symlink_to(default_gguf())
     again = resolve_model(str(holder), None)
     assert again.kind == "gguf" and (again.path / "model.gguf").resolve() == default_gguf()
+
+
+def test_a_cached_gguf_repo_resolves_to_its_file(tmp_path, monkeypatch):
+    snapshot = tmp_path / "hub" / "models--org--smol-GGUF" / "snapshots" / COMMIT
+    snapshot.mkdir(parents=True)
+    (snapshot / "smol.Q4_1.gguf").symlink_to(default_gguf())
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text(COMMIT)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    source = resolve_model("org/smol-GGUF", None)
+    assert (source.kind, source.name) == ("gguf", "org/smol-GGUF")
+    assert (source.path / "model.gguf").resolve() == default_gguf().resolve()
