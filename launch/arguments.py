@@ -60,6 +60,12 @@ def add_runtime_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-invariant", action="store_true",
                    help="every row's logprobs independent of its batch (identical with "
                         "speculation on and off); slower")
+    p.add_argument("--compile", action="store_true",
+                   help="run the reduce phase as one torch.compile(fullgraph=True) graph, "
+                        "compiled before the server reports ready (torch reduction backend; "
+                        "off by default on CPU: bench/compile_decode.py)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="never compile (vLLM's name); overrides --compile")
     p.add_argument("--reasoning-parser", choices=sorted(PARSERS),
                    default=d("reasoning_parser"),
                    help="thinking spans <think>...</think>; enables thinking_token_budget")
@@ -140,4 +146,5 @@ def runtime_config(args: argparse.Namespace, device: str) -> RuntimeConfig:
         reasoning_parser=args.reasoning_parser,
         reasoning_config=args.reasoning_config,
         seed=args.seed,
+        compile=args.compile and not args.enforce_eager,
     )

@@ -222,8 +222,9 @@ def exchange_buffers(
 def input_buffers(step: StepConfig) -> tuple[Buffer, ...]:
     """ranks/step/inputs.py StepBuffers: one int64 vector holding token ids, positions and
     slots [token budget each], forward rows [max_rows + chunk_limit] and the rows' slots,
-    epochs and positions [3 x max_rows] (on CUDA a pinned host twin of it, not counted here)."""
-    n = 3 * step.token_budget + step.max_rows + step.chunk_limit + 3 * step.max_rows
+    epochs and positions [3 x max_rows], the frame index [1] (on CUDA a pinned host twin of
+    it, not counted here)."""
+    n = 3 * step.token_budget + step.max_rows + step.chunk_limit + 3 * step.max_rows + 1
     return (Buffer("inputs", "step inputs", "buffers.values", (n,), "int64"),)
 
 

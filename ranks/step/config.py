@@ -30,6 +30,10 @@ class StepConfig:
     """Tokens of one submission (the scheduler's budget): the static input buffers' length.
     0: the scheduler's default, twice the larger of chunk_limit and max_rows."""
 
+    compile: bool = False
+    """--compile: the reduce phase runs as one ``torch.compile(fullgraph=True)`` graph
+    (ranks/step/reduce_graph.py), compiled at start-up; the torch backend only."""
+
     def __post_init__(self) -> None:
         if self.capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {self.capacity}")
@@ -40,6 +44,9 @@ class StepConfig:
         if self.prompt_logprobs and self.max_logprobs != EXPORT_K:
             raise ValueError(f"prompt scoring requires K={EXPORT_K} generation logprob outputs, "
                              f"got max_logprobs={self.max_logprobs}")
+        if self.compile and self.reduction_backend != "torch":
+            raise ValueError(f"compile needs the torch reduction backend, got "
+                             f"{self.reduction_backend!r}")
         if self.chunk_limit < 1:
             raise ValueError(f"chunk_limit must be >= 1, got {self.chunk_limit}")
         if self.max_batched_tokens < 0:

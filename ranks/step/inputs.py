@@ -77,6 +77,8 @@ class StepInputs:
     """int64 [rows + n]: logit_index then scored_index, contiguous (the forward's rows)."""
     row_tensors: torch.Tensor | None = None
     """int64 [3, max_rows]: row_slots, row_epochs, row_positions on the step's device."""
+    frame_index: torch.Tensor | None = None
+    """int64 [1]: the submission's frame (submission % 2) on the step's device."""
     host: tuple[list[int], list[int], list[int], list[int]] | None = None
     """(token ids, positions, slots, forward rows) as host lists, checked in prepare, so the
     forward reads no tensor back to decide anything."""
@@ -88,13 +90,13 @@ class StepInputs:
 
 class StepBuffers:
     """The step's static int64 inputs, laid out in one vector: token ids, positions, slots
-    [token_budget each], forward rows [max_rows + chunk_limit], and the rows' slots, epochs
-    and positions [max_rows each]."""
+    [token_budget each], forward rows [max_rows + chunk_limit], the rows' slots, epochs
+    and positions [max_rows each] and the frame index [1]."""
 
     def __init__(self, config: StepConfig, device: torch.device) -> None:
         tokens, rows = config.token_budget, config.max_rows
         self.tokens, self.rows, self.scored = tokens, rows, config.chunk_limit
-        sizes = (tokens, tokens, tokens, rows + config.chunk_limit, 3 * rows)
+        sizes = (tokens, tokens, tokens, rows + config.chunk_limit, 3 * rows, 1)
         total = sum(sizes)
         self.device = torch.device(device)
         self.values = torch.zeros(total, dtype=torch.int64, device=self.device)
@@ -109,9 +111,11 @@ class StepBuffers:
         self.token_ids, self.positions, self.slots, self.row_index = (
             self.values[span] for span in spans[:4])
         self.row_tensors = self.values[spans[4]].view(3, rows)
+        self.frame_index = self.values[spans[5]]
+        self.row_tensors.fill_(-1)
 
     def write(self, ids: list[int], positions: list[int], slots: list[int],
-              forward_rows: list[int], row_values: list[int]) -> None:
+              forward_rows: list[int], row_values: list[int], frame: int) -> None:
         """Fill the host buffer (numpy; no tensor storage) and, on CUDA, upload it whole."""
         if len(ids) > self.tokens:
             raise RuntimeError(f"{len(ids)} tokens exceed the step's budget {self.tokens}")
@@ -124,6 +128,7 @@ class StepBuffers:
                                 strict=False):
             self.array[span.start : span.start + len(values)] = values
         self.array[self._spans[4]] = row_values
+        self.array[self._spans[5]] = frame
         if self.host is not self.values:
             self.values.copy_(self.host, non_blocking=True)
             self.uploaded.record()
@@ -193,7 +198,7 @@ def prepare_inputs(
         buffers = StepBuffers(config, device)
     forward_rows = logit_index + scored_index
     buffers.write(ids, positions, token_slots, forward_rows,
-                  row_slots + row_epochs + row_positions)
+                  row_slots + row_epochs + row_positions, plan.frame)
     n, r = len(ids), len(logit_index)
     return StepInputs(
         plan=plan,
@@ -211,6 +216,7 @@ def prepare_inputs(
         scored_targets=plan.scored.targets if plan.scored else (),
         row_index=buffers.row_index[: len(forward_rows)],
         row_tensors=buffers.row_tensors,
+        frame_index=buffers.frame_index,
         host=(ids, positions, token_slots, forward_rows),
     )
 

@@ -32,6 +32,7 @@ from helios_logprobs.ranks.speculative import sampler_rows, split_rows
 from helios_logprobs.ranks.step.config import StepConfig
 from helios_logprobs.ranks.step.inputs import StepBuffers, StepInputs, prepare_inputs
 from helios_logprobs.ranks.step.reduce import StepReduction
+from helios_logprobs.ranks.step.reduce_graph import ReductionGraph
 from helios_logprobs.ranks.step.scoring import PromptScorer
 
 NO_UPLOAD = UploadResult(requesting_slots=(), copy_width=0)
@@ -87,6 +88,12 @@ class RankStep:
                 model, group, self.outputs, config.reduction_backend, self.device,
                 rows=config.max_rows,
             )
+        self.graph: ReductionGraph | None = None
+        """--compile: the reduce phase as one compiled graph, compiled here (a warm-up call
+        with every row ungated) before the server reports ready."""
+        if config.compile and self.reduction is not None:
+            self.graph = ReductionGraph(self.reduction, group, compile=True)
+            self.graph(self.buffers.row_tensors, self.buffers.frame_index)
 
     def run(self, plan: StepPlan) -> None:
         inputs = self.prepare(plan)
@@ -137,6 +144,9 @@ class RankStep:
     def reduce(self, inputs: StepInputs, logits: torch.Tensor | None) -> None:
         # Whether any lane requests is the same on every rank (the same plan and upload).
         if self.reduction is None or not self.upload.requesting_slots or not inputs.rows:
+            return
+        if self.graph is not None:
+            self.graph(inputs.row_tensors, inputs.frame_index)
             return
         self.reduction(inputs.frame, logits, inputs.row_slots, inputs.row_epochs,
                        inputs.row_positions, inputs.row_tensors)

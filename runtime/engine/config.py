@@ -83,6 +83,11 @@ class RuntimeConfig:
     """--dtype (vLLM's values): weights, activations and KV cache; ``auto`` follows the
     checkpoint on CUDA and is float32 on CPU (ranks/model/dtype.py). Logprobs stay FP32."""
 
+    compile: bool = False
+    """--compile / --enforce-eager (vLLM's names): the reduce phase runs as one graph of
+    torch.compile(fullgraph=True), compiled before the server reports ready. Off by default
+    on CPU: bench/compile_decode.py measures it."""
+
     seed: int | None = None
     """--seed (vLLM's): requests without a seed draw theirs from it (scheduler.unset_seed), so
     a run is repeatable; None: fresh draws."""
@@ -125,6 +130,9 @@ class RuntimeConfig:
         reasoning_strings(self.reasoning_parser, self.reasoning_config)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.compile and self.reduction_backend != "torch":
+            raise ValueError(f"compile needs reduction_backend 'torch' (the compiled region's "
+                             f"launches), got {self.reduction_backend!r}")
         if self.reduction_backend not in BACKENDS:
             raise ValueError(f"reduction_backend must be one of {BACKENDS}, "
                              f"got {self.reduction_backend!r}")
@@ -162,6 +170,7 @@ class RuntimeConfig:
             chunk_limit=self.chunk_size,
             speculative_tokens=self.speculative_tokens,
             max_batched_tokens=self.batched_tokens,
+            compile=self.compile,
         )
 
     @property

@@ -1,0 +1,65 @@
+"""--compile at TP2 over gloo (issue 36): on every rank the reduce phase is one
+torch.compile(fullgraph=True) graph whose launches and both exchanges are custom ops
+(helios::shard_stats, word_exchange, shard_candidates, word_exchange, final_merge, in that
+order); a mixed serving run compiles nothing more and serves exactly the eager run's tokens
+and logprobs, the same on both ranks."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.checkpoints import write_qwen2
+from tests.distributed.harness import run_ranks
+
+pytestmark = pytest.mark.slow
+
+
+def rank_main(model_dir: str) -> dict:
+    import torch
+    from torch._dynamo.utils import counters
+
+    from helios_logprobs.collectives.groups import world_group
+    from helios_logprobs.runtime.engine.bootstrap import build_engine, load_rank
+    from helios_logprobs.runtime.engine.config import RuntimeConfig
+    from tests.unit.ranks.test_capture_safe_step import SERVING
+
+    out = {}
+    for compile in (True, False):
+        config = RuntimeConfig(model_dir=model_dir, capacity=4, max_model_len=96,
+                               chunk_size=8, speculative_tokens=2, ngram_min=1, ngram_max=3,
+                               prompt_logprobs=True, compile=compile)
+        engine = build_engine(config, load_rank(config, world_group()))
+        before = counters["stats"]["unique_graphs"]
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            out[compile] = engine.run_offline(SERVING)
+        out[f"graphs {compile}"] = (before, counters["stats"]["unique_graphs"])
+    out["breaks"] = sum(counters["graph_break"].values())
+    step = engine.step
+    from helios_logprobs.ranks.step.reduce_graph import ReductionGraph
+
+    graph = ReductionGraph(step.reduction, world_group(), compile=False)
+    r, o = step.reduction, step.outputs
+    explained = torch._dynamo.explain(graph.region)(
+        step.buffers.row_tensors, step.buffers.frame_index, r.logits, o.completion_records,
+        o.logprob_requested, o.logprob_token_ids, o.logprob_token_id_counts,
+        o.completion_logprobs)
+    (fx,) = explained.graphs
+    out["ops"] = [str(n.target) for n in fx.graph.nodes
+                  if n.op == "call_function" and "helios" in str(n.target)]
+    out["explained"] = (explained.graph_count, explained.graph_break_count)
+    return out
+
+
+def test_tp2_compiled_reduction_is_one_graph_and_serves_the_eager_results(tmp_path):
+    model_dir = write_qwen2(tmp_path / "qwen2")
+    ranks = run_ranks(rank_main, 2, str(model_dir), timeout_s=900)
+    for rank in ranks:
+        assert rank["graphs True"] == (1, 1)  # compiled at start-up, nothing while serving
+        assert rank["graphs False"] == (1, 1)
+        assert rank["breaks"] == 0
+        assert rank["explained"] == (1, 0)
+        assert rank["ops"] == ["helios.shard_stats.default", "helios.word_exchange.default",
+                               "helios.shard_candidates.default",
+                               "helios.word_exchange.default", "helios.final_merge.default"]
+        assert rank[True] == rank[False]
+        assert rank[True] == ranks[0][True]

@@ -1,0 +1,101 @@
+"""--compile at TP1 on CPU (issue 36): the reduce phase (gate, launches as custom ops, payload
+write: ranks/step/reduce_graph.py) is one torch.compile(fullgraph=True) graph compiled at
+start-up; a serving run that mixes decode, chunked prefill, scored prefill, selected IDs,
+logprobs on and off and speculative rounds compiles nothing more (dynamo's counters, and
+error_on_recompile) and serves exactly the eager engine's tokens and logprobs (the same
+launches: bit-equal). The TP2 run is tests/distributed/test_compiled_reduction_tp.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from helios_logprobs.runtime.engine.bootstrap import build_engine, load_rank
+from helios_logprobs.runtime.engine.config import RuntimeConfig
+from tests.checkpoints import write_qwen2
+from tests.unit.ranks.test_capture_safe_step import SERVING, PlanLog
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory):
+    return write_qwen2(tmp_path_factory.mktemp("qwen2"))
+
+
+def engine_for(model_dir, compile: bool):
+    config = RuntimeConfig(model_dir=model_dir, capacity=4, max_model_len=96, chunk_size=8,
+                           speculative_tokens=2, ngram_min=1, ngram_max=3,
+                           prompt_logprobs=True, compile=compile)
+    return build_engine(config, load_rank(config, None))
+
+
+def graph_counts() -> dict:
+    return {"graphs": counters["stats"]["unique_graphs"], "breaks": sum(
+        counters["graph_break"].values())}
+
+
+def test_compiled_serving_compiles_nothing_more_and_equals_eager(qwen2):
+    torch._dynamo.reset()
+    counters.clear()
+    engine = engine_for(qwen2, compile=True)
+    graph = engine.step.graph
+    assert graph is not None and graph_counts() == {"graphs": 1, "breaks": 0}
+    calls = []
+    compiled = graph.fn
+
+    def counting(*args):
+        calls.append(1)
+        return compiled(*args)
+
+    graph.fn = counting
+    log = PlanLog(engine.step)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        served = engine.run_offline(SERVING)
+    assert graph_counts() == {"graphs": 1, "breaks": 0}
+    assert log.kinds() == {"decode", "chunked prefill", "mixed", "speculative round",
+                           "scored prefill"}
+    assert len(calls) > 20
+    assert served == engine_for(qwen2, compile=False).run_offline(SERVING)
+
+
+def test_the_graph_takes_only_its_arguments_and_the_workspaces_are_local(qwen2):
+    """Dynamo's own account of the region: one graph, no break, and its inputs are exactly
+    the eight buffers passed in (a workspace held as an attribute would be a ninth)."""
+    engine = engine_for(qwen2, compile=False)
+    step = engine.step
+    from helios_logprobs.ranks.step.reduce_graph import ReductionGraph
+
+    graph = ReductionGraph(step.reduction, None, compile=False)
+    r, o = step.reduction, step.outputs
+    args = (step.buffers.row_tensors, step.buffers.frame_index, r.logits,
+            o.completion_records, o.logprob_requested, o.logprob_token_ids,
+            o.logprob_token_id_counts, o.completion_logprobs)
+    explained = torch._dynamo.explain(graph.region)(*args)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+    (fx,) = explained.graphs
+    inputs = [n for n in fx.graph.nodes if n.op == "placeholder"]
+    assert len(inputs) == len(args)
+    launches = [n for n in fx.graph.nodes if n.op == "call_function"
+                and "helios" in str(n.target)]
+    assert [str(n.target) for n in launches] == ["helios.whole_reduction.default"]
+    assert not [v for v in vars(graph).values() if isinstance(v, torch.Tensor)]
+
+
+@pytest.mark.parametrize(("flags", "compiled"), [
+    ((), False), (("--compile",), True), (("--compile", "--enforce-eager"), False),
+    (("--enforce-eager",), False)])
+def test_the_compile_flags_reach_the_runtime_config(flags, compiled):
+    from helios_logprobs.launch.arguments import runtime_config
+    from helios_logprobs.launch.serve_options import parse_serve_args
+
+    args = parse_serve_args(["--model", "tiny", *flags])
+    assert runtime_config(args, "cpu").compile is compiled
+
+
+def test_compile_with_the_triton_backend_is_refused_at_start_up():
+    from helios_logprobs.launch.arguments import runtime_config
+    from helios_logprobs.launch.serve_options import parse_serve_args
+
+    args = parse_serve_args(["--model", "tiny", "--compile", "--reduction-backend", "triton"])
+    with pytest.raises(ValueError, match="compile needs reduction_backend 'torch'"):
+        runtime_config(args, "cpu")
