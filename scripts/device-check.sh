@@ -4,19 +4,25 @@
 #
 #     bash scripts/device-check.sh
 #
-# Steps (each with its own timeout so the whole script ends inside ~9.5 minutes; the first
+# Steps (each with its own timeout so the whole script ends inside 8 minutes; the first
 # kernel compiles take about a minute, Triton caches them for the later steps):
 #   1. a fresh venv; its CUDA torch + triton come from the machine's image when that has a
 #      working one (GPU machines here have no network), otherwise they are installed
 #      explicitly: from carried wheels in .whl/ when present, else from the package index
 #      (set PIP_INDEX_URL / PIP_EXTRA_INDEX_URL to a CUDA wheel index for a CUDA build);
 #   2. tests/gpu (serving shapes against the reference, no allocation after the first call,
-#      CUDA-graph capture);
+#      CUDA-graph capture; test_captured_step_gpu.py: the served reduce phase captured and
+#      replayed 1,000 times against eager with memory_allocated flat, FrameExecutor copies
+#      flat over 1,000 copies with the payload prefixes bit-equal, no Triton compile while
+#      serving);
 #   3. python bench/reduction.py --backend triton (times, ratio vs baseline, bandwidth);
 #   4. a timing of the two GPU selection networks (tl.topk vs max-extraction) at 256 x
 #      151,936 bf16, against log_softmax + topk on the full row;
-#   5. tests/unit/kernels/test_triton_reduction.py compiled for the GPU (no interpreter), last, in
+#   5. decode tokens/s, logprobs=20 against none, batch 1 and 16, on a random checkpoint with
+#      vocabulary 151,936 that it writes itself (eager: the step is not captured yet);
+#   6. tests/unit/kernels/test_triton_reduction.py compiled for the GPU (no interpreter), last, in
 #      the time that is left (its many small shapes each compile their own kernels).
+# It ends with one table: each step, its status and its seconds.
 # Everything printed also goes to $OUT/device-check.log ($OUT defaults to
 # ./device-check-out). The exit status is non-zero if any step failed.
 
@@ -34,15 +40,20 @@ unset TRITON_INTERPRET
 START=$(date +%s)
 FAILED=()
 step() { echo; echo "=== [$(($(date +%s) - START))s] $*"; }
+SUMMARY=()
 run() { # run NAME TIMEOUT_S CMD...: record a failure instead of stopping
-    local name=$1 limit=$2
+    local name=$1 limit=$2 began
     shift 2
+    began=$(date +%s)
     timeout --kill-after=10 "$limit" "$@"
     local rc=$?
+    local status=ok
     if [ $rc -ne 0 ]; then
         echo "!!! $name failed (exit $rc)"
         FAILED+=("$name")
+        status="FAILED ($rc)"
     fi
+    SUMMARY+=("$(printf '%-18s %-12s %5ss' "$name" "$status" "$(($(date +%s) - began))")")
     return 0
 }
 
@@ -75,8 +86,11 @@ else
     echo "installing a CUDA torch and triton into the venv"
     pip_install torch triton || { echo "could not install torch/triton"; exit 2; }
 fi
-for mod in numpy pytest hypothesis; do
-    "$PY" -c "import $mod" 2>/dev/null || pip_install "$mod" || echo "missing $mod"
+# module:package (the step's engine and its random checkpoints need the rest)
+for pair in numpy:numpy pytest:pytest hypothesis:hypothesis safetensors:safetensors \
+        msgpack:msgpack zmq:pyzmq tokenizers:tokenizers transformers:transformers; do
+    mod=${pair%%:*} pkg=${pair#*:}
+    "$PY" -c "import $mod" 2>/dev/null || pip_install "$pkg" || echo "missing $pkg"
 done
 "$PY" - <<'EOF' || { echo "no usable CUDA torch"; exit 2; }
 import torch, triton
@@ -96,12 +110,12 @@ export PYTHONPATH="$PKG_ROOT:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
 # ------------------------------------------------------------------------------ 2. GPU tests
 step "2. tests/gpu"
-run gpu-tests 240 "$PY" -m pytest tests/gpu -q -p no:cacheprovider --durations=10
+run gpu-tests 200 "$PY" -m pytest tests/gpu -q -p no:cacheprovider --durations=10
 
 # ------------------------------------------------------------------------------ 3. bench
 step "3. bench/reduction.py --backend triton"
 if [ -f bench/reduction.py ]; then
-    run bench 75 "$PY" bench/reduction.py --backend triton
+    run bench 60 "$PY" bench/reduction.py --backend triton
 else
     echo "!!! bench/reduction.py is missing"
     FAILED+=(bench-missing)
@@ -143,16 +157,44 @@ print("topk and extract payloads identical:", same)
 assert same
 EOF
 
-# ------------------------------------------------------------------------------ 5. unit
-# Last, with whatever time is left of ~9.5 minutes: many small shapes, each its own compile.
-LEFT=$((570 - ($(date +%s) - START)))
-[ $LEFT -lt 60 ] && LEFT=60
-step "5. unit Triton tests compiled for the GPU (no interpreter), ${LEFT}s left"
+# ------------------------------------------------------------------------------ 5. decode
+step "5. decode tokens/s on a random 151,936-vocabulary checkpoint, K=20 against none"
+run decode-151936 90 "$PY" - <<'EOF'
+import tempfile
+from pathlib import Path
+
+from bench.decode import time_batch
+from helios_logprobs.runtime.engine.bootstrap import build_engine, load_rank
+from helios_logprobs.runtime.engine.config import RuntimeConfig
+from tests.checkpoints import write_qwen2
+
+model_dir = write_qwen2(Path(tempfile.mkdtemp()) / "qwen2-151936", vocab_size=151_936)
+config = RuntimeConfig(model_dir=model_dir, device="cuda", capacity=16, max_model_len=256,
+                       reduction_backend="triton")
+engine = build_engine(config, load_rank(config, None)).start()
+try:
+    time_batch(engine, 2, 8, 20)
+    print(f"{'batch':>5} {'none tok/s':>10} {'K=20 tok/s':>10} {'ratio':>6}")
+    for batch in (1, 16):
+        none = max(time_batch(engine, batch, 32, None) for _ in range(2))
+        k20 = max(time_batch(engine, batch, 32, 20) for _ in range(2))
+        print(f"{batch:>5} {none:>10.1f} {k20:>10.1f} {k20 / none:>6.3f}")
+finally:
+    engine.shutdown()
+EOF
+
+# ------------------------------------------------------------------------------ 6. unit
+# Last, with whatever time is left of 8 minutes: many small shapes, each its own compile.
+LEFT=$((470 - ($(date +%s) - START)))
+[ $LEFT -lt 30 ] && LEFT=30
+step "6. unit Triton tests compiled for the GPU (no interpreter), ${LEFT}s left"
 run unit-triton-gpu "$LEFT" "$PY" -m pytest tests/unit/kernels/test_triton_reduction.py -q -x \
     -p no:cacheprovider --durations=5
 
 # ------------------------------------------------------------------------------ summary
 step "summary"
+printf '%-18s %-12s %6s\n' step status time
+printf '%s\n' "${SUMMARY[@]}"
 if [ ${#FAILED[@]} -eq 0 ]; then
     echo "device check: all steps passed"
     exit 0

@@ -5,6 +5,13 @@ that submission, and only each position's chosen pair plus the first W pairs, W 
 of K and the frame's largest selected-ID count. Frames without a requesting lane copy no
 payload. On CUDA the host frames are pinned and the copy runs on its own stream after the
 producing event; the decoder reads them only after the transfer event.
+
+On CUDA each frame has its own contiguous pinned payload storage, laid out [capacity, T, 2+2W]
+for the copy's W (so a requesting run is one contiguous device-to-host copy), and the
+requesting runs are first packed on the copy stream into a preallocated device staging
+buffer of the same layout (a strided device source would make the transfer allocate a
+contiguous temporary). The producing and transfer events are preallocated per frame; nothing
+is allocated per copy. On CPU the frames are numpy copies, as before.
 """
 
 from __future__ import annotations
@@ -53,6 +60,13 @@ class FrameExecutor:
         shape = payload.shape if logprobs else (*payload.shape[:-1], FIRST_PAIR)
         self.host_payload = torch.empty(shape, dtype=payload.dtype, pin_memory=pin)
         self.stream = torch.cuda.Stream() if pin else None
+        self.staging = None
+        """CUDA: the device staging frame (flat; viewed [capacity, T, 2+2W] per copy)."""
+        if pin:
+            self.staging = torch.empty(self.host_payload[0].numel(), dtype=payload.dtype,
+                                       device=payload.device)
+            self.produced = [torch.cuda.Event() for _ in range(shape[0])]
+            self.transferred = [torch.cuda.Event() for _ in range(shape[0])]
         self.counters = ExecutorCounters()
         self._views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, np.ndarray,
                                                  np.ndarray]] = {}
@@ -65,6 +79,10 @@ class FrameExecutor:
         views = self._views.get((frame, words))
         if views is None:
             records, payload = self.host_records[frame], self.host_payload[frame, :, :, :words]
+            if self.staging is not None:  # contiguous [capacity, T, words] pinned storage
+                capacity, tokens = payload.shape[:2]
+                payload = self.host_payload[frame].view(-1)[: capacity * tokens * words].view(
+                    capacity, tokens, words)
             views = self._views[frame, words] = (records, payload, records.numpy(),
                                                  payload.numpy())
         return views
@@ -80,14 +98,13 @@ class FrameExecutor:
         records, payload, host_records, host_payload = self._frame_views(frame, words)
         self.counters.frames += 1
         if self.stream is not None:
-            produced = torch.cuda.Event()
+            produced, done = self.produced[frame], self.transferred[frame]
             produced.record()
             self.stream.wait_event(produced)
             with torch.cuda.stream(self.stream):
                 self._copy(frame, requesting, records, payload, words)
-            done = torch.cuda.Event()
             done.record(self.stream)
-            done.synchronize()
+            done.synchronize()  # decoding (the caller, next) waits on the transfer only
         else:
             self._copy(frame, requesting, records, payload, words)
         return HostFrame(submission, frame, host_records, host_payload, tuple(requesting),
@@ -106,8 +123,10 @@ class FrameExecutor:
         else:
             records.copy_(self.outputs.completion_records[frame], non_blocking=True)
             source = self.outputs.completion_logprobs[frame]
+            staging = self.staging[: payload.numel()].view(payload.shape)
             for start, stop in runs:
-                payload[start:stop].copy_(source[start:stop, :, :words], non_blocking=True)
+                staging[start:stop].copy_(source[start:stop, :, :words])
+                payload[start:stop].copy_(staging[start:stop], non_blocking=True)
         if requesting:
             self.counters.payload_bytes += words * 4 * payload.shape[1] * len(requesting)
             self.counters.payload_copies += 1

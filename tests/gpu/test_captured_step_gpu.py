@@ -1,0 +1,157 @@
+"""The step's reduce phase and the frame copy on a CUDA GPU (issue 36): the reduce phase of a
+real served step (tensor gate over the static row buffers, the six prepared Triton launches,
+the payload write) captured in a CUDA graph replays to the eager payload and allocates
+nothing over 1,000 replays; FrameExecutor's copies allocate nothing over 1,000 copies and
+land the requesting slots' payload prefixes bit-equal to the device frame; serving compiles
+no Triton kernel after start-up (counted at Triton's compile hook, not the interpreter).
+
+Skipped without CUDA (scripts/device-check.sh runs it on a GPU machine).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.devices import triton_device
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(triton_device().type != "cuda",
+                       reason="TRITON_INTERPRET=1: kernels are interpreted, not compiled"),
+]
+
+from helios_logprobs.ranks.contract.completion import CompletionOutputs  # noqa: E402
+from helios_logprobs.runtime.engine.bootstrap import build_engine, load_rank  # noqa: E402
+from helios_logprobs.runtime.engine.client import SamplingParams  # noqa: E402
+from helios_logprobs.runtime.engine.config import RuntimeConfig  # noqa: E402
+from helios_logprobs.runtime.engine.executor import FrameExecutor  # noqa: E402
+from tests.checkpoints import write_qwen2  # noqa: E402
+
+SENTINEL = -7
+JOBS = [([5, 6, 7, 8], SamplingParams(max_tokens=6, temperature=0.0, logprobs=20,
+                                      ignore_eos=True)),
+        ([9, 8, 7], SamplingParams(max_tokens=6, temperature=0.0,
+                                   logprob_token_ids=(3, 150, 7), ignore_eos=True)),
+        ([1, 2], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    model_dir = write_qwen2(tmp_path_factory.mktemp("qwen2"))
+    config = RuntimeConfig(model_dir=model_dir, device="cuda", dtype="float32", capacity=4,
+                           max_model_len=64, reduction_backend="triton")
+    return build_engine(config, load_rank(config, None))
+
+
+class TritonCompiles:
+    """Counts Triton compilations at its JIT cache hook (a miss compiles)."""
+
+    def __init__(self) -> None:
+        import triton
+
+        self.count = 0
+        knobs = getattr(triton, "knobs", None)
+        if knobs is not None and hasattr(knobs.runtime, "jit_cache_hook"):
+            self.owner, self.name = knobs.runtime, "jit_cache_hook"
+        else:
+            from triton.runtime.jit import JITFunction
+
+            self.owner, self.name = JITFunction, "cache_hook"
+        self.previous = getattr(self.owner, self.name)
+
+    def __enter__(self) -> TritonCompiles:
+        def hook(*args, **kwargs):
+            self.count += 1
+            return False
+
+        setattr(self.owner, self.name, hook)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        setattr(self.owner, self.name, self.previous)
+
+
+def last_inputs(engine):
+    seen = []
+    prepare = engine.step.prepare
+
+    def keeping(plan):
+        inputs = prepare(plan)
+        if inputs.rows and engine.step.upload.requesting_slots:
+            seen.append(inputs)
+        return inputs
+
+    engine.step.prepare = keeping
+    return seen
+
+
+def test_serving_compiles_no_triton_kernel_after_start_up(engine):
+    with TritonCompiles() as compiles:
+        engine.run_offline(JOBS)
+    assert compiles.count == 0
+
+
+def test_captured_reduce_phase_replays_to_the_eager_payload_without_allocating(engine):
+    step = engine.step
+    seen = last_inputs(engine)
+    # Three requests, stopped while all three decode: the last submission is a full batch.
+    engine.run_offline([(p, SamplingParams(**{**vars(s), "max_tokens": 3})) for p, s in JOBS])
+    inputs = seen[-1]
+    reduction, payload = step.reduction, step.outputs.completion_logprobs[inputs.frame]
+    rows = inputs.logit_index.numel()
+
+    def reduce():
+        reduction(inputs.frame, reduction.logits[:rows], inputs.row_slots, inputs.row_epochs,
+                  inputs.row_positions, inputs.row_tensors)
+
+    payload.fill_(SENTINEL)
+    reduce()
+    eager = payload.clone()
+    assert (eager != SENTINEL).any()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        reduce()  # warm-up on a side stream, as capture requires
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        reduce()
+    payload.fill_(SENTINEL)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(payload, eager)
+    before = torch.cuda.memory_allocated()
+    for _ in range(1000):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before
+    assert torch.equal(payload, eager)
+
+
+@pytest.mark.parametrize("requesting", [[0, 1, 2, 5], [3], []])
+def test_frame_copies_allocate_nothing_and_hold_the_requesting_prefixes(requesting):
+    capacity, tokens, width = 8, 4, 5
+    outputs = CompletionOutputs.allocate(capacity, tokens, torch.device("cuda"))
+    g = torch.Generator(device="cuda").manual_seed(3)
+    outputs.completion_logprobs.copy_(torch.randint(
+        -99, 99, outputs.completion_logprobs.shape, generator=g, device="cuda",
+        dtype=torch.int32))
+    outputs.completion_records.copy_(torch.randint(
+        0, 99, outputs.completion_records.shape, generator=g, device="cuda"))
+    executor = FrameExecutor(outputs)
+    words = 2 + 2 * width
+    for submission in (0, 1):  # warm-up: each frame's views
+        executor.copy(submission, requesting, width)
+    before = torch.cuda.memory_allocated()
+    for submission in range(1000):
+        host = executor.copy(submission, requesting, width)
+    assert torch.cuda.memory_allocated() == before
+    assert host.payload.flags["C_CONTIGUOUS"]
+    source = outputs.completion_logprobs[host.frame].cpu().numpy()
+    assert (host.records == outputs.completion_records[host.frame].cpu().numpy()).all()
+    for slot in requesting:
+        assert (host.payload[slot] == source[slot, :, :words]).all(), slot
+    copied = executor.counters.payload_copies
+    assert copied == (1002 if requesting else 0)
