@@ -128,3 +128,12 @@ class ReductionGraph:
         packed = out.index_select(0, row_of.clamp(min=0))[:, : self.words]
         merged = torch.where((row_of >= 0).unsqueeze(1), packed, current)
         frames.index_copy_(0, frame_index, merged.unsqueeze(0))
+
+
+def compile_counters() -> dict[str, int]:
+    """Dynamo's account of this process: graphs compiled and graph breaks. With --compile
+    both are fixed once the rank is built: a later change is a compile while serving."""
+    from torch._dynamo.utils import counters
+
+    return {"graphs": int(counters["stats"]["unique_graphs"]),
+            "graph_breaks": int(sum(counters["graph_break"].values()))}

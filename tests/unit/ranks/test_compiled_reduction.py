@@ -30,8 +30,12 @@ def engine_for(model_dir, compile: bool):
 
 
 def graph_counts() -> dict:
-    return {"graphs": counters["stats"]["unique_graphs"], "breaks": sum(
-        counters["graph_break"].values())}
+    from helios_logprobs.ranks.step.reduce_graph import compile_counters
+
+    counted = compile_counters()
+    assert counted == {"graphs": counters["stats"]["unique_graphs"],
+                       "graph_breaks": sum(counters["graph_break"].values())}
+    return {"graphs": counted["graphs"], "breaks": counted["graph_breaks"]}
 
 
 def test_compiled_serving_compiles_nothing_more_and_equals_eager(qwen2):
