@@ -1,0 +1,63 @@
+"""The capture-safe phases at TP2 over gloo (issue 36): every rank serves the mixed run of
+tests/unit/ranks/test_capture_safe_step.py with forward (its all-reduces included), commit,
+reduce (the tensor gate; the CPU launches and their exchanges exempt, as at TP1) and score
+under the host-read guard, prepare allocating nothing, and serves what an unguarded TP1
+engine serves."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.checkpoints import write_qwen2
+from tests.distributed.harness import run_ranks
+from tests.spec_helpers import assert_same_results
+
+pytestmark = pytest.mark.slow
+
+
+def rank_main(model_dir: str) -> dict:
+    from helios_logprobs.collectives.groups import world_group
+    from helios_logprobs.runtime.engine.bootstrap import build_engine, load_rank
+    from helios_logprobs.runtime.engine.config import RuntimeConfig
+    from tests.capture_guard import HostSyncGuard, allocated_bytes
+    from tests.unit.ranks.test_capture_safe_step import GUARDED, SERVING, PlanLog, guard_exempt
+
+    config = RuntimeConfig(model_dir=model_dir, capacity=4, max_model_len=96, chunk_size=8,
+                           speculative_tokens=2, ngram_min=1, ngram_max=3,
+                           prompt_logprobs=True)
+    engine = build_engine(config, load_rank(config, world_group()))
+    step = engine.step
+    guard = HostSyncGuard()
+    for phase in GUARDED:
+        guard.wrap(step, phase)
+    reduction = step.reduction
+    reduction.native = reduction.call = None
+    driver = reduction.driver
+    reduction.driver = lambda *args: guard_exempt(guard, driver, *args)
+    guard.exempt(step.scorer, "scoring")
+    allocations = []
+    prepare = step.prepare
+
+    def measured(plan):
+        inputs, allocated = allocated_bytes(lambda: prepare(plan))
+        allocations.append(allocated)
+        return inputs
+
+    step.prepare = measured
+    log = PlanLog(step)
+    events = engine.run_offline(SERVING)
+    return {"events": events, "guarded": guard.guarded, "kinds": log.kinds(),
+            "plans": len(log.plans), "allocations": allocations}
+
+
+def test_tp2_phases_read_nothing_back_and_serve_the_tp1_results(tmp_path):
+    model_dir = write_qwen2(tmp_path / "qwen2")
+    ranks = run_ranks(rank_main, 2, str(model_dir), timeout_s=600)
+    (tp1,) = run_ranks(rank_main, 1, str(model_dir), timeout_s=600)
+    for rank in ranks:
+        assert rank["kinds"] == {"decode", "chunked prefill", "mixed", "speculative round",
+                                 "scored prefill"}
+        assert rank["guarded"]["forward"] == rank["plans"]
+        assert all(rank["guarded"][phase] > 0 for phase in ("commit", "reduce", "score"))
+        assert rank["allocations"] == [0] * rank["plans"]
+        assert_same_results(tp1["events"], rank["events"])
