@@ -1,8 +1,10 @@
 """Serve a model: `torchrun --nproc-per-node N -m helios_logprobs.launch.serve [--model DIR]
 [--port P]`.
 
-Without torchrun it runs one rank (TP1) in this process. Rank 0 is the coordinator: it runs
-the engine and the HTTP server; every other rank runs the peer loop.
+Without torchrun it runs one rank (TP1) in this process. Rank 0 is the engine core (scheduler,
+step, frame copies, payload decoding); HTTP, tokenization, detokenization and the wire format
+run in ``--api-server-count`` API server processes it starts (launch.api_server), sharing its
+listening socket; every other rank runs the peer loop.
 
 Rank 0 writes these lines to stderr (every other rank is silent unless something fails):
 ``helios: serving <model> at http://<host>:<port>/v1 (TP=<n>, logprobs: K=<k>|off, prompt
@@ -34,8 +36,13 @@ if __name__ == "__main__":  # before the imports below, which take seconds (torc
         signal.signal(_sig, _stop_while_importing)
 
 import contextlib  # noqa: E402
+import json  # noqa: E402
 import logging  # noqa: E402
+import shutil  # noqa: E402
 import socket  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable, Iterator  # noqa: E402
@@ -55,6 +62,8 @@ GRACEFUL_S = 5
 PEER_REPORT_S = 10.0
 """How long a peer refused at start-up waits for rank 0 to report (see refused)."""
 MIB = 1024 * 1024
+API_SERVER_START_S = 180.0
+"""How long the API server processes may take to listen."""
 
 
 class ListenError(OSError):
@@ -157,50 +166,113 @@ class HttpServer(uvicorn.Server):
             self.on_ready(self.servers[0].sockets[0].getsockname()[1])
 
 
-def serve_http(app, engine, listener: socket.socket, stop: StopSignals,
-               on_ready: Callable[[int], None], access_log: bool = True) -> bool:
-    """Run uvicorn on ``listener`` in this (main) thread until ``stop`` is requested; returns
-    whether the engine was healthy then. ``access_log``: uvicorn's line per request (vLLM's
-    default), while its other messages stay at WARNING.
+def serve_http(args, argv: list[str], engine, model_dir, listener: socket.socket,
+               stop: StopSignals, on_ready: Callable[[int], None]) -> bool:
+    """The engine core's side of serving: start ``--api-server-count`` API server processes
+    on ``listener`` (launch.api_server), joined to the engine over collectives.frontend, and
+    wait for a stop; returns whether the engine was healthy then.
 
-    A stop closes the listening socket at once; requests in flight get DRAIN_S to finish,
-    then the engine fails them (a stream ends with an error event), before uvicorn's own
-    GRACEFUL_S would cancel them mid-response. A forced stop fails them at once."""
-    host, port = listener.getsockname()[:2]
-    config = uvicorn.Config(
-        app,
-        host=host,
-        port=port,
-        log_level="warning",
-        access_log=access_log,
-        timeout_graceful_shutdown=GRACEFUL_S,
-        lifespan="off",
-        loop="asyncio",  # uvloop would take over signal.set_wakeup_fd (see StopSignals)
-    )
-    if access_log:
-        logging.getLogger("uvicorn.access").setLevel(logging.INFO)
-    server = HttpServer(config, on_ready)
+    A stop tells every API server to stop listening; requests in flight get DRAIN_S to
+    finish, then the engine fails them (a stream ends with an error event), before the API
+    servers' own GRACEFUL_S would cancel them mid-response. A forced stop fails them at once.
+    An API server that dies has its requests aborted; the others keep serving (with none
+    left the core stops)."""
+    from prometheus_client.multiprocess import mark_process_dead
+
+    from helios_logprobs.collectives.frontend import CoreSockets
+    from helios_logprobs.runtime.frontend.core_endpoint import CoreEndpoint
+    from helios_logprobs.runtime.http.metrics import frame_bytes_of
+
+    count = args.api_server_count
+    directory = tempfile.mkdtemp(prefix="helios-")
+    metrics_dir = os.path.join(directory, "metrics")
+    os.mkdir(metrics_dir)
+    sockets = CoreSockets(directory, count)
+    endpoint = CoreEndpoint(engine, sockets, count, frame_bytes_of(engine)).start()
+    servers = [start_api_server(i, argv, listener, directory, model_dir, metrics_dir)
+               for i in range(count)]
+    stopping = threading.Event()
     healthy_at_stop: list[bool] = []
 
-    def fail_in_flight() -> None:
-        engine.fail("the server is shutting down")
+    def watch_servers() -> None:
+        alive = set(range(count))
+        while alive:
+            for i in sorted(alive):
+                status = servers[i].poll()
+                if status is not None:
+                    alive.discard(i)
+                    mark_process_dead(servers[i].pid, metrics_dir)
+                    endpoint.server_gone(i, f"exit status {status}", quiet=stopping.is_set())
+            time.sleep(0.2)
+        if not stopping.is_set():
+            stop.request("every API server is gone")
 
     def exit_now() -> None:
         healthy_at_stop.append(engine.healthy())
-        server.should_exit = True
-        drain = threading.Timer(DRAIN_S, fail_in_flight)
+        stopping.set()
+        endpoint.shutdown(stop.reason or "stop")
+        drain = threading.Timer(DRAIN_S, lambda: engine.fail("the server is shutting down"))
         drain.daemon = True
         drain.start()
 
     def force() -> None:
-        fail_in_flight()
-        server.force_exit = True
+        engine.fail("the server is shutting down")
+        for process in servers:
+            with contextlib.suppress(OSError):
+                process.terminate()
 
+    threading.Thread(target=watch_servers, name="watch-api-servers", daemon=True).start()
     stop.on_stop(exit_now)
     stop.on_force(force)
     stop.serving()
-    server.run(sockets=[listener])
+    try:
+        if endpoint.wait_ready(API_SERVER_START_S):
+            on_ready(listener.getsockname()[1])
+        elif not stopping.is_set():
+            say("error: an API server did not start (its error is above)")
+            healthy_at_stop.append(False)
+            stop.request("an API server did not start")
+        while not stopping.wait(0.5):
+            pass
+        deadline = time.monotonic() + DRAIN_S + GRACEFUL_S + 2
+        for process in servers:
+            try:
+                process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+    finally:
+        endpoint.close()
+        sockets.close()
+        shutil.rmtree(directory, ignore_errors=True)
     return healthy_at_stop[0] if healthy_at_stop else engine.healthy()
+
+
+def start_api_server(index: int, argv: list[str], listener: socket.socket, directory: str,
+                     model_dir, metrics_dir: str) -> subprocess.Popen:
+    """API server ``index`` (launch.api_server), holding ``listener``; not a rank (no RANK in
+    its environment), in this process's group (a terminal's Ctrl-C reaches it too); its
+    metrics go to ``metrics_dir``, shared by every API server."""
+    from helios_logprobs.launch.api_server import ARGV_ENV, SETTINGS_ENV, settings_env
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK")}
+    env[SETTINGS_ENV] = settings_env(index, listener.fileno(), directory, os.getpid(),
+                                     str(model_dir))
+    env[ARGV_ENV] = json.dumps(argv)
+    env["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    env["OMP_NUM_THREADS"] = "1"  # (no torch work there: no thread pool beside the step's)
+    return subprocess.Popen([sys.executable, "-m", "helios_logprobs.launch.api_server"],
+                            env=env, pass_fds=(listener.fileno(),))
+
+
+def queue_limit(args, engine) -> int | None:
+    """The admission limit every API server applies (create_app's default)."""
+    from helios_logprobs.runtime.http.metrics import default_queue_limit
+
+    if args.max_queued_requests is not None:
+        return args.max_queued_requests
+    return default_queue_limit(engine.config.capacity)
 
 
 def build_app(args, engine, model_dir):
@@ -242,7 +314,6 @@ def main(argv: list[str] | None = None) -> int:
             cluster = join(args)
             if cluster.is_coordinator:
                 engine = cluster.engine(stop)
-                app = build_app(args, engine, cluster.config.model_dir)
         except Interrupted:
             return 0
         except Exception as exc:
@@ -253,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
             return cluster.run_peer(stop)
         info, world = engine.info, cluster.world
         try:
-            sizing = capacity_line(engine, world, app.state.admission.limit)
+            sizing = capacity_line(engine, world, queue_limit(args, engine))
         except Exception as exc:  # noqa: BLE001 - a report, never a reason not to serve
             sizing = f"capacity summary unavailable ({type(exc).__name__}: {exc})"
 
@@ -275,8 +346,8 @@ def main(argv: list[str] | None = None) -> int:
                     say(native_line)
 
         settle_heap()  # the app's objects too
-        healthy = serve_http(app, engine, listener, stop, on_ready,
-                             access_log=not args.disable_uvicorn_access_log)
+        healthy = serve_http(args, list(sys.argv[1:] if argv is None else argv), engine,
+                             config.model_dir, listener, stop, on_ready)
         return 0 if healthy else 1
     except Interrupted:
         return 0

@@ -146,6 +146,9 @@ def serve_parser(prog: str = "helios_logprobs.launch.serve",
     add("--max-queued-requests", type=_positive, default=None,
         help="engine requests (one per choice) waiting or running at once; beyond it HTTP 429 "
              "with Retry-After; default: 4 x --max-num-seqs")
+    add("--api-server-count", "-asc", type=_positive, default=1, metavar="N",
+        help="API server processes (HTTP, tokenization, detokenization, the wire format) "
+             "beside the engine core, sharing the port (vLLM's --api-server-count)")
     add("--tensor-parallel-size", "-tp", "--tp", type=_positive, default=None, metavar="N",
         help="ranks (processes): helios-serve starts torchrun with this many; default: 1, or "
              "under a bare torchrun its world size")

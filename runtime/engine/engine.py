@@ -47,7 +47,8 @@ class Engine:
         max_pending_events: int | None = None,
     ) -> None:
         """``max_pending_events``: the bound of each generate() consumer's queue (see Sink);
-        None: 64 frames of T events."""
+        None: 64 frames of T events. ``on_step_end``: called on the step thread after each
+        step's events are delivered (the engine core's endpoint sends them then)."""
         self.step = step
         self.max_pending_events = max_pending_events or 64 * step.outputs.token_capacity
         self.info = info
@@ -64,6 +65,7 @@ class Engine:
         self._stopped = False
         self._failure: str | None = None
         self._thread = threading.Thread(target=self._loop, name="engine-step", daemon=True)
+        self.on_step_end: Callable[[], None] = lambda: None
 
     # ----------------------------------------------------------------- public API
     def start(self) -> Engine:
@@ -152,6 +154,11 @@ class Engine:
             incoming = []
         return [list(sink.events) for sink in sinks]
 
+    def submit(self, prompt_ids: list[int], params: SamplingParams, sink) -> Request:
+        """Queue a request whose events go to ``sink`` (any object with Sink's put/put_all):
+        the engine core's endpoint; raises RequestError or EngineError."""
+        return self._submit(prompt_ids, params, sink)
+
     def abort(self, request: Request) -> None:
         with self._lock:
             self._aborted.add(request.ordinal)
@@ -216,6 +223,7 @@ class Engine:
         self.step.run(plan)
         with WAKEUPS.batch():  # (one wake-up per event loop for the whole step)
             self._deliver(plan, carried)
+        self.on_step_end()
 
     def _deliver(self, plan: StepPlan, carried: list[Request]) -> None:
         if plan.scored is not None:
@@ -271,6 +279,7 @@ class Engine:
             if not request.done:
                 request.done = True
                 request.sink.put(EngineError(f"request failed: {reason}"))
+        self.on_step_end()
 
     def fail(self, reason: str) -> None:
         """Called from outside the step thread (e.g. a dead peer noticed by the heartbeat)."""

@@ -55,6 +55,7 @@ from helios_logprobs.runtime.http.metrics import (
     RETRY_AFTER_S,
     Admission,
     Metrics,
+    Observed,
     ServerStats,
     default_queue_limit,
 )
@@ -162,6 +163,7 @@ def create_app(engine: EngineClient, model_dir: str | Path,
     stats = ServerStats()
     metrics = Metrics(engine, admission, stats)
     app.state.engine = engine
+    observed = Observed(engine, stats)
     app.state.assets = assets
     app.state.admission = admission
     app.state.stats = stats
@@ -221,7 +223,7 @@ def create_app(engine: EngineClient, model_dir: str | Path,
         return None
 
     def overloaded() -> Response:
-        stats.rejected["queue_full"] += 1
+        stats.reject("queue_full")
         return error_response(
             f"the server is at its limit of {admission.limit} queued requests (waiting + "
             f"running, --max-queued-requests); retry after {RETRY_AFTER_S} s",
@@ -229,16 +231,18 @@ def create_app(engine: EngineClient, model_dir: str | Path,
         )
 
     def admitted(prepared: Any) -> None:
-        stats.prompt_tokens += prepared.totals.prompt_tokens
+        stats.prompt_tokens.inc(prepared.totals.prompt_tokens)
+        stats.admitted.inc(len(prepared.jobs))
         req = prepared.request
         if prepared.mode is not None or req.prompt_logprobs is not None:
-            stats.logprob_requests += 1
+            stats.logprob_requests.inc()
 
     def ended(prepared: Any, reasons: list[str | None]) -> None:
         admission.release(len(prepared.jobs))
-        stats.generation_tokens += prepared.totals.completion_tokens
+        stats.admitted.dec(len(prepared.jobs))
+        stats.generation_tokens.inc(prepared.totals.completion_tokens)
         for reason in reasons:
-            stats.finished[reason or "abort"] += 1
+            stats.finish(reason)
 
     def streamed(prepared: Any, chunks: AsyncIterator[dict[str, Any]], framing) -> Response:
         reasons: dict[int, str] = {}
@@ -273,7 +277,7 @@ def create_app(engine: EngineClient, model_dir: str | Path,
         req = await parse_body(request, model, max_request_bytes)
         if isinstance(req, Response):
             if req.status_code == 413:
-                stats.rejected["too_large"] += 1
+                stats.reject("too_large")
             return req
         prepare, whole, chunks, framing = handlers[type(req)]
         refused = precheck(req)
@@ -289,10 +293,10 @@ def create_app(engine: EngineClient, model_dir: str | Path,
         if log_requests:
             log_request(request.url.path, prepared)
         if req.stream:
-            return streamed(prepared, chunks(prepared, engine, assets), framing)
+            return streamed(prepared, chunks(prepared, observed, assets), framing)
         reasons: list[str | None] = [None] * len(prepared.jobs)
         try:
-            work = asyncio.ensure_future(whole(prepared, engine, assets))
+            work = asyncio.ensure_future(whole(prepared, observed, assets))
             gone = asyncio.ensure_future(until_disconnected(request))
             try:
                 await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
@@ -337,7 +341,7 @@ def create_app(engine: EngineClient, model_dir: str | Path,
         req = await parse_body(request, model, max_request_bytes)
         if isinstance(req, Response):
             if req.status_code == 413:
-                stats.rejected["too_large"] += 1
+                stats.reject("too_large")
             return req
         if not assets.accepts_model(req.model):
             return error_response(f"The model `{req.model}` does not exist.", "model", 404)

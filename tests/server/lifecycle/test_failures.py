@@ -196,7 +196,8 @@ def test_a_hung_peer_ends_the_whole_job_within_seconds(tmp_path):
         elapsed = time.monotonic() - started
         assert not server.running(), "the job outlived its hung peer by a minute"
         assert elapsed < 20, f"the job took {elapsed:.1f} s to go away"
-        assert "stopped answering" in server.log_tail()
+        # (the whole log: the API server's access lines and torchrun's report come after it)
+        assert "stopped answering" in server.log_path.read_text(errors="replace")
     finally:
         if stopped is not None:
             try:
