@@ -4,6 +4,7 @@ with q/k rows permuted and one quantization type per tensor kind (tests of ranks
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -25,9 +26,12 @@ def permute(w: np.ndarray, heads: int) -> np.ndarray:
         w.shape)
 
 
-def write_gguf(hf_dir: Path, path: Path, arch: str = "llama", rope_theta: float = 5000.0
-               ) -> Path:
-    """``hf_dir``'s checkpoint as llama.cpp writes it (q/k permuted for llama only)."""
+def write_gguf(hf_dir: Path, path: Path, arch: str = "llama", rope_theta: float = 5000.0,
+               types: dict[str, Q] | None = None,
+               encode: Callable[[np.ndarray, Q], np.ndarray] = gguf.quants.quantize) -> Path:
+    """``hf_dir``'s checkpoint as llama.cpp writes it (q/k permuted for llama only): a 2-D
+    tensor of kind ``k`` (``attn_q``, ``token_embd``, ...) as ``types[k]`` (default TYPES, F32
+    if absent) through ``encode(array, qtype)``, which returns its raw blocks."""
     from safetensors.torch import load_file
 
     config = json.loads((hf_dir / "config.json").read_text())
@@ -61,8 +65,8 @@ def write_gguf(hf_dir: Path, path: Path, arch: str = "llama", rope_theta: float 
         elif permuted and ".attn_k." in target:
             array = permute(array, config["num_key_value_heads"])
         kind = target.split(".")[-2]
-        qtype = TYPES.get(kind, Q.F32) if array.ndim == 2 else Q.F32
-        data = gguf.quants.quantize(array, qtype)
+        qtype = (TYPES if types is None else types).get(kind, Q.F32) if array.ndim == 2 else Q.F32
+        data = encode(array, qtype)
         writer.add_tensor(target, data, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
