@@ -15,7 +15,13 @@ rounds to show against this machine's noise, and no number of rounds helps while
 high: rerun then.
 
     python -m bench.serve [--large-vocab] [--requests 256] [--max-tokens 32] [--stream] [--chat]
-        [--repeat 3] [--concurrency 16 --capacity 16]
+        [--repeat 3] [--concurrency 16 --capacity 16] [--serve-arg=--api-server-count=2]
+        [--baseline-root /tmp/old] [--baseline-arg ...] [--modes none,0,20]
+
+With --baseline-root (a `git worktree` of another commit) or --baseline-arg, a second server
+runs the same modes in every round, interleaved with the first; the last table gives each
+mode's tokens/s on both, the median over rounds of their ratio, and (streaming) the median
+time to first response bytes.
 """
 
 from __future__ import annotations
@@ -46,6 +52,8 @@ class Result:
     bytes: int
     steal: float | None = None
     """The share of the host's CPU time stolen by the hypervisor during the run."""
+    ttft_p50: float | None = None
+    """Streaming: the median time from sending a request to its first response bytes."""
 
     @property
     def rps(self) -> float:
@@ -63,11 +71,12 @@ class Result:
 MODES = (("no logprobs", None), ("logprobs=0", 0), ("logprobs=20", 20))
 
 
-def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+def start_server(args: argparse.Namespace, extra: list[str],
+                 root: Path | None = None) -> tuple[subprocess.Popen, str]:
     if args.large_vocab:
         args.model = str(large_vocab_model())
     model = ["--model", args.model] if args.model else []
-    return server.start_server(["--capacity", str(args.capacity), *model])
+    return server.start_server(["--capacity", str(args.capacity), *model, *extra], root=root)
 
 
 def request_body(args: argparse.Namespace, model: str, i: int, logprobs: int | None) -> dict:
@@ -93,19 +102,29 @@ async def run(args: argparse.Namespace, url: str, model: str, name: str,
     for i in range(args.requests):
         queue.put_nowait(i)
     totals = {"tokens": 0, "bytes": 0}
+    firsts: list[float] = []
 
     async def worker(client: httpx.AsyncClient) -> None:
         while not queue.empty():
             i = queue.get_nowait()
-            response = await client.post(path, json=request_body(args, model, i, logprobs))
-            response.raise_for_status()
-            body = response.content
-            totals["bytes"] += len(body)
+            body = request_body(args, model, i, logprobs)
             if args.stream:
-                last = [b for b in body.split(b"\n\n") if b.startswith(b"data: {")][-1]
+                sent, pieces = time.perf_counter(), []
+                async with client.stream("POST", path, json=body) as response:
+                    response.raise_for_status()
+                    async for piece in response.aiter_bytes():
+                        if not pieces:
+                            firsts.append(time.perf_counter() - sent)
+                        pieces.append(piece)
+                content = b"".join(pieces)
+                last = [b for b in content.split(b"\n\n") if b.startswith(b"data: {")][-1]
                 usage = httpx.Response(200, content=last[6:]).json()["usage"]
             else:
+                response = await client.post(path, json=body)
+                response.raise_for_status()
+                content = response.content
                 usage = response.json()["usage"]
+            totals["bytes"] += len(content)
             totals["tokens"] += usage["completion_tokens"]
 
     limits = httpx.Limits(max_connections=args.concurrency)
@@ -113,7 +132,9 @@ async def run(args: argparse.Namespace, url: str, model: str, name: str,
         counters, start = cpu_counters(), time.perf_counter()
         await asyncio.gather(*(worker(client) for _ in range(args.concurrency)))
         seconds, stolen = time.perf_counter() - start, steal_share(counters, cpu_counters())
-    return Result(name, seconds, args.requests, totals["tokens"], totals["bytes"], stolen)
+    ttft = statistics.median(firsts) if firsts else None
+    return Result(name, seconds, args.requests, totals["tokens"], totals["bytes"], stolen,
+                  ttft)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -131,27 +152,72 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--stream", action="store_true")
     parser.add_argument("--chat", action="store_true")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
+                        help="one more launch.serve argument, e.g. "
+                             "--serve-arg=--api-server-count=2")
+    parser.add_argument("--baseline-root", type=Path, default=None,
+                        help="also run a second server from this checkout (a `git worktree` of "
+                             "an older commit), interleaved with the first in every round")
+    parser.add_argument("--baseline-arg", action="append", default=[], metavar="ARG",
+                        help="launch.serve arguments of the second server (implies one)")
+    parser.add_argument("--modes", default="none,0,20",
+                        help="logprobs of each mode: none, 0, 20 (default all three)")
     args = parser.parse_args(argv)
-    proc = None
-    url = args.url
-    if url is None:
-        proc, url = start_server(args)
+    modes = [m for m in MODES if (m[1] is None and "none" in args.modes.split(","))
+             or str(m[1]) in args.modes.split(",")]
+    servers: dict[str, str] = {}
+    procs = []
     try:
-        model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        if args.url is not None:
+            servers["server"] = args.url
+        else:
+            proc, servers["server"] = start_server(args, args.serve_arg)
+            procs.append(proc)
+        if args.baseline_root is not None or args.baseline_arg:
+            proc, servers["baseline"] = start_server(args, args.baseline_arg, args.baseline_root)
+            procs.append(proc)
+        model = httpx.get(servers["server"] + "/v1/models").json()["data"][0]["id"]
         warm = argparse.Namespace(**{**vars(args), "requests": args.concurrency})
-        asyncio.run(run(warm, url, model, "warmup", 20))
-        runs: dict[str, list[Result]] = {name: [] for name, _ in MODES}
+        for url in servers.values():
+            asyncio.run(run(warm, url, model, "warmup", 20))
+        runs: dict[tuple[str, str], list[Result]] = {
+            (s, name): [] for s in servers for name, _ in modes}
         for repeat in range(args.repeat):
-            for name, lp in MODES[repeat % 3:] + MODES[: repeat % 3]:
-                runs[name].append(asyncio.run(run(args, url, model, name, lp)))
+            order = list(servers.items())
+            order = order[repeat % len(order):] + order[: repeat % len(order)]
+            for name, lp in modes[repeat % len(modes):] + modes[: repeat % len(modes)]:
+                for label, url in order:
+                    runs[label, name].append(asyncio.run(run(args, url, model, name, lp)))
     finally:
-        if proc is not None:
+        for proc in procs:
             server.stop_server(proc)
-    results = [median_result(name, runs[name]) for name, _ in MODES]
-    base = results[0]
     kind = "chat" if args.chat else "completions"
     print(f"{kind}, stream={args.stream}, {args.concurrency} clients, {args.requests} requests, "
           f"max_tokens={args.max_tokens}, median of {args.repeat}")
+    for label in servers:
+        extra = args.serve_arg if label == "server" else args.baseline_arg
+        where = args.baseline_root if label == "baseline" and args.baseline_root else ROOT
+        print(f"{label}: {where} {' '.join(extra)}")
+        print_modes({name: runs[label, name] for name, _ in modes})
+    if len(servers) == 2:
+        print(f"{'mode':<13}{'server tok/s':>14}{'baseline':>10}{'x (paired)':>12}"
+              f"{'TTFT p50 ms':>13}{'baseline':>10}")
+        for name, _ in modes:
+            a, b = runs["server", name], runs["baseline", name]
+            paired = statistics.median(x.tps / y.tps for x, y in zip(a, b, strict=True))
+            ta, tb = median_result(name, a), median_result(name, b)
+            print(f"{name:<13}{ta.tps:>14.1f}{tb.tps:>10.1f}{paired:>12.3f}"
+                  f"{ttft_text(a):>13}{ttft_text(b):>10}")
+
+
+def ttft_text(results: list[Result]) -> str:
+    values = [r.ttft_p50 for r in results if r.ttft_p50 is not None]
+    return f"{1000 * statistics.median(values):.0f}" if values else "-"
+
+
+def print_modes(runs: dict[str, list[Result]]) -> None:
+    results = [median_result(name, rs) for name, rs in runs.items()]
+    base = results[0]
     print(f"{'run':<13}{'req/s':>9}{'tok/s':>10}{'bytes/resp':>12}"
           f"{'tok/s x':>9}{'quartiles':>13}{'of medians':>12}{'bytes x':>9}{'steal':>7}")
     for r in results:

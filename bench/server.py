@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -21,13 +22,28 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(serve_args: list[str], timeout_s: float = 300.0) -> tuple[subprocess.Popen, str]:
-    """`python -m helios_logprobs.launch.serve` on a free loopback port with ``serve_args``;
-    (process, URL) once /health answers 200."""
+def package_shim(root: Path) -> Path:
+    """A folder that makes ``helios_logprobs`` import from the checkout ``root`` (e.g. a
+    `git worktree` of an older commit) ahead of this checkout's editable install."""
+    shim = Path(tempfile.gettempdir()) / f"helios-shim-{abs(hash(str(root.resolve())))}"
+    package = shim / "helios_logprobs"
+    package.mkdir(parents=True, exist_ok=True)
+    for folder in ("runtime", "ranks", "kernels", "collectives", "launch"):
+        link = package / folder
+        if not link.is_symlink():
+            link.symlink_to(root.resolve() / folder)
+    return shim
+
+
+def start_server(serve_args: list[str], timeout_s: float = 300.0,
+                 root: Path | None = None) -> tuple[subprocess.Popen, str]:
+    """`python -m helios_logprobs.launch.serve` on a free loopback port with ``serve_args``
+    (from the checkout ``root``: default this one); (process, URL) once /health answers 200."""
     port = free_port()
     cmd = [sys.executable, "-m", "helios_logprobs.launch.serve", "--host", "127.0.0.1",
            "--port", str(port), *serve_args]
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    path = str(ROOT) if root is None else f"{package_shim(root)}{os.pathsep}{root}"
+    env = dict(os.environ, PYTHONPATH=path)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
