@@ -118,7 +118,9 @@ class RemoteEngine:
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[PromptScores | GeneratedToken | Finished]:
-        checked_spec(self.info, prompt_ids, params)
+        """The request's events. The caller has checked it (``check``: the endpoints do, for
+        every choice, before anything streams); the engine core builds its spec once more,
+        with the ordinal, and refuses it there with an error event."""
         if self._failure is not None:
             raise EngineError(f"engine is unhealthy: {self._failure}")
         sink = Sink(asyncio.get_running_loop(), self.max_pending_events)

@@ -177,12 +177,12 @@ def prepare_chat(
                 params.logprobs, params.logprob_token_ids, info.vocab_size, info.max_logprobs,
                 info.supports_token_ids, count_param="top_logprobs",
             )
-            try:
-                engine.check(ids, params)
-            except RequestError as exc:
-                if exc.param != "prompt":
-                    raise
-                raise RequestError("messages", exc.message) from exc
+        try:
+            engine.check(ids, params)  # (every choice: a 400 before anything streams)
+        except RequestError as exc:
+            if exc.param != "prompt":
+                raise
+            raise RequestError("messages", exc.message) from exc
         jobs.append(ChoiceJob(i, ids, params, stops, req.include_stop_str_in_output,
                               req.skip_special_tokens))
     role = "assistant" if req.add_generation_prompt else messages[-1].role

@@ -205,8 +205,7 @@ def prepare_completion(
                 prompt_logprobs=engine_prompt_logprobs, bad_words=bad_words,
                 stop_token_entry=echo_logprobs,
             )
-            if i == 0:
-                engine.check(ids, params)
+            engine.check(ids, params)  # (every choice: a 400 before anything streams)
             index = p * req.n + i
             jobs.append(ChoiceJob(
                 index, ids, params, stops, req.include_stop_str_in_output,
