@@ -21,23 +21,17 @@ import time
 import uvicorn
 
 from helios_logprobs.collectives.frontend import ServerSockets
-from helios_logprobs.launch.serve import GRACEFUL_S, HttpServer, build_app
+from helios_logprobs.launch.serve import ARGV_ENV, GRACEFUL_S, SETTINGS_ENV, HttpServer, build_app
 from helios_logprobs.launch.serve_options import parse_serve_args
 from helios_logprobs.launch.signals import exit_process
 from helios_logprobs.runtime.frontend.remote_engine import RemoteEngine
 
 log = logging.getLogger("launch")
-SETTINGS_ENV, ARGV_ENV = "HELIOS_API_SERVER", "HELIOS_SERVE_ARGV"
 WATCH_S = 0.25
 """How often the process looks for its engine core."""
 CORE_GONE_GRACE_S = 1.0
 """After the core is gone, uvicorn's graceful stop ends the connections in flight (their
 error events sent); this much later the process exits regardless."""
-
-
-def settings_env(index: int, fd: int, directory: str, core_pid: int, model_dir: str) -> str:
-    return json.dumps({"index": index, "fd": fd, "directory": directory,
-                       "core_pid": core_pid, "model_dir": model_dir})
 
 
 def main() -> int:

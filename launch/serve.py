@@ -248,13 +248,20 @@ def serve_http(args, argv: list[str], engine, model_dir, listener: socket.socket
     return healthy_at_stop[0] if healthy_at_stop else engine.healthy()
 
 
+SETTINGS_ENV, ARGV_ENV = "HELIOS_API_SERVER", "HELIOS_SERVE_ARGV"
+"""What launch.api_server reads from its environment: its settings and the serve argv."""
+
+
+def settings_env(index: int, fd: int, directory: str, core_pid: int, model_dir: str) -> str:
+    return json.dumps({"index": index, "fd": fd, "directory": directory,
+                       "core_pid": core_pid, "model_dir": model_dir})
+
+
 def start_api_server(index: int, argv: list[str], listener: socket.socket, directory: str,
                      model_dir, metrics_dir: str) -> subprocess.Popen:
     """API server ``index`` (launch.api_server), holding ``listener``; not a rank (no RANK in
     its environment), in this process's group (a terminal's Ctrl-C reaches it too); its
     metrics go to ``metrics_dir``, shared by every API server."""
-    from helios_logprobs.launch.api_server import ARGV_ENV, SETTINGS_ENV, settings_env
-
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK")}
     env[SETTINGS_ENV] = settings_env(index, listener.fileno(), directory, os.getpid(),

@@ -4,10 +4,13 @@ per-slot KV cache."""
 from __future__ import annotations
 
 from helios_logprobs.ranks.model.config import ModelConfig
-from helios_logprobs.ranks.model.errors import ModelConfigError, UnsupportedModelError
+from helios_logprobs.ranks.model.errors import (
+    ModelConfigError,
+    UnsupportedModelError,
+    WeightLoadError,
+)
 from helios_logprobs.ranks.model.llama import KVCache, ShardedCausalLM
 from helios_logprobs.ranks.model.sharding import ShardLayout, head_shard, shard_layout, vocab_shard
-from helios_logprobs.ranks.model.weights import WeightLoadError
 
 __all__ = [
     "KVCache",

@@ -7,5 +7,9 @@ class UnsupportedModelError(ValueError):
     """The checkpoint uses a feature this runtime does not implement."""
 
 
+class WeightLoadError(ValueError):
+    """A checkpoint tensor is missing, has the wrong shape, or the files are unreadable."""
+
+
 class ModelConfigError(ValueError):
     """config.json lacks a field or holds a value no checkpoint of its kind can have."""

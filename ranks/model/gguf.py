@@ -17,7 +17,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from helios_logprobs.ranks.model.errors import ModelConfigError, UnsupportedModelError
+from helios_logprobs.ranks.model.errors import (
+    ModelConfigError,
+    UnsupportedModelError,
+    WeightLoadError,
+)
 
 GGUF_FILE = "model.gguf"
 """The name under which a prepared folder links its GGUF file (launch/gguf_folder.py)."""
@@ -78,7 +82,6 @@ class GGUFCheckpointReader:
     """CheckpointReader's interface (``has``, ``read``, a context manager) over a GGUF file."""
 
     def __init__(self, path: str | Path, reader: Any | None = None) -> None:
-        from helios_logprobs.ranks.model.weights import WeightLoadError
 
         self.path = Path(path)
         self._error = WeightLoadError

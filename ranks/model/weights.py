@@ -20,6 +20,7 @@ import torch
 from safetensors import safe_open
 
 from helios_logprobs.ranks.model.config import ModelConfig
+from helios_logprobs.ranks.model.errors import WeightLoadError
 from helios_logprobs.ranks.model.sharding import ShardLayout
 
 SINGLE_FILE = "model.safetensors"
@@ -27,10 +28,6 @@ INDEX_FILE = "model.safetensors.index.json"
 
 LoadProgress = Callable[[int, int], None]
 """``progress(done, total)``: ``done`` of ``total`` parts of a shard are loaded."""
-
-
-class WeightLoadError(ValueError):
-    """A checkpoint tensor is missing, has the wrong shape, or the files are unreadable."""
 
 
 @dataclass
