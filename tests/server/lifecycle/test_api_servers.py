@@ -25,6 +25,7 @@ pytestmark = pytest.mark.slow
 
 STREAM = {"prompt": [5, 6, 9], "temperature": 0.0, "ignore_eos": True, "logprobs": 2,
           "stream": True, "return_tokens_as_token_ids": True}
+LONG = 500
 
 
 def api_servers(core_pid: int) -> list[int]:
@@ -111,23 +112,28 @@ def model_dir(tmp_path):
 
 
 def test_an_api_server_killed_mid_stream(model_dir, tmp_path):
-    server = launch("asc2", model_dir, 1, ["--capacity", "8", "--api-server-count", "2"],
-                    tmp_path)
+    # The tiny model's whole context (512), so no stream can end before the last one starts.
+    server = launch("asc2", model_dir, 1, ["--capacity", "16", "--api-server-count", "2",
+                                           "--max-model-len", "512"], tmp_path)
     try:
         server.wait_healthy()
         pids = api_servers(server.pid)
         assert len(pids) == 2, pids
-        reference = Stream(server, 240)
+        reference = Stream(server, LONG)
         reference.run()
-        # Streams until each API server holds at least one (the kernel picks the accepter).
+        # Streams, four at a time and all connected before any is waited on, until each API
+        # server holds at least one (whichever process is awake accepts a connection).
         streams: list[Stream] = []
         owners: dict[int, list[Stream]] = {pid: [] for pid in pids}
-        while (not all(owners.values()) or len(streams) < 4) and len(streams) < 8:
-            stream = Stream(server, 240)
-            stream.start()
-            assert stream.started_event.wait(60)
-            streams.append(stream)
-            owners[connection_owner(server.port, stream.client_port, pids)].append(stream)
+        while not all(owners.values()) and len(streams) < 12:
+            batch = [Stream(server, LONG) for _ in range(4)]
+            for stream in batch:
+                stream.start()
+            for stream in batch:
+                assert stream.started_event.wait(60)
+                streams.append(stream)
+                owners[connection_owner(server.port, stream.client_port, pids)].append(stream)
+        assert all(stream.is_alive() for stream in streams), "a stream ended before the kill"
         assert all(owners.values()), "every stream went to one API server"
         # /metrics, asked of either API server: the engine core's gauges, and the servers'
         # own counts added up over both (each holds some of the streams).
@@ -152,7 +158,7 @@ def test_an_api_server_killed_mid_stream(model_dir, tmp_path):
         assert gauge(server, "num_requests_running") == 0
         again = httpx.post(server.url + "/v1/completions", timeout=60,
                            json={**STREAM, "stream": False, "model": model_dir.name,
-                                 "max_tokens": 240})
+                                 "max_tokens": LONG})
         assert again.status_code == 200
         assert again.json()["choices"][0]["logprobs"]["tokens"] == reference.tokens()
         assert server.running() and api_servers(server.pid) == [survivor]
