@@ -1,0 +1,1 @@
+"""Structured outputs: request-side specs, xgrammar grammars and token bitmasks."""
