@@ -58,4 +58,6 @@ def build_engine(
         reasoning=scheduler.reasoning,
     )
     pending = config.max_pending_frames * step.outputs.token_capacity
-    return Engine(step, info, scheduler, broadcast, max_pending_events=pending)
+    engine = Engine(step, info, scheduler, broadcast, max_pending_events=pending)
+    engine.model_dir = str(config.model_dir)
+    return engine

@@ -25,6 +25,7 @@ from helios_logprobs.ranks.step import RankStep
 from helios_logprobs.runtime.engine.client import EngineInfo, SamplingParams
 from helios_logprobs.runtime.engine.executor import FrameExecutor
 from helios_logprobs.runtime.engine.frame_reader import SpeculationCounters, read_frame
+from helios_logprobs.runtime.engine.pause import PausedCall, PauseState
 from helios_logprobs.runtime.engine.prompt_reader import PromptReader
 from helios_logprobs.runtime.engine.scheduler import (
     Request,
@@ -66,6 +67,10 @@ class Engine:
         self._failure: str | None = None
         self._thread = threading.Thread(target=self._loop, name="engine-step", daemon=True)
         self.on_step_end: Callable[[], None] = lambda: None
+        self._pause = PauseState()
+        self.model_dir: str | None = None
+        """The served checkpoint folder (weight updates check a new one against it)."""
+        self.weight_updates = {"succeeded": 0, "failed": 0}
 
     # ----------------------------------------------------------------- public API
     def start(self) -> Engine:
@@ -164,6 +169,81 @@ class Engine:
             self._aborted.add(request.ordinal)
             self._lock.notify_all()
 
+    # ----------------------------------------------------------------- pause / resume
+    def pause(self, mode: str = "abort", timeout: float | None = None) -> bool:
+        """Pause (runtime/engine/pause.py for ``mode``); True once it took effect, False
+        after ``timeout`` seconds or when the engine failed meanwhile."""
+        with self._lock:
+            self._pause.request(mode, self._ordinal)
+            self._lock.notify_all()
+            return self._lock.wait_for(
+                lambda: self._pause.paused or self._failure is not None or self._stopped,
+                timeout) and self._pause.paused
+
+    def resume(self) -> None:
+        with self._lock:
+            left = self._pause.resume()
+            self._lock.notify_all()
+        for call in left:
+            call.future.set_exception(RuntimeError("the engine resumed before the call ran"))
+
+    def is_paused(self) -> bool:
+        with self._lock:
+            return self._pause.active
+
+    def run_paused(self, fn: Callable[[], object], timeout: float | None = None) -> object:
+        """``fn()`` on the step thread while the engine is paused (RuntimeError when it is
+        not); its result, or its exception raised here."""
+        call = PausedCall(fn)
+        with self._lock:
+            if not self._pause.paused:
+                raise RuntimeError("the engine is not paused")
+            self._pause.calls.append(call)
+            self._lock.notify_all()
+        return call.future.result(timeout)
+
+    def _has_work(self) -> bool:
+        """Under the lock: whether the step thread has anything to do."""
+        pause = self._pause
+        if self._aborted or pause.settling():
+            return True
+        if pause.paused:
+            return bool(pause.calls)
+        return bool(self._incoming) or self.scheduler.has_work()
+
+    def _settle_pause(self, incoming: list[Request], aborted: set[int]) -> None:
+        """One iteration while a pause is taking effect (see runtime/engine/pause.py)."""
+        mode = self._pause.mode
+        if mode == "wait":
+            if self.step_once(incoming, aborted):
+                return
+        elif mode == "abort":
+            self._drop_aborted(aborted)
+            pending = [r for r in incoming if r.ordinal not in aborted]
+            pending += list(self.scheduler.running.values()) + list(self.scheduler.waiting)
+            for request in pending:
+                if not request.done:
+                    self.scheduler.finish(request)
+                    request.done = True
+                    request.sink.put(Finished("abort"))
+            self.on_step_end()
+        else:
+            for request in incoming:
+                self.scheduler.add(request)
+            self._drop_aborted(aborted)
+        with self._lock:
+            if self._pause.settling() and self._pause.mode == mode:
+                self._pause.paused = True
+                self._lock.notify_all()
+
+    def _run_paused_calls(self, calls: list[PausedCall], aborted: set[int]) -> None:
+        self._drop_aborted(aborted)
+        for call in calls:
+            try:
+                call.future.set_result(call.fn())
+            except BaseException as exc:  # noqa: BLE001 - the caller gets it
+                call.future.set_exception(exc)
+
     # ----------------------------------------------------------------- step thread
     def _submit(self, prompt_ids: list[int], params: SamplingParams, sink: Sink) -> Request:
         """Checks the request (RequestError) and queues it with the spec the check built. The
@@ -186,14 +266,23 @@ class Engine:
         try:
             while True:
                 with self._lock:
-                    while not self._stopped and not self._incoming and not self._aborted \
-                            and not self.scheduler.has_work():
+                    while not self._stopped and not self._has_work():
                         self._lock.wait(0.5)
                     if self._stopped:
                         break
-                    incoming, self._incoming = self._incoming, []
                     aborted, self._aborted = self._aborted, set()
-                self.step_once(incoming, aborted)
+                    pause = self._pause
+                    incoming = [r for r in self._incoming if pause.admissible(r.ordinal)]
+                    self._incoming = [r for r in self._incoming  # (held while paused)
+                                      if not pause.admissible(r.ordinal)
+                                      and r.ordinal not in aborted]
+                    settling, calls = pause.settling(), pause.take_calls()
+                if settling:
+                    self._settle_pause(incoming, aborted)
+                elif calls or self._pause.paused:
+                    self._run_paused_calls(calls, aborted)
+                else:
+                    self.step_once(incoming, aborted)
         except BaseException as exc:  # noqa: BLE001 - any failure ends every request
             self._fail_all(f"{type(exc).__name__}: {exc}")
             raise

@@ -17,8 +17,11 @@ import numpy as np
 from helios_logprobs.collectives.codec import CodecError, decode, encode
 from helios_logprobs.ranks.contract.requests import RequestError
 from helios_logprobs.runtime.engine.engine import Engine
+from helios_logprobs.runtime.engine.weight_update import WeightControl
 from helios_logprobs.runtime.frontend.messages import (
     Abort,
+    ControlCall,
+    ControlReply,
     CoreStats,
     Hello,
     Ready,
@@ -50,6 +53,8 @@ def core_stats(engine: Engine) -> CoreStats:
         "spec_decode_num_accepted_tokens": speculation.accepted,
         "spec_decode_num_emitted_tokens": speculation.emitted,
     }
+    for outcome, count in getattr(engine, "weight_updates", {}).items():
+        values[f"rl_weight_update_{outcome}"] = count
     if engine.prompts is not None:
         values["prompt_logprob_rows"] = engine.prompts.rows_copied
         values["prompt_logprob_bytes_copied"] = engine.prompts.bytes_copied
@@ -187,10 +192,23 @@ class CoreEndpoint:
                               self.engine.max_pending_events, self.frame_bytes,
                               core_stats(self.engine))
             self.sockets.send(msg.index, encode(welcome))
+        elif isinstance(msg, ControlCall):  # (blocking calls: a thread each)
+            threading.Thread(target=self._control, args=(msg,), name="core-control",
+                             daemon=True).start()
         elif isinstance(msg, Ready):
             with self.ready_changed:
                 self.ready[msg.index] = msg.port
                 self.ready_changed.notify_all()
+
+    def _control(self, msg: ControlCall) -> None:
+        try:
+            status, body = WeightControl.for_engine(self.engine).handle(msg.op, msg.args)
+        except Exception as exc:  # noqa: BLE001 - the caller gets a 500
+            log.exception("control operation %s failed", msg.op)
+            status, body = 500, {"error": f"{type(exc).__name__}: {exc}", "param": None}
+        self.send_stats()  # (counters the answer changed, before the answer)
+        if msg.index not in self.gone:
+            self.sockets.send(msg.index, encode(ControlReply(msg.call_id, status, body)))
 
     def _submit(self, msg: Submit) -> None:
         if msg.index in self.gone:

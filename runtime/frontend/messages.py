@@ -1,6 +1,7 @@
 """The typed messages between the engine core and its API server processes (one codec:
-collectives/codec.py). API server -> core: Hello, Ready, Submit, Abort. Core -> API server:
-Welcome, StepOutputs (one per step: arrays, no per-token objects), CoreStats, Shutdown."""
+collectives/codec.py). API server -> core: Hello, Ready, Submit, Abort, ControlCall. Core ->
+API server: Welcome, StepOutputs (one per step: arrays, no per-token objects), CoreStats,
+Shutdown, ControlReply."""
 
 from __future__ import annotations
 
@@ -73,6 +74,31 @@ class Abort:
 
     def __post_init__(self) -> None:
         _check_index(self.index)
+
+
+@message("fe_control_call")
+@dataclass(frozen=True)
+class ControlCall:
+    """An operation on the engine core outside of requests (runtime/engine/weight_update.py:
+    pause, resume, is_paused, update_weights), answered by one ControlReply."""
+
+    index: int
+    call_id: int
+    op: str
+    args: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check_index(self.index)
+
+
+@message("fe_control_reply")
+@dataclass(frozen=True)
+class ControlReply:
+    """A ControlCall's answer: an HTTP status and a JSON body."""
+
+    call_id: int
+    status: int
+    body: dict
 
 
 @message("fe_core_stats")

@@ -25,6 +25,8 @@ from helios_logprobs.runtime.engine.engine import checked_spec
 from helios_logprobs.runtime.engine.sink import WAKEUPS, Sink
 from helios_logprobs.runtime.frontend.messages import (
     Abort,
+    ControlCall,
+    ControlReply,
     CoreStats,
     Hello,
     Ready,
@@ -69,6 +71,7 @@ class RemoteEngine:
         self._sinks: dict[int, Sink] = {}
         self._ids = itertools.count(1)
         self._failure: str | None = None
+        self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self.on_shutdown = lambda reason: None
         self._stopped = False
         self._thread = threading.Thread(target=self._receive, name="core-outputs", daemon=True)
@@ -143,12 +146,29 @@ class RemoteEngine:
                 sink.done.set()
                 self.sockets.send(encode(Abort(self.index, (request_id,))))
 
+    async def control(self, op: str, args: dict) -> tuple[int, dict]:
+        """An operation on the engine core (runtime/engine/weight_update.py): its HTTP status
+        and JSON body."""
+        if self._failure is not None:
+            raise EngineError(f"engine is unhealthy: {self._failure}")
+        loop = asyncio.get_running_loop()
+        call_id = next(self._ids)
+        self._calls[call_id] = (loop, answer := loop.create_future())
+        try:
+            if not self.sockets.send(encode(ControlCall(self.index, call_id, op, dict(args)))):
+                raise EngineError("the engine core is not taking requests")
+            return await answer
+        finally:
+            self._calls.pop(call_id, None)
+
     def fail(self, reason: str) -> None:
         """End every request in flight with EngineError (the core is gone)."""
         if self._failure is None:
             self._failure = reason
         for sink in list(self._sinks.values()):
             sink.put(EngineError(f"request failed: {reason}"))
+        for loop, answer in list(self._calls.values()):
+            loop.call_soon_threadsafe(_settle, answer, EngineError(f"engine failed: {reason}"))
 
     def close(self) -> None:
         self._stopped = True
@@ -173,6 +193,9 @@ class RemoteEngine:
                 self._mirror(msg)
             elif isinstance(msg, Shutdown):
                 self.on_shutdown(msg.reason)
+            elif isinstance(msg, ControlReply) and msg.call_id in self._calls:
+                loop, answer = self._calls[msg.call_id]
+                loop.call_soon_threadsafe(_settle, answer, (msg.status, msg.body))
 
     def _deliver(self, outputs: StepOutputs) -> None:
         too_slow: list[int] = []
@@ -188,6 +211,14 @@ class RemoteEngine:
                     too_slow.append(request_id)
         if too_slow:
             self.sockets.send(encode(Abort(self.index, tuple(too_slow))))
+
+
+def _settle(answer: asyncio.Future, outcome) -> None:
+    if not answer.done():
+        if isinstance(outcome, BaseException):
+            answer.set_exception(outcome)
+        else:
+            answer.set_result(outcome)
 
 
 def _grouped(events):

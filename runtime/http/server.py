@@ -3,7 +3,8 @@
 Routes: GET /health, GET /v1/models, GET /v1/models/{id}, POST /v1/completions,
 POST /v1/chat/completions,
 POST /v1/responses, and
-vLLM's tokenizer routes POST /tokenize, POST /detokenize, GET /tokenizer_info.
+vLLM's tokenizer routes POST /tokenize, POST /detokenize, GET /tokenizer_info; vLLM's
+token-in/token-out POST /inference/v1/generate and its weight-sync routes (endpoints/weights.py).
 Every refusal before admission is HTTP 400 with vLLM's error object naming the parameter;
 NaN or Infinity never reach a client (see runtime/http/responses.py).
 """
@@ -40,6 +41,12 @@ from helios_logprobs.runtime.http.endpoints.completions import (
     prepare_completion,
     stream_completion,
 )
+from helios_logprobs.runtime.http.endpoints.generate import (
+    GenerateRequest,
+    generate_whole,
+    prepare_generate,
+    stream_generate,
+)
 from helios_logprobs.runtime.http.endpoints.responses_api import (
     prepare_responses,
     respond,
@@ -51,6 +58,7 @@ from helios_logprobs.runtime.http.endpoints.tokenization import (
     tokenize_model,
     tokenizer_info,
 )
+from helios_logprobs.runtime.http.endpoints.weights import add_weight_routes
 from helios_logprobs.runtime.http.metrics import (
     RETRY_AFTER_S,
     Admission,
@@ -271,6 +279,7 @@ def create_app(engine: EngineClient, model_dir: str | Path,
         CompletionRequest: (prepare_completion, complete, stream_completion, sse_stream),
         ChatCompletionRequest: (prepare_chat, chat, stream_chat, sse_stream),
         ResponsesRequest: (prepare_responses, respond, stream_responses, sse_events),
+        GenerateRequest: (prepare_generate, generate_whole, stream_generate, sse_stream),
     }
 
     async def serve_request(request: Request, model) -> Response:
@@ -332,6 +341,12 @@ def create_app(engine: EngineClient, model_dir: str | Path,
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
         return await serve_request(request, ResponsesRequest)
+
+    @app.post("/inference/v1/generate")
+    async def inference_generate(request: Request) -> Response:
+        return await serve_request(request, GenerateRequest)
+
+    add_weight_routes(app, engine, metrics.registry, max_request_bytes)
 
     @app.post("/invocations")
     async def invocations(request: Request) -> Response:

@@ -1,0 +1,106 @@
+"""vLLM's weight-sync routes: pause, update from a checkpoint folder, resume. After an
+update from folder B a server started on A answers, bit for bit, as a fresh server started on
+B (greedy ids and logprobs, TP1 and TP2); a folder whose tensor names or shapes differ from
+the served checkpoint's is refused naming the tensor, and the old weights keep serving;
+/metrics counts updates and failures."""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+import pytest
+
+from tests.server.helpers import post, strict_json
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ([5, 77, 130, 42, 9], [200, 3, 3, 17, 64, 101, 7, 280])
+PAIRS = {1: ("rl_a1", "rl_b1"), 2: ("rl_a2", "rl_b2")}
+
+
+def outputs(server) -> list[tuple[list[int], list]]:
+    """Greedy ids and their logprob entries for each prompt (exact JSON values)."""
+    out = []
+    for prompt in PROMPTS:
+        body = {"token_ids": prompt, "sampling_params": {
+            "temperature": 0.0, "max_tokens": 16, "logprobs": 3, "ignore_eos": True}}
+        response = post(server, "/inference/v1/generate", body)
+        assert response.status_code == 200, response.text
+        choice = strict_json(response.content)["choices"][0]
+        out.append((choice["token_ids"], choice["logprobs"]["content"]))
+    return out
+
+
+def pause(server, **query) -> httpx.Response:
+    return httpx.post(server.url + "/pause", params=query, timeout=120.0)
+
+
+def resume(server) -> httpx.Response:
+    return httpx.post(server.url + "/resume", timeout=120.0)
+
+
+def is_paused(server) -> bool:
+    response = httpx.get(server.url + "/is_paused", timeout=30.0)
+    assert response.status_code == 200, response.text
+    return response.json()["is_paused"]
+
+
+def update(server, folder) -> httpx.Response:
+    return post(server, "/update_weights", {"update_info": {"model_path": str(folder)}})
+
+
+def counter(server, name: str) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=30.0).text
+    match = re.search(rf"^helios:{name}_total (\S+)$", text, re.MULTILINE)
+    assert match, text[:2000]
+    return float(match.group(1))
+
+
+def paused_update(server, folder) -> httpx.Response:
+    assert pause(server).json() == {"status": "paused"}
+    assert is_paused(server)
+    try:
+        return update(server, folder)
+    finally:
+        assert resume(server).json() == {"status": "resumed"}
+        assert not is_paused(server)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_update_from_a_folder_equals_a_fresh_server(request, rl_models, tp):
+    served, fresh = (request.getfixturevalue(name) for name in PAIRS[tp])
+    before, on_b = outputs(served), outputs(fresh)
+    assert before != on_b  # (the checkpoints differ where it shows)
+    updates = counter(served, "rl_weight_update")
+    refused = update(served, rl_models["b"])  # not paused
+    assert refused.status_code == 409, refused.text
+    response = paused_update(served, rl_models["b"])
+    assert response.status_code == 200, response.text
+    assert outputs(served) == on_b  # bit for bit
+    assert counter(served, "rl_weight_update") == updates + 1
+    assert paused_update(served, rl_models["a"]).status_code == 200
+    assert outputs(served) == before
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_mismatched_tensors_are_refused_and_the_old_weights_serve(request, rl_models, tmp_path,
+                                                                  tp):
+    served = request.getfixturevalue(PAIRS[tp][0])
+    before = outputs(served)
+    failures = counter(served, "rl_weight_update_failures")
+    cases = [(rl_models["renamed"], "model.norm.weight"),
+             (rl_models["narrowed"], "model.layers.1.mlp.down_proj.weight"),
+             (tmp_path / "absent", "absent")]
+    assert pause(served).status_code == 200
+    try:
+        for folder, named in cases:
+            response = update(served, folder)
+            assert response.status_code == 400, response.text
+            error = strict_json(response.content)["error"]
+            assert error["param"] == "update_info.model_path"
+            assert named in error["message"], error
+    finally:
+        resume(served)
+    assert outputs(served) == before
+    assert counter(served, "rl_weight_update_failures") == failures + len(cases)
