@@ -285,6 +285,7 @@ def queue_limit(args, engine) -> int | None:
 def build_app(args, engine, model_dir):
     """The HTTP app for ``engine`` with the command line's frontend settings."""
     from helios_logprobs.runtime.http.access import Cors, protect
+    from helios_logprobs.runtime.http.protocol.tools import ToolServing
     from helios_logprobs.runtime.http.server import create_app
 
     names = [engine.info.model_name, *(args.served_model_name or [])[1:]]
@@ -293,6 +294,8 @@ def build_app(args, engine, model_dir):
                      max_queued_requests=args.max_queued_requests,
                      generation_config=args.generation_config,
                      log_requests=args.enable_log_requests)
+    app.state.assets.tool_serving = ToolServing(args.tool_call_parser,
+                                                args.enable_auto_tool_choice)
     cors = Cors(tuple(args.allowed_origins), tuple(args.allowed_methods),
                 tuple(args.allowed_headers), args.allow_credentials)
     protect(app, tuple(args.api_key or ()), cors)

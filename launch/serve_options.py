@@ -23,6 +23,9 @@ GENERATION_CONFIG_DEFAULT = "auto"
 torch through ranks.model)."""
 MAX_REQUEST_BYTES = 8 * 1024 * 1024
 """--max-request-bytes' default (runtime.http.protocol.limits.DEFAULT_MAX_REQUEST_BYTES)."""
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+"""--tool-call-parser's names (runtime.text.parsers.tool_parsers.TOOL_PARSERS: this module
+imports no runtime code, so --help answers at once)."""
 API_KEY_ENV = ("VLLM_API_KEY", "HELIOS_API_KEY")
 """Environment variables read for the API key when --api-key is not given (vLLM's first)."""
 
@@ -30,7 +33,8 @@ GROUPS: dict[str, tuple[str, ...]] = {
     # vLLM's group title: this server's flags in it (the first option string of each)
     "Frontend": ("--host", "--port", "--api-key", "--allowed-origins", "--allowed-methods",
                  "--allowed-headers", "--allow-credentials", "--disable-uvicorn-access-log",
-                 "--enable-log-requests", "--max-request-bytes", "--max-queued-requests"),
+                 "--enable-log-requests", "--max-request-bytes", "--max-queued-requests",
+                 "--enable-auto-tool-choice", "--tool-call-parser"),
     "ModelConfig": ("--model", "--revision", "--dtype", "--served-model-name", "--seed",
                     "--max-model-len", "--max-logprobs", "--generation-config",
                     "--no-logprobs", "--prompt-logprobs", "--batch-invariant"),
@@ -146,6 +150,12 @@ def serve_parser(prog: str = "helios_logprobs.launch.serve",
     add("--max-queued-requests", type=_positive, default=None,
         help="engine requests (one per choice) waiting or running at once; beyond it HTTP 429 "
              "with Retry-After; default: 4 x --max-num-seqs")
+    add("--enable-auto-tool-choice", action="store_true",
+        help="parse tool calls out of the output when a request's tool_choice is 'auto' (the "
+             "default with tools); needs --tool-call-parser")
+    add("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+        help="how tool calls are written in the output: hermes (<tool_call>{...}</tool_call>) "
+             "or llama3_json ({\"name\": ..., \"parameters\": ...}; ...)")
     add("--api-server-count", "-asc", type=_positive, default=1, metavar="N",
         help="API server processes (HTTP, tokenization, detokenization, the wire format) "
              "beside the engine core, sharing the port (vLLM's --api-server-count)")
@@ -171,6 +181,8 @@ def parse_serve_args(argv: list[str] | None = None, prog: str = "helios_logprobs
             parser.error(f"the model is given twice: {args.model_tag} and --model {args.model}")
         args.model = model
     del args.model_tag
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        parser.error("--enable-auto-tool-choice requires --tool-call-parser")
     if args.api_key is None:
         keys = [os.environ[name] for name in API_KEY_ENV if os.environ.get(name)]
         args.api_key = keys[:1] or None

@@ -11,6 +11,7 @@ import tokenizers
 
 from helios_logprobs.ranks.contract.requests import RequestError
 from helios_logprobs.runtime.http.protocol.defaults import FROM_MODEL, load_sampling_defaults
+from helios_logprobs.runtime.http.protocol.tools import ToolServing
 from helios_logprobs.runtime.text.chat_template import ChatTemplate
 from helios_logprobs.runtime.text.token_bytes import TokenBytes
 
@@ -61,6 +62,8 @@ class ModelAssets:
         self.tokenizer = tokenizers.Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
         self.token_bytes = TokenBytes(self.tokenizer, vocab_size)
         self.chat_template = ChatTemplate.from_model_dir(self.model_dir)
+        self.tool_serving = ToolServing()
+        """--tool-call-parser / --enable-auto-tool-choice (set by launch.serve.build_app)."""
         self.eos_token_id = self._tokenizer_eos()
         """The tokenizer's EOS (tokenizer_config.json `eos_token`), vLLM's primary EOS, or None."""
         self.max_token_chars = self._max_token_chars()

@@ -20,6 +20,13 @@ from helios_logprobs.runtime.engine.client import EngineClient
 from helios_logprobs.runtime.http.assets import ModelAssets
 from helios_logprobs.runtime.http.output.choice_stream import ChoiceJob, Delta, Totals
 from helios_logprobs.runtime.http.output.choices import collect, envelope, stream_chunks
+from helios_logprobs.runtime.http.output.parsed import (
+    ParsedChoice,
+    delta_body,
+    finish_reason,
+    texts,
+    tool_call_wire,
+)
 from helios_logprobs.runtime.http.output.wire import (
     Position,
     chat_logprobs,
@@ -40,16 +47,21 @@ from helios_logprobs.runtime.http.protocol.params import (
     truncation,
     wire_mode,
 )
+from helios_logprobs.runtime.http.protocol.tools import (
+    ToolUse,
+    check_tools,
+    constrained,
+    resolve_tool_use,
+)
 from helios_logprobs.runtime.http.protocol.wire_mode import WireMode
 from helios_logprobs.runtime.text.chat_template import ChatTemplateError
-from helios_logprobs.runtime.text.reasoning import (
-    ReasoningSplit,
-    ReasoningStrings,
-    prompt_ends_reasoning,
-)
+from helios_logprobs.runtime.text.parsers.pipeline import ParserSettings
+from helios_logprobs.runtime.text.reasoning import ReasoningStrings, prompt_ends_reasoning
 from helios_logprobs.runtime.text.token_bytes import TokenBytes
 
 RESERVED_TEMPLATE_KEYS = {"messages", "add_generation_prompt"}
+PARSED_KEY = "_parsed"
+"""A streamed choice's (events, released content positions) for the Responses API."""
 
 
 @dataclass
@@ -70,9 +82,18 @@ class PreparedChat:
     """The prompt closed the thinking span (prompt_ends_reasoning): all output is content and
     `reasoning` is null."""
     content_entries_only: bool = False
-    """Report entries only for tokens whose first text byte is content (the Responses API's
-    output text: reasoning, delimiters and tokens without text get none, as the contract
-    asks)."""
+    """Report entries only for tokens whose first text byte lies in a content source range
+    (the Responses API's output text: reasoning, tool data, stripped whitespace, delimiters
+    and tokens without text get none, as the contract asks)."""
+    tool_use: ToolUse = field(default_factory=ToolUse)
+    """What the request's tools make of the output (protocol/tools.py)."""
+
+    @property
+    def parsing(self) -> ParserSettings:
+        use = self.tool_use
+        parser = {"auto": use.parser, "none": None}.get(use.mode, use.mode)
+        return ParserSettings(self.reasoning, self.reasoning_ended, parser, use.parallel,
+                              use.name)
 
 
 def _check_logprobs(req: ChatCompletionRequest) -> int | None:
@@ -92,8 +113,7 @@ def _check_logprobs(req: ChatCompletionRequest) -> int | None:
 
 
 def _check_tool_usage(req: ChatCompletionRequest) -> None:
-    """vLLM's check_tool_usage: what it refuses before tools are considered (tools themselves
-    are refused by the field policy)."""
+    """vLLM's check_tool_usage: what it refuses before tools are considered."""
     if req.tools == []:
         raise RequestError("tools", "`tools` must not be an empty array. Either provide at "
                                     "least one tool or omit the field entirely.")
@@ -121,6 +141,9 @@ def render(req: Any, messages: list[ChatMessage], assets: ModelAssets) -> str:
     effort = getattr(req, "reasoning_effort", None)
     if effort is not None:
         kwargs.setdefault("reasoning_effort", effort)
+    tools = getattr(req, "tools", None)
+    if tools:  # (vLLM passes them whatever the tool_choice)
+        kwargs["tools"] = tools
     try:
         return template.render(
             [dict(message.fields) for message in messages],
@@ -140,6 +163,10 @@ def prepare_chat(
     reasoning parser splits the output into reasoning and content (vLLM's `reasoning` field);
     `content_entries_only` then keeps the entries of content tokens only (Responses)."""
     _check_tool_usage(req)
+    if req.tools is not None:
+        check_tools(req.tools)
+    tool_use = resolve_tool_use(req.tools, req.tool_choice, req.parallel_tool_calls,
+                                assets.tool_serving)
     defaults = assets.sampling_defaults
     check_request(req, defaults)
     messages = parse_messages(req.messages)
@@ -171,6 +198,7 @@ def prepare_chat(
             seed=choice_seed(req.seed, i),
             prompt_logprobs=req.prompt_logprobs if i == 0 else None, bad_words=bad_words,
         )
+        params = constrained(params, tool_use)
         if i == 0:
             info = engine.info
             check_logprob_request(
@@ -195,55 +223,50 @@ def prepare_chat(
     totals = Totals(len(ids), reasoning=reasoning, reasoning_ended=ended)
     return PreparedChat(req, messages, jobs, role, echo, len(ids),
                         wire_mode(req, top is not None), totals, strings, ended,
-                        content_entries_only)
+                        content_entries_only, tool_use)
 
 
-def _content_positions(prep: PreparedChat, positions: list[Position], content_start: int | None,
-                       token_bytes: TokenBytes) -> list[Position]:
-    """The positions whose token's first text byte is content: none before the reasoning end
-    string, and none for a token without text (a skipped special token, an empty piece)."""
-    if content_start is None:
-        return []
+def _has_text(prep: PreparedChat, token_bytes: TokenBytes):
+    """Whether a position's token shows text (a skipped special token or an empty piece has
+    none, so no output-text entry)."""
     skip = prep.request.skip_special_tokens
-    return [p for p in positions if p.text_offset >= content_start
-            and token_bytes.bytes_of(p.token_id)
-            and not (skip and token_bytes.is_special(p.token_id))]
+
+    def has_text(position: Position) -> bool:
+        token = position.token_id
+        return bool(token_bytes.bytes_of(token)) and not (skip and token_bytes.is_special(token))
+
+    return has_text
 
 
-def _choice_body(prep: PreparedChat, text: str, positions: list[Position],
-                 token_bytes: TokenBytes) -> tuple[dict[str, Any], list[Position]]:
-    """A whole choice's message and the positions that get entries. With a reasoning parser,
-    vLLM's split of the generated text: `reasoning` (left out with include_reasoning false) and
-    `content` (null when empty); with content_entries_only, the content tokens' positions."""
+def choice_parser(prep: PreparedChat, token_bytes: TokenBytes) -> ParsedChoice | None:
+    """A choice's parser, or None when its output is plain content reported whole."""
+    settings = prep.parsing
+    if not settings.active and not prep.content_entries_only:
+        return None
+    return ParsedChoice(settings, content_only=prep.content_entries_only,
+                        has_text=_has_text(prep, token_bytes))
+
+
+def _choice_body(prep: PreparedChat, text: str, positions: list[Position], finish: str | None,
+                 token_bytes: TokenBytes) -> tuple[dict[str, Any], list[Position], str | None]:
+    """A whole choice's message, the positions that get entries and the finish reason. With
+    parsers, vLLM's split of the generated text: `reasoning` (left out with include_reasoning
+    false; null when the prompt closed the thinking span), `content` (null when empty) and
+    `tool_calls`; with content_entries_only, the content tokens' positions."""
     message: dict[str, Any] = {"role": prep.role, "content": text, "tool_calls": []}
-    if prep.reasoning is None:
-        if prep.content_entries_only:
-            positions = _content_positions(prep, positions, 0, token_bytes)
-        return message, positions
+    parsed = choice_parser(prep, token_bytes)
+    if parsed is None:
+        return message, positions, finish
     echo = prep.echo or ""
-    split = ReasoningSplit(prep.reasoning, ended=prep.reasoning_ended)
-    reasoning, content = split.feed(text[len(echo):], final=True)
-    message["content"] = (echo + content) or None
-    if prep.request.include_reasoning:
+    events, kept = parsed.step(text[len(echo):], positions, final=True)
+    reasoning, content, calls = texts(events)
+    message["content"] = echo + content
+    if prep.reasoning is not None or calls:
+        message["content"] = message["content"] or None
+    message["tool_calls"] = [tool_call_wire(call, index=False) for call in calls]
+    if prep.reasoning is not None and prep.request.include_reasoning:
         message["reasoning"] = None if prep.reasoning_ended else reasoning
-    if prep.content_entries_only:
-        positions = _content_positions(prep, positions, split.content_start, token_bytes)
-    return message, positions
-
-
-def _delta(splits: dict[int, ReasoningSplit] | None, include_reasoning: bool, index: int,
-           text: str, final: bool) -> dict[str, Any]:
-    """A chunk's delta: its text, or with a reasoning parser the reasoning and content it
-    releases (`{"content": ""}` while a possible delimiter is held back)."""
-    if splits is None:
-        return {"content": text}
-    reasoning, content = splits[index].feed(text, final=final)
-    delta: dict[str, Any] = {}
-    if reasoning and include_reasoning:
-        delta["reasoning"] = reasoning
-    if content or not delta:
-        delta["content"] = content
-    return delta
+    return message, kept, finish_reason(finish, parsed.calls, prep.tool_use.mode)
 
 
 def _logprobs(prep: PreparedChat, items: list[Position], assets: ModelAssets):
@@ -259,12 +282,13 @@ async def chat(prep: PreparedChat, engine: EngineClient, assets: ModelAssets) ->
     outcomes = await collect(prep.jobs, engine, assets, totals, prefixes)
     choices = []
     for out in outcomes:
-        message, positions = _choice_body(prep, out.text, out.positions, assets.token_bytes)
+        message, positions, finish = _choice_body(prep, out.text, out.positions,
+                                                  out.finish_reason, assets.token_bytes)
         choices.append({
             "index": out.index,
             "message": message,
             "logprobs": _logprobs(prep, positions, assets),
-            "finish_reason": out.finish_reason,
+            "finish_reason": finish,
             "stop_reason": out.stop_reason,
             **({"token_ids": out.token_ids} if prep.request.return_token_ids else {}),
         })
@@ -297,23 +321,25 @@ def stream_chat(
             opening.append(({"index": index, "delta": {"content": prep.echo}, "logprobs": None,
                              "finish_reason": None}, {}))
 
-    splits = None if prep.reasoning is None else {
-        index: ReasoningSplit(prep.reasoning, ended=prep.reasoning_ended)
-        for index in range(len(prep.jobs))}
+    parsers = {index: choice_parser(prep, assets.token_bytes) for index in range(len(prep.jobs))}
 
     def choice(index: int, text: str, delta: Delta) -> dict[str, Any]:
         final = delta.finish_reason is not None
-        body = _delta(splits, prep.request.include_reasoning, index, text, final)
-        positions = delta.positions
-        if prep.content_entries_only:
-            start = 0 if splits is None else splits[index].content_start
-            positions = _content_positions(prep, positions, start, assets.token_bytes)
+        parsed, positions, finish = parsers[index], delta.positions, delta.finish_reason
+        if parsed is None:
+            body: dict[str, Any] = {"content": text}
+        else:
+            events, positions = parsed.step(text, positions, final)
+            body = delta_body(events, prep.request.include_reasoning)
+            finish = finish_reason(finish, parsed.calls, prep.tool_use.mode)
         out = {
             "index": index,
             "delta": body,
             "logprobs": _logprobs(prep, positions, assets),
-            "finish_reason": delta.finish_reason,
+            "finish_reason": finish,
         }
+        if prep.content_entries_only and parsed is not None:
+            out[PARSED_KEY] = (events, positions)  # (the Responses API's, never sent)
         if delta.finish_reason is not None:
             out["stop_reason"] = delta.stop_reason
         if return_ids:

@@ -1,17 +1,16 @@
 """POST /v1/responses: OpenAI's Responses API (as vLLM serves it), through the chat path.
 
 The request becomes a chat request: `instructions` as a system message, then the input items
-(a string is one user message; message items keep their role, their text parts joined). The
-assistant message comes back as a Response whose `output_text` part carries the logprob
-entries ({token, logprob, bytes, top_logprobs}, chat's) when `include` asks for
-"message.output_text.logprobs", with `top_logprobs` alternatives (default 0). With a reasoning
-parser, the reasoning text comes first as a `reasoning` item (vLLM's), and the message holds
-the content and only the content tokens' entries (the contract). Streamed, the events are
-OpenAI's: response.created, response.in_progress, then per output item its opening events,
-one delta per chat chunk (response.reasoning_text.delta, or response.output_text.delta with
-the chunk's entries) and its done events, then response.completed (or response.incomplete
-at max_output_tokens). The closing events repeat the whole part, so the stream keeps the open
-item's text and entries until then: bounded by max_output_tokens, nothing else is retained.
+(a string is one user message; message items keep their role, their text parts joined;
+`function_call` items become an assistant message with tool_calls and
+`function_call_output` items tool messages). `tools` (OpenAI's flat function tools),
+`tool_choice` and `parallel_tool_calls` go to chat's tools (protocol/tools.py) and come
+back echoed as asked. The output is parsed by the choice's parsers (reasoning, tool calls)
+and folded into output items (runtime/http/output/response_items.py): `reasoning`, `message`
+and `function_call` items, in output order, the same whole or streamed. The `output_text`
+part carries the logprob entries ({token, logprob, bytes, top_logprobs}, chat's) of exactly
+the tokens whose first text byte lies in a content source range, when `include` asks for
+"message.output_text.logprobs" or `top_logprobs` > 0 asks for alternatives.
 """
 
 from __future__ import annotations
@@ -27,11 +26,16 @@ from helios_logprobs.ranks.contract.requests import RequestError
 from helios_logprobs.runtime.engine.client import EngineClient
 from helios_logprobs.runtime.http.assets import ModelAssets
 from helios_logprobs.runtime.http.endpoints.chat import (
+    PARSED_KEY,
     PreparedChat,
-    chat,
+    choice_parser,
     prepare_chat,
     stream_chat,
 )
+from helios_logprobs.runtime.http.output.choices import collect
+from helios_logprobs.runtime.http.output.parsed import finish_reason
+from helios_logprobs.runtime.http.output.response_items import ResponseItems
+from helios_logprobs.runtime.http.output.wire import chat_logprobs
 from helios_logprobs.runtime.http.protocol.models import (
     EFFORTS,
     SUMMARIES,
@@ -85,19 +89,47 @@ def _text(content: Any, where: str) -> str:
     return "".join(texts)
 
 
+def _string(item: dict[str, Any], key: str, where: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str) or not value and key != "arguments":
+        raise RequestError("input", f"{where}.{key}: expected a non-empty string")
+    return value
+
+
+def _function_call(item: dict[str, Any], where: str) -> dict[str, Any]:
+    """An earlier turn's function_call item as a chat tool call."""
+    return {"id": _string(item, "call_id", where), "type": "function",
+            "function": {"name": _string(item, "name", where),
+                         "arguments": _string(item, "arguments", where)}}
+
+
 def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
-    messages = [] if req.instructions is None else [
+    messages: list[dict[str, Any]] = [] if req.instructions is None else [
         {"role": "system", "content": req.instructions}]
     if isinstance(req.input, str):
         return [*messages, {"role": "user", "content": req.input}]
     for i, item in enumerate(req.input):
-        kind = item.get("type", "message")
+        kind, where = item.get("type", "message"), f"input[{i}]"
         if kind == "reasoning":  # (an earlier turn's reasoning is not replayed)
             continue
+        if kind == "function_call":
+            call = _function_call(item, where)
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and last.get("tool_calls"):
+                last["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            continue
+        if kind == "function_call_output":
+            output = item.get("output")
+            messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", where),
+                             "content": output if isinstance(output, str)
+                             else _text(output, where)})
+            continue
         if kind != "message":
-            raise RequestError("input", f"input[{i}]: items of type {kind!r} are not supported")
+            raise RequestError("input", f"{where}: items of type {kind!r} are not supported")
         messages.append({"role": item.get("role"), "content": _text(item.get("content"),
-                                                                    f"input[{i}]")})
+                                                                    where)})
     if not messages:
         raise RequestError("input", "the input has no items")
     return messages
@@ -113,8 +145,6 @@ def _refusals(req: ResponsesRequest) -> None:
     if top is not None and not 0 <= top <= TOP_LOGPROBS_LIMIT:
         raise RequestError("top_logprobs", f"top_logprobs must be between 0 and "
                                            f"{TOP_LOGPROBS_LIMIT}, got {top}")
-    if req.tools:
-        raise RequestError("tools", "tools: tool calling is not supported by this server")
     if req.previous_response_id is not None:
         raise RequestError("previous_response_id", "previous_response_id: responses are not "
                                                    "stored by this server")
@@ -132,15 +162,48 @@ def _refusals(req: ResponsesRequest) -> None:
         raise RequestError("text", "text.format: only the text format is supported")
 
 
+def _chat_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
+    """OpenAI's Responses function tools ({"type": "function", "name", "parameters", ...})
+    as chat tools; any other tool type is refused."""
+    if tools is None:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
+            raise RequestError("tools", f"tools[{i}]: tools of type {kind!r} are not supported "
+                                        "(function tools only)")
+        function = {k: tool[k] for k in ("name", "description", "parameters", "strict")
+                    if tool.get(k) is not None}
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def _chat_tool_choice(choice: Any) -> Any:
+    """Responses' {"type": "function", "name": X} is chat's {"type": "function",
+    "function": {"name": X}}; the string modes are the same."""
+    if isinstance(choice, dict) and choice.get("type") == "function" and "function" not in choice:
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    return choice
+
+
+def wants_entries(req: ResponsesRequest) -> bool:
+    """Entries are reported with the include, or when top_logprobs > 0 asks for alternatives
+    (a request for alternatives is honoured rather than answered with empty lists)."""
+    return LOGPROBS_INCLUDE in (req.include or []) or (req.top_logprobs or 0) > 0
+
+
 def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     """The chat request that serves `req` (RequestError names the Responses field)."""
     _refusals(req)
-    wants = LOGPROBS_INCLUDE in (req.include or [])
+    wants = wants_entries(req)
     body = {"model": req.model, "messages": _messages(req), "stream": req.stream,
             "max_tokens": req.max_output_tokens, "temperature": req.temperature,
             "top_p": req.top_p, "top_k": req.top_k, "seed": req.seed, "logprobs": wants,
             "top_logprobs": (req.top_logprobs or 0) if wants else None,
-            "reasoning_effort": (req.reasoning or {}).get("effort")}
+            "reasoning_effort": (req.reasoning or {}).get("effort"),
+            "tools": _chat_tools(req.tools), "tool_choice": _chat_tool_choice(req.tool_choice),
+            "parallel_tool_calls": req.parallel_tool_calls}
     try:
         return ChatCompletionRequest.model_validate(
             {k: v for k, v in body.items() if v is not None})
@@ -164,39 +227,16 @@ def prepare_responses(req: ResponsesRequest, engine: EngineClient, assets: Model
     return PreparedResponses(prepared, req, f"resp_{uuid.uuid4().hex}", now())
 
 
-def _part(text: str, entries: list) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": entries}
+def _items(prep: PreparedResponses, assets: ModelAssets) -> ResponseItems:
+    mode = prep.mode
 
+    def entries(positions: list) -> list:
+        if mode is None:
+            return []
+        return chat_logprobs(positions, assets.token_bytes, mode)["content"]
 
-def _message(item_id: str, status: str, parts: list) -> dict[str, Any]:
-    return {"type": "message", "id": item_id, "status": status, "role": "assistant",
-            "content": parts}
+    return ResponseItems(prep.id.removeprefix("resp_"), entries)
 
-
-def _reasoning_part(text: str) -> dict[str, Any]:
-    return {"type": "reasoning_text", "text": text}
-
-
-def _reasoning(item_id: str, status: str, parts: list) -> dict[str, Any]:
-    return {"type": "reasoning", "id": item_id, "status": status, "summary": [],
-            "content": parts}
-
-
-def _output(prep: PreparedResponses, status: str, reasoning: str | None, content: str,
-            entries: list) -> list[dict[str, Any]]:
-    """vLLM's output items: the reasoning (when there is any), then the message (when it has
-    text, or when nothing else would be output)."""
-    items = []
-    if reasoning:
-        items.append(_reasoning(_item_id(prep, "rs_"), "completed" if content else status,
-                                [_reasoning_part(reasoning)]))
-    if content or not items:
-        items.append(_message(_item_id(prep, "msg_"), status, [_part(content, entries)]))
-    return items
-
-
-def _item_id(prep: PreparedResponses, prefix: str) -> str:
-    return prefix + prep.id.removeprefix("resp_")
 
 def _response(prep: PreparedResponses, assets: ModelAssets, status: str, output: list
               ) -> dict[str, Any]:
@@ -209,10 +249,14 @@ def _response(prep: PreparedResponses, assets: ModelAssets, status: str, output:
         else None,
         "instructions": src.instructions, "max_output_tokens": src.max_output_tokens,
         "metadata": src.metadata or {}, "model": assets.served_model_name, "output": output,
-        "parallel_tool_calls": True, "previous_response_id": None,
+        "parallel_tool_calls": True if src.parallel_tool_calls is None
+        else src.parallel_tool_calls,
+        "previous_response_id": None,
         "reasoning": _reasoning_echo(src.reasoning),
         "store": False, "temperature": sampling.sampled_temperature,
-        "text": {"format": {"type": "text"}}, "tool_choice": "auto", "tools": [],
+        "text": {"format": {"type": "text"}},
+        "tool_choice": "auto" if src.tool_choice is None else src.tool_choice,
+        "tools": src.tools or [],
         "top_logprobs": src.top_logprobs or 0,
         "top_p": sampling.top_p, "truncation": "disabled",
         "usage": {
@@ -239,78 +283,16 @@ def _status(finish_reason: str | None) -> str:
 
 async def respond(prep: PreparedResponses, engine: EngineClient, assets: ModelAssets) -> dict:
     """The whole Response; raises EngineError (or another error) after admission."""
-    body = await chat(prep.chat, engine, assets)
-    choice = body["choices"][0]
-    entries = (choice["logprobs"] or {}).get("content") or []
-    status = _status(choice["finish_reason"])
-    message = choice["message"]
-    output = _output(prep, status, message.get("reasoning"), message["content"] or "", entries)
-    return _response(prep, assets, status, output)
-
-
-class _StreamedItems:
-    """The output items of a stream, opened as their text arrives: a reasoning item while the
-    chat deltas carry `reasoning`, then the message. Each closing event repeats its item's
-    whole text, so an open item keeps its text (and entries) until it closes."""
-
-    def __init__(self, prep: PreparedResponses) -> None:
-        self.prep = prep
-        self.done: list[dict[str, Any]] = []
-        self.kind: str | None = None
-        self.texts: list[str] = []
-        self.entries: list = []
-
-    def _place(self) -> dict[str, Any]:
-        prefix = "rs_" if self.kind == "reasoning" else "msg_"
-        return {"item_id": _item_id(self.prep, prefix), "output_index": len(self.done),
-                "content_index": 0}
-
-    def add(self, kind: str, text: str, entries: list) -> list[tuple[str, dict[str, Any]]]:
-        """The events of one delta of `kind` ("reasoning" or "message")."""
-        events = [] if kind == self.kind else self._open(kind)
-        self.texts.append(text)
-        self.entries.extend(entries)
-        if kind == "reasoning":
-            return [*events, ("response.reasoning_text.delta", {**self._place(), "delta": text})]
-        return [*events, ("response.output_text.delta",
-                          {**self._place(), "delta": text, "logprobs": entries})]
-
-    def finish(self, status: str) -> list[tuple[str, dict[str, Any]]]:
-        """The closing events: the open item's, or an empty message when nothing was output."""
-        events = [] if self.done or self.kind else self._open("message")
-        return [*events, *self._close(status)]
-
-    def _open(self, kind: str) -> list[tuple[str, dict[str, Any]]]:
-        events = self._close("completed") if self.kind else []
-        self.kind, self.texts, self.entries = kind, [], []
-        place = self._place()
-        if kind == "reasoning":
-            item, part = _reasoning(place["item_id"], "in_progress", []), _reasoning_part("")
-        else:
-            item, part = _message(place["item_id"], "in_progress", []), _part("", [])
-        return [*events,
-                ("response.output_item.added", {"output_index": place["output_index"],
-                                                "item": item}),
-                ("response.content_part.added", {**place, "part": part})]
-
-    def _close(self, status: str) -> list[tuple[str, dict[str, Any]]]:
-        if self.kind is None:
-            return []
-        place, text = self._place(), "".join(self.texts)
-        if self.kind == "reasoning":
-            part = _reasoning_part(text)
-            item = _reasoning(place["item_id"], status, [part])
-            last = ("response.reasoning_text.done", {**place, "text": text})
-        else:
-            part = _part(text, self.entries)
-            item = _message(place["item_id"], status, [part])
-            last = ("response.output_text.done", {**place, "text": text,
-                                                  "logprobs": self.entries})
-        self.done.append(item)
-        self.kind = None
-        return [last, ("response.content_part.done", {**place, "part": part}),
-                ("response.output_item.done", {"output_index": place["output_index"],
-                                               "item": item})]
+    (out,) = await collect(prep.jobs, engine, assets, prep.totals, {})
+    parsed = choice_parser(prep.chat, assets.token_bytes)
+    assert parsed is not None  # (content_entries_only: always parsed)
+    events, positions = parsed.step(out.text, out.positions, final=True)
+    finish = finish_reason(out.finish_reason, parsed.calls, prep.chat.tool_use.mode)
+    status = _status(finish)
+    items = _items(prep, assets)
+    items.step(events, positions)
+    items.finish(status)
+    return _response(prep, assets, status, items.done)
 
 
 async def stream_responses(prep: PreparedResponses, engine: EngineClient, assets: ModelAssets
@@ -326,19 +308,13 @@ async def stream_responses(prep: PreparedResponses, engine: EngineClient, assets
     opening = _response(prep, assets, "in_progress", [])
     yield event("response.created", response=opening)
     yield event("response.in_progress", response=opening)
-    items = _StreamedItems(prep)
+    items = _items(prep, assets)
     finish = None
     async for chunk in stream_chat(prep.chat, engine, assets):
         for choice in chunk.get("choices", ()):
-            delta = choice.get("delta", {})
-            new = ((choice.get("logprobs") or {}).get("content")) or []
             finish = choice.get("finish_reason") or finish
-            pending = []
-            if delta.get("reasoning"):
-                pending += items.add("reasoning", delta["reasoning"], [])
-            if delta.get("content") or new:
-                pending += items.add("message", delta.get("content") or "", new)
-            for kind, fields in pending:
+            events, positions = choice.get(PARSED_KEY, ([], []))
+            for kind, fields in items.step(events, positions):
                 yield event(kind, **fields)
     status = _status(finish)
     for kind, fields in items.finish(status):

@@ -54,7 +54,7 @@ class Refusal:
 
 
 STRUCTURED = "structured outputs are not supported by this server"
-TOOLS = "tool calling is not supported by this server"
+TOOLS = "the deprecated functions API is not supported by this server (use tools)"
 REFUSED: dict[str, Refusal] = {
     # sampling and decoding features that are not implemented
     "use_beam_search": Refusal("beam search is not supported by this server", _truthy),
@@ -84,8 +84,6 @@ REFUSED: dict[str, Refusal] = {
     "guided_decoding_backend": Refusal(STRUCTURED),
     "guided_whitespace_pattern": Refusal(STRUCTURED),
     # chat: tools, reasoning, template inputs, other modalities
-    "tools": Refusal(TOOLS, _truthy),
-    "tool_choice": Refusal(TOOLS + " (tool_choice may only be 'none' or 'auto')", _forces_calls),
     "functions": Refusal(TOOLS, _truthy),
     "function_call": Refusal(TOOLS + " (function_call may only be 'none' or 'auto')",
                              _forces_calls),
@@ -109,15 +107,15 @@ COMMON_REFUSED = (
 )
 COMPLETION_REFUSED = (*COMMON_REFUSED, "suffix", "prompt_embeds", "packed_top_logprobs")
 CHAT_REFUSED = (
-    *COMMON_REFUSED, "tools", "tool_choice", "functions", "function_call",
+    *COMMON_REFUSED, "functions", "function_call",
     "chat_template", "documents", "mm_processor_kwargs", "modalities",
     "audio", "web_search_options",
 )
 
 IGNORED = ("user", "priority", "request_id", "cache_salt", "session_id", "stream_interval",
            "parallel_tool_calls")
-"""Known fields accepted and ignored without a warning: they cannot change the output here
-(`parallel_tool_calls` only matters with `tools`, which are refused)."""
+"""Known fields accepted without a warning that cannot change the output here
+(`parallel_tool_calls` changes it only with `tools`: protocol/tools.py)."""
 
 MAX_LOGGED_FIELDS = 32
 MAX_LOGGED_NAME = 64

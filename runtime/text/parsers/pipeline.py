@@ -15,8 +15,15 @@ from typing import Any
 
 from helios_logprobs.runtime.text.parsers.events import CONTENT, Event, Piece
 from helios_logprobs.runtime.text.parsers.reasoning_parser import ReasoningParser
-from helios_logprobs.runtime.text.parsers.tool_parsers import TOOL_PARSERS, make_tool_call_id
+from helios_logprobs.runtime.text.parsers.tool_parsers import (
+    TOOL_PARSERS,
+    HeldToEnd,
+    ToolParser,
+    make_tool_call_id,
+)
 from helios_logprobs.runtime.text.reasoning import ReasoningStrings
+
+FORCED = ("required", "named")
 
 
 @dataclass(frozen=True)
@@ -28,12 +35,25 @@ class ParserSettings:
     reasoning: ReasoningStrings | None = None
     reasoning_ended: bool = False
     tool_parser: str | None = None
+    """A --tool-call-parser name, or FORCED ("required", "named": a constrained call)."""
     parallel_tool_calls: bool = True
+    tool_name: str | None = None
+    """The named function ("named")."""
 
     def __post_init__(self) -> None:
-        if self.tool_parser is not None and self.tool_parser not in TOOL_PARSERS:
-            raise ValueError(f"tool_parser must be one of {sorted(TOOL_PARSERS)}, "
-                             f"got {self.tool_parser!r}")
+        if self.tool_parser is not None and self.tool_parser not in (*TOOL_PARSERS, *FORCED):
+            raise ValueError(f"tool_parser must be one of {sorted(TOOL_PARSERS)} or "
+                             f"{FORCED}, got {self.tool_parser!r}")
+        if (self.tool_parser == "named") != (self.tool_name is not None):
+            raise ValueError("tool_name goes with tool_parser 'named', and only with it")
+
+    def new_tool_parser(self, new_id: Callable[[], str]) -> ToolParser | None:
+        kwargs: dict[str, Any] = {"parallel": self.parallel_tool_calls, "new_id": new_id}
+        if self.tool_parser is None:
+            return None
+        if self.tool_parser in FORCED:
+            return HeldToEnd(self.tool_name, **kwargs)
+        return TOOL_PARSERS[self.tool_parser](**kwargs)
 
     @property
     def active(self) -> bool:
@@ -45,8 +65,7 @@ class OutputParser:
                  new_id: Callable[[], str] = make_tool_call_id) -> None:
         self.reasoning = None if settings.reasoning is None else ReasoningParser(
             settings.reasoning, ended=settings.reasoning_ended)
-        self.tools = None if settings.tool_parser is None else TOOL_PARSERS[
-            settings.tool_parser](parallel=settings.parallel_tool_calls, new_id=new_id)
+        self.tools = settings.new_tool_parser(new_id)
         self.fed = 0
         self.done = False
 

@@ -180,6 +180,43 @@ class Llama3JsonParser(ToolParser):
             pos += 1
 
 
+class HeldToEnd(ToolParser):
+    """A forced call (tool_choice "required" or a named function, constrained by a grammar):
+    all output is tool data, parsed at the end; if it does not parse, it is content."""
+
+    def __init__(self, name: str | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.name = name
+
+    def feed(self, text: str, at: int, final: bool = False) -> list[Event]:
+        if self.held_at is None:
+            self.held_at = at
+        self.held += text
+        if not final:
+            return []
+        base, buf = self.held_at, self.held
+        self.held, self.held_at = "", base + len(buf)
+        calls = self._calls(buf)
+        if calls is None:
+            return [Piece(CONTENT, buf, base)] if buf else []
+        return [event for name, arguments in calls for event in self._call(name, arguments)]
+
+    def _calls(self, text: str) -> list[tuple[str, str]] | None:
+        if self.name is not None:  # vLLM's: the output is the named function's arguments
+            return [(self.name, text)]
+        try:
+            items = json.loads(text)
+        except ValueError:
+            return None
+        if not isinstance(items, list) or not items:
+            return None
+        calls = [(item.get("name"), _arguments_of(item, "parameters")) for item in items
+                 if isinstance(item, dict)]
+        if len(calls) != len(items) or any(a is None for _, a in calls):
+            return None
+        return calls  # type: ignore[return-value]
+
+
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesParser,
     "llama3_json": Llama3JsonParser,

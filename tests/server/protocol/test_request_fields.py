@@ -124,8 +124,6 @@ REFUSED_VALUES = {
     "suffix": "tail",
     "prompt_embeds": "AAAA",
     "packed_top_logprobs": True,
-    "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
-    "tool_choice": "required",
     "functions": [{"name": "f", "parameters": {}}],
     "function_call": {"name": "f"},
     "chat_template": "{{ messages }}",
@@ -138,6 +136,8 @@ REFUSED_VALUES = {
 MORE_REFUSED = [
     ("completions", "response_format", {"type": "json_schema", "json_schema": {"name": "x"}}),
     ("chat", "tool_choice", {"type": "function", "function": {"name": "f"}}),
+    # (a server without --enable-auto-tool-choice: tools' default "auto" cannot be honoured)
+    ("chat", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     ("chat", "response_format", {"type": "structural_tag"}),
 ]
 REFUSED_CASES = [
