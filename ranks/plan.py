@@ -82,8 +82,17 @@ class SlotWork:
     prompt end. Empty for every other work item."""
     proposals: tuple[int, ...] = ()
     """A speculative round's proposed tokens (tokens[1:]); empty for every other item."""
+    grammar_masks: tuple[bytes, ...] = ()
+    """A constrained request's sampling rows: one grammar bitmask row each (1 + proposals;
+    ranks/grammar_mask.py), computed on the coordinator; empty: unconstrained."""
 
     def __post_init__(self) -> None:
+        if self.grammar_masks and (not self.samples
+                                   or len(self.grammar_masks) != 1 + len(self.proposals)):
+            raise ValueError(
+                f"slot {self.slot}: {len(self.grammar_masks)} grammar masks for "
+                f"{1 + len(self.proposals) if self.samples else 0} sampling rows"
+            )
         if not self.tokens:
             raise ValueError(f"slot {self.slot}: a work item needs at least one token")
         if self.proposals and (

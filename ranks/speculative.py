@@ -25,7 +25,7 @@ can reach the reporting path.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Protocol
 
@@ -43,10 +43,11 @@ class Round(Protocol):
 
 
 def sampler_rows(
-    rounds: Sequence[Round],
+    rounds: Sequence[Round], grammar_masks: Mapping[int, Sequence[bytes]] | None = None,
 ) -> tuple[list[RowSampling], list[Sequence[int]], list[Sequence[int]]]:
     """The sampler's per-row arguments (parameters, prompt, output history) for every row
-    of ``rounds``, in row order; an ordinary sample is a round without proposals."""
+    of ``rounds``, in row order; an ordinary sample is a round without proposals.
+    ``grammar_masks``: slot -> the bitmask row of each of its rows (SlotWork.grammar_masks)."""
     params: list[RowSampling] = []
     prompts: list[Sequence[int]] = []
     histories: list[Sequence[int]] = []
@@ -54,8 +55,12 @@ def sampler_rows(
         state = item.state
         sampling = state.spec.sampling
         base = len(state.output)
+        masks = (grammar_masks or {}).get(item.slot)
         for i in range(1 + len(item.proposals)):
-            params.append(replace(sampling, position=base + i))
+            if masks:
+                params.append(replace(sampling, position=base + i, grammar_bitmask=masks[i]))
+            else:
+                params.append(replace(sampling, position=base + i))
             prompts.append(state.prompt)
             if i and (sampling.penalized or sampling.bad_words):
                 histories.append([*state.output, *item.proposals[:i]])

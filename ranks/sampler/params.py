@@ -56,6 +56,9 @@ class RowSampling:
     min_tokens: int = 0
     min_tokens_ids: tuple[int, ...] = ()
     bad_words: tuple[tuple[int, ...], ...] = ()
+    grammar_bitmask: bytes | None = None
+    """This row's structured-output mask (ranks/grammar_mask.py): xgrammar's bitmask row over
+    the whole vocabulary, set per step by the coordinator; None: no grammar."""
 
     def __post_init__(self) -> None:
         for name in ("seed", "position", "top_k", "min_tokens"):
@@ -90,6 +93,8 @@ class RowSampling:
             raise RequestError("min_tokens", f"expected >= 0, got {self.min_tokens}")
         blocked = tuple(_token_id("min_tokens", t) for t in self.min_tokens_ids)
         object.__setattr__(self, "min_tokens_ids", blocked)
+        if self.grammar_bitmask is not None and not isinstance(self.grammar_bitmask, bytes):
+            raise RequestError("structured_outputs", "a grammar bitmask row is bytes")
         words = tuple(tuple(_token_id("bad_words", t) for t in w) for w in self.bad_words)
         if any(not w for w in words):
             raise RequestError("bad_words", "a bad word has no tokens")
@@ -125,10 +130,10 @@ class RowSampling:
 
     @property
     def unprocessed(self) -> bool:
-        """Whether no logits processor changes the row (no allowed or blocked ids, bad words,
-        logit bias or penalties)."""
+        """Whether no logits processor changes the row (no grammar, allowed or blocked ids,
+        bad words, logit bias or penalties)."""
         return not (self.allowed_token_ids is not None or self.blocked_ids or self.bad_words
-                    or self.logit_bias or self.penalized)
+                    or self.logit_bias or self.penalized or self.grammar_bitmask is not None)
 
     def top_k_active(self, vocab_size: int) -> bool:
         return 0 < self.top_k < vocab_size

@@ -16,6 +16,7 @@ from helios_logprobs.ranks.step import RankStep
 from helios_logprobs.runtime.engine.client import EngineInfo
 from helios_logprobs.runtime.engine.config import RuntimeConfig
 from helios_logprobs.runtime.engine.engine import Engine
+from helios_logprobs.runtime.structured.backend import LazyGrammarBackend
 
 
 def eos_token_ids(model_dir: Path, from_config: tuple[int, ...]) -> tuple[int, ...]:
@@ -60,4 +61,7 @@ def build_engine(
     pending = config.max_pending_frames * step.outputs.token_capacity
     engine = Engine(step, info, scheduler, broadcast, max_pending_events=pending)
     engine.model_dir = str(config.model_dir)
+    # Structured outputs: xgrammar over the served tokenizer, built on first use.
+    engine.scheduler.grammars = LazyGrammarBackend(config.model_dir, info.vocab_size,
+                                                   info.eos_token_ids)
     return engine

@@ -9,6 +9,8 @@ from typing import Protocol
 
 from helios_logprobs.ranks.contract.requests import RequestError
 from helios_logprobs.runtime.outputs import Finished, GeneratedToken, PromptScores
+from helios_logprobs.runtime.structured.grammar import check_spec
+from helios_logprobs.runtime.structured.spec import StructuredSpec
 from helios_logprobs.runtime.text.reasoning import ReasoningTokens
 
 
@@ -54,12 +56,22 @@ class SamplingParams:
     """False opts this request out of speculative rounds (on an engine that runs them). Either
     way the tokens and logprobs are the same for greedy and seeded requests; speculation only
     changes how many tokens one step emits."""
+    structured: StructuredSpec | None = None
+    """The output constraint (response_format, structured_outputs, a forced tool call):
+    the sampler masks what the grammar forbids; reported logprobs stay the raw ones."""
 
     def __post_init__(self) -> None:
         # Everything else is checked once, by the engine's check (ranks.contract.requests and the
         # RowSampling / RequestSpec the ranks receive).
         if self.max_tokens < 0:
             raise RequestError("max_tokens", f"must be >= 0, got {self.max_tokens}")
+        if self.structured is not None:
+            if not isinstance(self.structured, StructuredSpec):
+                raise RequestError("structured_outputs", "expected a StructuredSpec")
+            check_spec(self.structured, self.structured.source)  # (cached per spec)
+            if self.thinking_token_budget is not None:
+                raise RequestError(THINKING, "a thinking budget forces tokens the output "
+                                             "constraint may not allow: not both")
 
     @property
     def wants_logprobs(self) -> bool:
@@ -73,6 +85,7 @@ class SamplingParams:
         return MIN_TEMPERATURE if 0 < t < MIN_TEMPERATURE else t
 
 
+THINKING = "thinking_token_budget"
 MIN_TEMPERATURE = 0.01
 """The lowest positive temperature sampled with (vLLM's _MAX_TEMP)."""
 

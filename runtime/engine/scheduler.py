@@ -15,6 +15,9 @@ from helios_logprobs.ranks.sampler.params import RowSampling
 from helios_logprobs.runtime.engine.client import MIN_TEMPERATURE, EngineInfo, SamplingParams
 from helios_logprobs.runtime.engine.decoding.lanes import LaneExpectation
 from helios_logprobs.runtime.engine.proposer import HistoryProposer
+from helios_logprobs.runtime.outputs import EngineError
+from helios_logprobs.runtime.structured.backend import GrammarError, LazyGrammarBackend
+from helios_logprobs.runtime.structured.state import GrammarState, GrammarViolation
 from helios_logprobs.runtime.text.reasoning import ReasoningTokens
 
 log = logging.getLogger("helios_logprobs.runtime.engine")
@@ -64,6 +67,8 @@ class Request:
     """The proposals of the request's round in the last plan (empty: an ordinary decode)."""
     lane: LaneExpectation | None = None
     """What the decoder expects of its records (frame_reader builds it once per epoch)."""
+    grammar: GrammarState | None = None
+    """The matcher of a constrained request (params.structured), made when it is added."""
 
     @property
     def wants_logprobs(self) -> bool:
@@ -77,12 +82,25 @@ class Scheduler:
         self.running: dict[int, Request] = {}
         self.epochs = [0] * config.capacity
         self.submission = 0
+        self.grammars: LazyGrammarBackend | None = None
+        """The structured-output backend (set by the engine's builder); None: constrained
+        requests fail with an error event."""
         self.proposer = None
         if config.speculative_tokens:
             self.proposer = HistoryProposer(config.speculative_tokens, config.ngram_min,
                                             config.ngram_max)
 
     def add(self, request: Request) -> None:
+        spec = request.params.structured
+        if spec is not None and request.grammar is None:
+            try:
+                if self.grammars is None:
+                    raise GrammarError("this engine has no structured-output backend")
+                request.grammar = self.grammars.state(spec)
+            except GrammarError as exc:
+                request.done = True
+                request.sink.put(EngineError(f"{spec.source}: {exc}"))
+                return
         self.waiting.append(request)
 
     def has_work(self) -> bool:
@@ -123,9 +141,13 @@ class Scheduler:
                 break
             position = len(request.prompt) + len(request.generated) - 1
             proposals = self._propose(request, position, budget - 1)
+            proposals, masks = self._constrain(request, proposals)
+            if request.done:
+                continue
             request.proposals = proposals
             work.append(SlotWork(request.slot, request.epoch, (request.generated[-1], *proposals),
-                                 position, samples=True, proposals=proposals))
+                                 position, samples=True, proposals=proposals,
+                                 grammar_masks=masks))
             carried.append(request)
             budget -= 1 + len(proposals)
         scored = False
@@ -142,9 +164,13 @@ class Scheduler:
             targets = (scored_targets(request.prompt, start, take)
                        if request.spec.scores_prompt else ())
             scored = scored or bool(targets)
-            work.append(SlotWork(request.slot, request.epoch, chunk, start,
-                                 samples=last and request.spec.max_tokens > 0,
-                                 request=request.spec if first else None, targets=targets))
+            samples = last and request.spec.max_tokens > 0
+            masks = self._constrain(request, ())[1] if samples else ()
+            if request.done:
+                continue
+            work.append(SlotWork(request.slot, request.epoch, chunk, start, samples=samples,
+                                 request=request.spec if first else None, targets=targets,
+                                 grammar_masks=masks))
             request.prefilled += take
             carried.append(request)
             budget -= take
@@ -154,6 +180,20 @@ class Scheduler:
         self.submission += 1
         return plan, carried
 
+
+    def _constrain(self, request: Request, proposals: tuple[int, ...]
+                   ) -> tuple[tuple[int, ...], tuple[bytes, ...]]:
+        """(the proposals the grammar keeps, the bitmask row of each sampling row) of a
+        constrained request's next sample; an unconstrained one's proposals and no masks. A
+        committed token the grammar rejects ends the request with an error event."""
+        if request.grammar is None:
+            return proposals, ()
+        try:
+            return request.grammar.round(request.generated, proposals)
+        except GrammarViolation as exc:
+            self.finish(request)
+            request.sink.put(EngineError(f"structured output: {exc}"))
+            return (), ()
 
     def _propose(self, request: Request, position: int, budget: int) -> tuple[int, ...]:
         """History proposals for a decode whose last token sits at ``position``: at most N,

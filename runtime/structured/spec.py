@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+from helios_logprobs.collectives.codec import message
 
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
@@ -28,6 +30,7 @@ class StructuredSpecError(ValueError):
         self.reason = reason
 
 
+@message("structured_spec")
 @dataclass(frozen=True)
 class StructuredSpec:
     """One output constraint.
@@ -35,12 +38,22 @@ class StructuredSpec:
     kind "json": value is the JSON schema, as canonical JSON text (so the spec is hashable
     and is the grammar cache's key); "json_object": any JSON object, value ""; "regex": the
     pattern; "choice": a tuple of the allowed strings; "grammar": EBNF (GBNF) text.
+    ``any_whitespace`` (json kinds): any whitespace between JSON tokens, vLLM's default
+    (structured_outputs.disable_any_whitespace turns it off: compact JSON).
     """
 
     kind: str
     value: str | tuple[str, ...] = ""
+    any_whitespace: bool = True
+    source: str = field(default="structured_outputs", compare=False)
+    """The request field the constraint came from (named by a refusal); not part of the
+    spec's identity, so the same schema from two fields shares one compiled grammar."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.source, str) or not self.source:
+            raise ValueError("source must name the request field")
+        if not isinstance(self.any_whitespace, bool):
+            raise ValueError("any_whitespace must be a boolean")
         if self.kind not in STRUCTURED_KINDS:
             raise ValueError(f"kind must be one of {STRUCTURED_KINDS}, got {self.kind!r}")
         if self.kind == "choice":
@@ -62,15 +75,17 @@ class StructuredSpec:
                 raise ValueError("a JSON schema must be an object or a boolean")
 
     @classmethod
-    def from_schema(cls, schema: Any) -> StructuredSpec:
+    def from_schema(cls, schema: Any, any_whitespace: bool = True,
+                    source: str = "structured_outputs") -> StructuredSpec:
         """A "json" spec from a schema given as a dict (or JSON text)."""
         if isinstance(schema, str):
             schema = json.loads(schema)
-        return cls("json", canonical_json(schema))
+        return cls("json", canonical_json(schema), any_whitespace, source)
 
     @classmethod
-    def from_choices(cls, choices: Sequence[str]) -> StructuredSpec:
-        return cls("choice", tuple(choices))
+    def from_choices(cls, choices: Sequence[str], source: str = "structured_outputs"
+                     ) -> StructuredSpec:
+        return cls("choice", tuple(choices), source=source)
 
     def schema(self) -> Any:
         """The JSON schema of a "json" spec, as a Python object."""
@@ -80,8 +95,9 @@ class StructuredSpec:
 
 
 def canonical_json(value: Any) -> str:
-    """Key-sorted, compact JSON text: equal schemas give equal specs (one cache entry)."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    """Compact JSON text, keys in the client's order: xgrammar emits an object's properties in
+    schema order, so sorting them would change the output. Equal texts share a cache entry."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
 def _function_of(tool: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -160,10 +176,10 @@ def tool_call_constraint(
         for tool in tools:
             function = _function_of(tool)
             if function["name"] == name:
-                return StructuredSpec.from_schema(_parameters_of(function))
+                return StructuredSpec.from_schema(_parameters_of(function), source="tools")
         raise StructuredSpecError("tool_choice", f"tool {name!r} has not been passed in tools")
     if tool_choice == "required":
-        return StructuredSpec.from_schema(required_tools_schema(tools))
+        return StructuredSpec.from_schema(required_tools_schema(tools), source="tools")
     raise StructuredSpecError(
         "tool_choice", f"must be 'auto', 'none', 'required' or a named function: {tool_choice!r}"
     )

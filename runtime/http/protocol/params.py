@@ -16,6 +16,8 @@ from helios_logprobs.runtime.http.protocol.models import (
     SamplingFields,
 )
 from helios_logprobs.runtime.http.protocol.wire_mode import WireMode
+from helios_logprobs.runtime.structured.request_fields import request_spec as output_constraint
+from helios_logprobs.runtime.structured.spec import StructuredSpec
 
 LOGIT_BIAS_LIMIT = 100.0
 TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,19}", re.ASCII)
@@ -67,11 +69,14 @@ def build_params(
     prompt_logprobs: int | None = None,
     bad_words: tuple[tuple[int, ...], ...] = (),
     stop_token_entry: bool = False,
+    structured: StructuredSpec | None = None,
 ) -> SamplingParams:
     """SamplingParams for one choice (its __post_init__ raises RequestError naming the field).
     A field the request leaves unset takes the model's default (`defaults`), else vLLM's
     neutral one. `prompt_logprobs`: what the engine scores (None: the prompt is not scored).
-    `stop_token_entry`: a scoring request, whose terminating stop token has an entry."""
+    `stop_token_entry`: a scoring request, whose terminating stop token has an entry.
+    `structured`: a constraint the endpoint adds (a forced tool call); the request's own
+    response_format / structured_outputs are parsed here (runtime/structured)."""
     allowed = None
     if req.allowed_token_ids is not None:
         allowed = tuple(dict.fromkeys(req.allowed_token_ids))
@@ -97,6 +102,7 @@ def build_params(
         thinking_token_budget=req.thinking_token_budget,
         speculative=req.speculative,
         stop_token_entry=stop_token_entry,
+        structured=output_constraint(req.response_format, req.structured_outputs, structured),
     )
 
 
