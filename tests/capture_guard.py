@@ -1,7 +1,10 @@
 """A guard for the phases of a step that a captured graph would run: any host read of a
 tensor value (``.item()``, ``.tolist()``, ``.cpu()``, ``nonzero()``, ``bool(t)``, ``int(t)``,
-``float(t)``) raises while it is armed, and an allocation probe for the profiler's memory
-events. Used by tests/unit/ranks/test_capture_safe_step.py."""
+``float(t)``) raises while it is armed; in strict phases so do tensors built from host data
+(``torch.tensor``, ``torch.as_tensor``), value-sized outputs (``masked_select``, ``unique``)
+and boolean-mask indexing (a nonzero inside ``x[mask]``). ``torch.from_numpy`` is not seen by
+a torch-function mode. Also an allocation probe for the profiler's memory events. Used by
+tests/unit/ranks/test_capture_safe_step.py and test_capture_sample.py."""
 
 from __future__ import annotations
 
@@ -24,6 +27,26 @@ FORBIDDEN = {
 }
 
 
+HOST_DATA = {
+    torch.tensor: "torch.tensor(host data)",
+    torch.as_tensor: "torch.as_tensor(host data)",
+    torch.masked_select: "masked_select()",
+    torch.Tensor.masked_select: "masked_select()",
+    torch.unique: "unique()",
+    torch.Tensor.unique: "unique()",
+}
+"""Forbidden in strict phases too: a tensor built from host values (a captured graph would
+replay the values of its capture) and ops whose output size depends on tensor values."""
+
+INDEXING = (torch.Tensor.__getitem__, torch.Tensor.__setitem__, torch.Tensor.index_put_,
+            torch.Tensor.index_put)
+
+
+def _bool_index(index) -> bool:
+    items = index if isinstance(index, tuple | list) else (index,)
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
+
+
 class HostSync(AssertionError):
     pass
 
@@ -32,15 +55,23 @@ class HostSyncGuard(TorchFunctionMode):
     """Raises HostSync on a forbidden call while ``depth`` > 0 and no ``allowed`` block
     is open; records each phase it guarded."""
 
-    def __init__(self) -> None:
+    def __init__(self, strict: tuple[str, ...] = ()) -> None:
         super().__init__()
         self.phase: str | None = None
         self.allowed = 0
         self.guarded: dict[str, int] = {}
+        self.strict = set(strict)
+        """Phases where HOST_DATA and boolean-mask indexing (a hidden nonzero) raise too."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if self.phase is not None and not self.allowed and func in FORBIDDEN:
-            raise HostSync(f"{FORBIDDEN[func]} inside the {self.phase} phase")
+        if self.phase is not None and not self.allowed:
+            if func in FORBIDDEN:
+                raise HostSync(f"{FORBIDDEN[func]} inside the {self.phase} phase")
+            if self.phase in self.strict:
+                if func in HOST_DATA:
+                    raise HostSync(f"{HOST_DATA[func]} inside the {self.phase} phase")
+                if func in INDEXING and len(args) > 1 and _bool_index(args[1]):
+                    raise HostSync(f"boolean-mask indexing inside the {self.phase} phase")
         return func(*args, **(kwargs or {}))
 
     @contextlib.contextmanager

@@ -110,10 +110,12 @@ def fill_below(x: torch.Tensor, cut: torch.Tensor) -> bool:
     return True
 
 
-def fill_min_p(x: torch.Tensor, row_max: torch.Tensor, floors: torch.Tensor) -> bool:
+def fill_min_p(x: torch.Tensor, row_max: torch.Tensor, floors: torch.Tensor,
+               checked: bool = False) -> bool:
     """x[r, i] = -inf where relative_probs(x, row_max)[r, i] < floors[r] (floors in (0, 1]),
     in place, with torch's float64 exp where the test is close (radix.c says how); False
-    where compiled code does not apply (nothing done)."""
+    where compiled code does not apply (nothing done). checked: the caller built floors
+    from values it checked (RowSampling.min_p), so they are not read back here."""
     lib = _takes(x)
     if lib is None:
         return False
@@ -122,7 +124,7 @@ def fill_min_p(x: torch.Tensor, row_max: torch.Tensor, floors: torch.Tensor) -> 
     floors = floors.to(device="cpu", dtype=torch.float64).contiguous()
     if maxima.shape != (rows,) or floors.shape != (rows,):
         raise ValueError(f"fill_min_p: row_max and floors must be [{rows}]")
-    if not bool(((floors > 0) & (floors <= 1)).all()):
+    if not checked and not bool(((floors > 0) & (floors <= 1)).all()):
         raise ValueError("fill_min_p: floors must lie in (0, 1]")
     exp, set_local, get_max = _STATE["routines"]
     lib.radix_min_p(x.data_ptr(), x.stride(0), rows, width, maxima.data_ptr(),

@@ -229,12 +229,14 @@ def input_buffers(step: StepConfig) -> tuple[Buffer, ...]:
 
 
 def sampler_buffers(step: StepConfig, layout: ShardLayout) -> tuple[Buffer, ...]:
-    """ranks/sampler/sampler.py ShardedSampler: the FP32 scratch [rows, local_width] and the filter
-    (256 words) and pick (3 words) exchanges, for the submission's most sampling rows
-    (StepConfig.max_rows: capacity x (1 + N) with N speculative proposals)."""
+    """ranks/sampler/sampler.py ShardedSampler: the FP32 scratch [rows, local_width], the lanes'
+    global ids [local_width] (the capture-safe Gumbel-max's), and the filter (256 words) and
+    pick (3 words) exchanges, for the submission's most sampling rows (StepConfig.max_rows:
+    capacity x (1 + N) with N speculative proposals)."""
     cap, world = step.max_rows, layout.tp_size
     return (
         Buffer("sampler", "scratch", "sampler.scratch", (cap, layout.local_width), "float32"),
+        Buffer("sampler", "lane ids", "sampler.lane_ids", (layout.local_width,), "int64"),
         *exchange_buffers("sampler", "filter exchange", "sampler.filter_exchange", cap,
                           FILTER_WORDS, world),
         *exchange_buffers("sampler", "pick exchange", "sampler.pick_exchange", cap,

@@ -77,20 +77,24 @@ def _padded(words: torch.Tensor, width: int, fill: int) -> torch.Tensor:
 
 
 def max_and_topk(
-    x: torch.Tensor, ks: torch.Tensor, exchange: WordExchange
+    x: torch.Tensor, ks: torch.Tensor, exchange: WordExchange, take: int | None = None,
+    native: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Global max and k-th largest value (keys) of each row; ks[i] in 1..TOPK_WIDTH.
 
-    One exchange: each shard sends its best min(max(ks), width) ordered words; the k-th
-    largest of the union of the shards' top-k is the global k-th largest.
+    One exchange: each shard sends its best ``take`` = min(max(ks), width) ordered words
+    (given by the caller, who knows ks on the host; else read from ks); the k-th largest of
+    the union of the shards' top-k is the global k-th largest. native: compiled code may
+    take the top values (the CPU).
     """
     n, width = x.shape
-    take = min(int(ks.max()), width) if n else 0
+    if take is None:
+        take = min(int(ks.max()), width) if n else 0
     local = torch.full((n, FILTER_WORDS), PAD_WORD, dtype=torch.int32, device=x.device)
     if take == 1:  # (each row's maximum: amax is several times cheaper than topk(x, 1))
         local[:, :1] = ordered_high(x.amax(dim=1, keepdim=True))
     elif take:
-        top = top_values(x, take)  # (compiled, on the CPU: a heap per row)
+        top = top_values(x, take) if native else None  # (compiled, on the CPU: a heap per row)
         if top is None:
             top = torch.topk(x, take, dim=1, sorted=True).values
         local[:, :take] = ordered_high(top)
@@ -100,34 +104,34 @@ def max_and_topk(
     return merged[:, 0], kth
 
 
-def remove_below_kth(x: torch.Tensor, kth: torch.Tensor, small: torch.Tensor) -> None:
+def remove_below_kth(x: torch.Tensor, kth: torch.Tensor, small: torch.Tensor,
+                     native: bool = True) -> None:
     """Set the lanes of rows x below their row's k-th largest value (kth: keys, as
     max_and_topk returns them) to -inf, in the rows where `small` (bool [rows]) is set. A key
     test is the value test: keys keep the FP32 order and give -0.0 the key of +0.0, and the
     scratch holds no NaN (a cut of 0 leaves a row alone)."""
-    if not fill_below(x, torch.where(small, kth, 0)):
+    if not (native and fill_below(x, torch.where(small, kth, 0))):
         kept = torch.where(small, key_values(kth), float("-inf"))
         x.masked_fill_(x < kept.unsqueeze(1), float("-inf"))
 
 
-def remove_below_min_p(x: torch.Tensor, row_max: torch.Tensor, floors: torch.Tensor) -> None:
+def remove_below_min_p(x: torch.Tensor, row_max: torch.Tensor, floors: torch.Tensor,
+                       native: bool = True) -> None:
     """Set the lanes of rows x whose relative_probs are below their row's floor (float64
-    [rows], min_p) to -inf, in place."""
-    if not fill_min_p(x, row_max, floors):
+    [rows], min_p in (0, 1]) to -inf, in place."""
+    if not (native and fill_min_p(x, row_max, floors, checked=True)):
         x.masked_fill_(relative_probs(x, row_max) < floors.unsqueeze(1), float("-inf"))
 
 
 class TorchRadixLanes:
-    """A block's lanes of positive weight for radix_thresholds, flattened: their rows, keys and
-    weights (int64 tensors on the block's device). keys: int64 [rows, width] in [0, 2**32);
-    weights: int64 >= 0 of the same shape."""
+    """A block's lanes for radix_thresholds, dense: keys int64 [rows, width] in [0, 2**32) and
+    weights int64 >= 0 of the same shape (on the block's device). Every round keeps the
+    shapes (a lane outside the chosen bucket gets weight 0 instead of leaving), so no round
+    reads a count on the host: the sums are those of the lanes left, exactly (integers)."""
 
     def __init__(self, keys: torch.Tensor, weights: torch.Tensor) -> None:
         self.block_keys = keys
-        # Lanes of weight zero never change W, so they are dropped.
-        self.row, lane = torch.nonzero(weights > 0, as_tuple=True)
-        flat = self.row * keys.shape[1] + lane
-        self.keys, self.weights = (t.reshape(-1).index_select(0, flat) for t in (keys, weights))
+        self.keys, self.weights = keys, weights
         self.rows = keys.shape[0]
 
     def histogram(self, shift: int, bits: int,
@@ -138,13 +142,11 @@ class TorchRadixLanes:
         if previous is not None:
             keep_shift, keep_bits, chosen = previous
             bucket = (self.keys >> keep_shift) & ((1 << keep_bits) - 1)
-            inside = torch.nonzero(bucket == chosen.index_select(0, self.row)).squeeze(1)
-            self.row, self.keys, self.weights = (
-                t.index_select(0, inside) for t in (self.row, self.keys, self.weights))
+            self.weights = torch.where(bucket == chosen.unsqueeze(1), self.weights, 0)
         buckets = 1 << bits
         bucket = (self.keys >> shift) & (buckets - 1)
-        hist = torch.zeros(self.rows * buckets, dtype=torch.int64, device=self.keys.device)
-        return hist.scatter_add_(0, self.row * buckets + bucket, self.weights).view(-1, buckets)
+        hist = torch.zeros(self.rows, buckets, dtype=torch.int64, device=self.keys.device)
+        return hist.scatter_add_(1, bucket, self.weights)
 
     def below(self, cut: torch.Tensor) -> torch.Tensor:
         """bool [rows, width]: lanes whose key is below their row's cut."""
@@ -156,14 +158,15 @@ class TorchRadixLanes:
 
 
 def radix_lanes(x: torch.Tensor, row_max: torch.Tensor | None,
-                vocab_size: int) -> TorchRadixLanes | RadixLanes:
+                vocab_size: int, native: bool = True) -> TorchRadixLanes | RadixLanes:
     """The lanes of rows x (the sampler's FP32 scratch) for radix_thresholds: unit weights
     when row_max is None (the k-th largest value), else probability weights (the top-p
-    boundary). Compiled code holds them on the CPU where it applies (kernels/radix)."""
-    scale = probability_scale(vocab_size)
-    lanes = RadixLanes.start(x, row_max, scale)
-    if lanes is not None:
-        return lanes
+    boundary). Compiled code holds them on the CPU where it applies and ``native`` allows
+    (kernels/radix)."""
+    if native:
+        lanes = RadixLanes.start(x, row_max, probability_scale(vocab_size))
+        if lanes is not None:
+            return lanes
     keys = value_keys(x)
     if row_max is None:
         return TorchRadixLanes(keys, torch.ones_like(keys))

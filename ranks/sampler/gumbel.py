@@ -280,3 +280,21 @@ def key_scores(key: int) -> float:
     """Inverse of score_keys for one key."""
     bits = key ^ (2**63 - 1) if key < 0 else key
     return torch.tensor(bits, dtype=torch.int64).view(torch.float64).item()
+
+
+def exact_gumbel_best(x: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
+                      ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gumbel_best with every lane's noise drawn: (score key, global id) of rows x (float32
+    [n, width]; ids: int64 [width], the lanes' global ids) in fixed shapes, with no host read
+    and no data-dependent branch, so a captured graph or a compiled region can run it (the
+    sampler's capture-safe path). Each lane's score is float64(x) + gumbel_noise, exactly as
+    the other paths score the lanes they keep, so the winner is theirs: the largest key, the
+    smallest id among equal keys."""
+    n, width = x.shape
+    if width == 0:
+        return empty_best(n, x.device)
+    noise = gumbel_noise(seeds.unsqueeze(1), positions.unsqueeze(1), ids.unsqueeze(0))
+    key = score_keys(x.to(torch.float64) + noise)
+    best = key.amax(dim=1)
+    best_id = torch.where(key == best.unsqueeze(1), ids.unsqueeze(0), NO_ID).amin(dim=1)
+    return best, best_id

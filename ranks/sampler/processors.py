@@ -17,6 +17,7 @@ from itertools import chain
 import numpy as np
 import torch
 
+from helios_logprobs.ranks.grammar_mask import shard_blocked
 from helios_logprobs.ranks.sampler.params import GREEDY_EPS, RowSampling
 
 NEG_INF = float("-inf")
@@ -52,44 +53,115 @@ class ShardLanes:
         return lanes[mine], vals[mine]
 
 
+@dataclass(frozen=True)
+class RowMasks:
+    """One row's masks and bias as lane tensors of the shard, built in the plan."""
+
+    row: int
+    blocked: torch.Tensor | None
+    """bool [local_valid]: lanes outside allowed_token_ids (None: no allowed ids)."""
+    masked: torch.Tensor | None
+    """int64 lanes of the min_tokens stop ids and the banned bad-word ids (None: none)."""
+    bias_lanes: torch.Tensor | None
+    bias: torch.Tensor | None
+    """float32 logit_bias of bias_lanes, clamped to float32's range."""
+
+
+@dataclass(frozen=True)
+class CellChange:
+    """One penalty step over cells (row, lane) of the scratch: ``scale`` (the repetition
+    penalty: x / f where x > 0, else x * f) or subtract ``value`` (frequency, presence)."""
+
+    scale: bool
+    row: torch.Tensor
+    lane: torch.Tensor
+    value: torch.Tensor
+
+
+@dataclass(frozen=True)
+class ProcessorPlan:
+    """Every logits processor of a batch of scratch rows, with its lanes and values on the
+    shard's device: what apply_processors decides on the host, made before the logits
+    exist (the sample phase then only applies tensors)."""
+
+    masks: tuple[RowMasks, ...]
+    penalties: tuple[CellChange, ...]
+
+    def apply(self, x: torch.Tensor) -> None:
+        """The processors on scratch rows x (float32 [rows, local_valid]), in place."""
+        for m in self.masks:
+            if m.blocked is not None:
+                x[m.row].masked_fill_(m.blocked, NEG_INF)
+            if m.masked is not None:
+                x[m.row].index_fill_(0, m.masked, NEG_INF)
+            if m.bias_lanes is not None:
+                old = x[m.row, m.bias_lanes]
+                x[m.row, m.bias_lanes] = saturated(old + m.bias, old)
+        for change in self.penalties:
+            vals = x[change.row, change.lane]
+            if change.scale:
+                rep = change.value
+                new = torch.where(vals > 0, vals / rep, vals * rep)
+            else:
+                new = vals - change.value
+            x[change.row, change.lane] = saturated(new, vals)
+
+
 def apply_processors(x: torch.Tensor, rows: Sequence[RowSampling],
                      prompt_ids: Sequence[Sequence[int]], output_ids: Sequence[Sequence[int]],
                      shard: ShardLanes) -> None:
-    """Each row's processors on its scratch row x[i] (float32 [local_valid]), in place. The
-    penalties come last on every row (after logit_bias, as in vLLM: the repetition penalty
-    scales the biased logit), so they run batched over the rows once the rest is done."""
+    """Each row's processors on its scratch row x[i] (float32 [local_valid]), in place."""
+    plan_processors(rows, prompt_ids, output_ids, shard).apply(x)
+
+
+def plan_processors(rows: Sequence[RowSampling], prompt_ids: Sequence[Sequence[int]],
+                    output_ids: Sequence[Sequence[int]], shard: ShardLanes) -> ProcessorPlan:
+    """The processors of scratch rows ``rows``: per row, allowed ids, blocked ids (min_tokens,
+    bad_words) and logit_bias, in that order; then the penalties, last on every row (after
+    logit_bias, as in vLLM: the repetition penalty scales the biased logit), batched over the
+    rows."""
+    masks = []
     for i, r in enumerate(rows):
+        blocked = masked = bias_lanes = bias = None
         if r.allowed_token_ids is not None:
             lanes, _ = shard.local(r.allowed_token_ids)
             blocked = torch.ones(shard.local_valid, dtype=torch.bool, device=shard.device)
             blocked[lanes] = False
-            x[i].masked_fill_(blocked, NEG_INF)
-        masked = list(r.blocked_ids)
+        if r.grammar_bitmask is not None:  # (vLLM masks first; -inf fills commute)
+            grammar = shard_blocked([r.grammar_bitmask], shard.vocab_start, shard.local_valid,
+                                    shard.vocab_size, shard.device)[0]
+            blocked = grammar if blocked is None else blocked | grammar
+        ids = list(r.blocked_ids)
         if r.bad_words:
-            masked += r.banned_ids(output_ids[i])
-        if masked:
-            lanes, _ = shard.local(masked)
-            x[i].index_fill_(0, lanes, NEG_INF)
+            ids += r.banned_ids(output_ids[i])
+        if ids:
+            masked, _ = shard.local(ids)
         if r.logit_bias:
-            lanes, bias = shard.local([t for t, _ in r.logit_bias], [b for _, b in r.logit_bias])
-            old = x[i, lanes]
-            x[i, lanes] = saturated(old + bias.clamp_(-FLOAT32_MAX, FLOAT32_MAX), old)
+            bias_lanes, bias = shard.local([t for t, _ in r.logit_bias],
+                                           [b for _, b in r.logit_bias])
+            bias = bias.clamp_(-FLOAT32_MAX, FLOAT32_MAX)
+        if any(t is not None for t in (blocked, masked, bias_lanes)):
+            masks.append(RowMasks(i, blocked, masked, bias_lanes, bias))
     penalized = [i for i, r in enumerate(rows) if r.penalized]
+    penalties = ()
     if penalized:
-        _penalize(x, [rows[i] for i in penalized], penalized,
-                  [prompt_ids[i] for i in penalized], [output_ids[i] for i in penalized], shard)
+        penalties = _penalties(x_rows=len(rows), rows=[rows[i] for i in penalized],
+                               which=penalized, prompts=[prompt_ids[i] for i in penalized],
+                               outputs=[output_ids[i] for i in penalized], shard=shard)
+    return ProcessorPlan(tuple(masks), penalties)
 
 
-def _penalize(x: torch.Tensor, rows: Sequence[RowSampling], which: list[int],
-              prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]],
-              shard: ShardLanes) -> None:
+def _penalties(x_rows: int, rows: Sequence[RowSampling], which: list[int],
+               prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]],
+               shard: ShardLanes) -> tuple[CellChange, ...]:
     """The repetition, frequency and presence penalties of rows x[which] (rows[k] is row
     which[k]), one after the other, each over the (row, lane) cells it changes in all rows
     at once: per cell the same float32 operations as one row at a time. A row whose penalty
     is off is left out of that step (a factor of 1 or a term of 0 would still clamp a logit
     past LOGIT_LIMIT). The cells are found with numpy (a few small arrays: torch's per-op
-    cost would exceed the work), the values change in torch."""
-    n_rows = x.shape[0]
+    cost would exceed the work)."""
+    n_rows = x_rows
+    changes = []
     cells, counts = np.unique(_cells(shard, which, outputs), return_counts=True)
     # Every factor and term is a positive / finite float32, so no lane becomes NaN: a
     # penalty that rounds to 0 or inf in float32 would turn a masked lane's -inf (times
@@ -102,9 +174,7 @@ def _penalize(x: torch.Tensor, rows: Sequence[RowSampling], which: list[int],
             cells[_of_rows(cells, rows_of, n_rows, shard)])))
         rep = _per_cell(seen, rows_of, [rows[k].repetition_penalty for k in repeated], n_rows,
                         shard).clamp_(FLOAT32_TINY, FLOAT32_MAX)
-        row, lane = _indices(seen, shard)
-        vals = x[row, lane]
-        x[row, lane] = saturated(torch.where(vals > 0, vals / rep, vals * rep), vals)
+        changes.append(CellChange(True, *_indices(seen, shard), rep))
     # Then frequency (-= f * count) and presence (-= p) over the output's cells.
     for name, per_count in (("frequency_penalty", True), ("presence_penalty", False)):
         active = [k for k, r in enumerate(rows) if getattr(r, name) != 0]
@@ -117,9 +187,8 @@ def _penalize(x: torch.Tensor, rows: Sequence[RowSampling], which: list[int],
         if per_count:
             times = torch.from_numpy(counts[mine]).to(device=shard.device, dtype=torch.float32)
             term = (term * times).clamp_(-FLOAT32_MAX, FLOAT32_MAX)
-        row, lane = _indices(cells[mine], shard)
-        old = x[row, lane]
-        x[row, lane] = saturated(old - term, old)
+        changes.append(CellChange(False, *_indices(cells[mine], shard), term))
+    return tuple(changes)
 
 
 def _cells(shard: ShardLanes, which: Sequence[int], ids: Sequence[Sequence[int]]) -> np.ndarray:

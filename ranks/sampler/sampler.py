@@ -27,7 +27,7 @@ Tie rules are documented in ranks/sampler/filters.py.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -39,7 +39,6 @@ from helios_logprobs.kernels.noise.philox_native import native_scaled_rows
 from helios_logprobs.ranks.sampler.filters import (
     FILTER_WORDS,
     PICK_WORDS,
-    TOPK_WIDTH,
     first_argmax,
     greedy_best,
     key_values,
@@ -51,14 +50,16 @@ from helios_logprobs.ranks.sampler.filters import (
     remove_below_min_p,
     score_keys,
 )
-from helios_logprobs.ranks.sampler.gumbel import gumbel_best, scaled_gumbel_best
-from helios_logprobs.ranks.sampler.params import SEED_MAX, RowSampling
-from helios_logprobs.ranks.sampler.processors import (
-    FLOAT32_MAX,
-    NEG_INF,
-    ShardLanes,
-    apply_processors,
+from helios_logprobs.ranks.sampler.gumbel import exact_gumbel_best, gumbel_best, scaled_gumbel_best
+from helios_logprobs.ranks.sampler.params import RowSampling
+from helios_logprobs.ranks.sampler.plan import (
+    FilterPlan,
+    FilterRows,
+    PlanShape,
+    SamplePlan,
+    ScratchPlan,
 )
+from helios_logprobs.ranks.sampler.processors import NEG_INF, ShardLanes
 
 
 class ShardedSampler:
@@ -71,6 +72,7 @@ class ShardedSampler:
         vocab_size: int,
         max_rows: int,
         device: torch.device | str = "cpu",
+        capture_safe: bool | None = None,
     ) -> None:
         if vocab_size < 1 or max_rows < 1:
             raise ValueError(f"vocab_size and max_rows must be >= 1, got {vocab_size}, {max_rows}")
@@ -87,13 +89,28 @@ class ShardedSampler:
         self.vocab_size = vocab_size
         self.max_rows = max_rows
         self.device = torch.device(device)
+        self.capture_safe = self.device.type == "cuda" if capture_safe is None else capture_safe
+        """Sample with fixed shapes and no host read (every lane's noise drawn, dense radix
+        rounds, no compiled CPU search): what a captured graph runs. The CUDA default; on the
+        CPU the compiled pruning searches are faster and pick the same tokens."""
         self.lanes = ShardLanes(vocab_start, local_valid, vocab_size, self.device)
+        self.lane_ids = torch.arange(vocab_start, vocab_start + local_width,
+                                     dtype=torch.int64, device=self.device)
+        """Each lane's global id (the capture-safe Gumbel-max keys its noise with them)."""
         self.scratch = torch.empty(max_rows, local_width, dtype=torch.float32, device=self.device)
         self.filter_exchange = WordExchange(group, max_rows, FILTER_WORDS, self.device)
         self.pick_exchange = WordExchange(group, max_rows, PICK_WORDS, self.device)
         if self.device.type == "cpu":  # compiled (or found in their cache) now, not mid-serving
             philox_native.available()
             greedy_native.available()
+
+    def plan(self, rows: Sequence[RowSampling], prompt_ids: Sequence[Sequence[int]],
+             output_ids: Sequence[Sequence[int]]) -> SamplePlan:
+        """Every host decision of sampling ``rows`` (ranks/sampler/plan.py): the step's prepare
+        phase makes it, so that ``run`` only applies tensors."""
+        shape = PlanShape(self.lanes, self.max_rows, self.pick_exchange.world,
+                          not self.capture_safe)
+        return SamplePlan(shape, rows, prompt_ids, output_ids)
 
     def sample(
         self,
@@ -103,58 +120,59 @@ class ShardedSampler:
         output_ids: Sequence[Sequence[int]],
     ) -> torch.Tensor:
         """Global token ids int64 [rows], identical on every rank of the group."""
-        self._check(logits, rows, prompt_ids, output_ids)
-        n = len(rows)
-        plain_greedy = [i for i, r in enumerate(rows) if r.greedy and r.unprocessed]
-        if len(plain_greedy) == n and self.pick_exchange.world == 1:
+        return self.run(logits, self.plan(rows, prompt_ids, output_ids))
+
+    def run(self, logits: torch.Tensor, plan: SamplePlan) -> torch.Tensor:
+        """``sample`` of a plan made before the logits (int64 [rows], on every rank)."""
+        self._check(logits, plan.n)
+        n = plan.n
+        if plan.greedy_only:
             lane = self._raw_argmax(logits, None)
             if lane is not None:  # (one rank: its argmax is the pick)
                 return lane + self.vocab_start
-        plain = [i for i, r in enumerate(rows)
-                 if not r.greedy and r.unprocessed and not r.filtered(self.vocab_size)]
-        found = [(plain_greedy, self._plain_greedy(logits, plain_greedy)),
-                 (plain, self._plain_temperature(logits, rows, plain))]
+        found = [(plan.plain_greedy, self._plain_greedy(logits, plan)),
+                 (plan.plain, self._plain_temperature(logits, plan))]
         parts = [(which, best) for which, best in found if which and best is not None]
         taken = {i for which, _ in parts for i in which}
         rest = [i for i in range(n) if i not in taken]
         if rest:
-            rest_rows = [rows[i] for i in rest]
-            x = self._transform(logits, rest_rows, [prompt_ids[i] for i in rest],
-                                [output_ids[i] for i in rest],
-                                self._index(rest) if taken else None)
-            if self.pick_exchange.world == 1 and not taken and all(r.greedy for r in rows):
+            scratch = plan.scratch(rest, bool(taken))
+            x = self._transform(logits, scratch, plan.native)
+            if self.pick_exchange.world == 1 and not taken and plan.all_greedy:
                 return first_argmax(x) + self.vocab_start
-            parts.append((rest, self._scratch_best(x, rest_rows)))
-        return pick_global(*self._in_row_order(parts, n), self.pick_exchange)
+            parts.append((rest, self._scratch_best(x, scratch, plan.native)))
+        return pick_global(*self._in_row_order(parts, plan), self.pick_exchange)
 
     def _in_row_order(self, parts: list[tuple[list[int], tuple[torch.Tensor, torch.Tensor]]],
-                      n: int) -> tuple[torch.Tensor, torch.Tensor]:
+                      plan: SamplePlan) -> tuple[torch.Tensor, torch.Tensor]:
         """(keys, ids) [n] from parts that each found the rows they name."""
         if len(parts) == 1:  # (it names every row, in order)
             return parts[0][1]
-        merged = torch.empty(2, n, dtype=torch.int64, device=self.device)
+        merged = torch.empty(2, plan.n, dtype=torch.int64, device=self.device)
         for which, best in parts:
-            merged[:, self._index(which)] = torch.stack(best)
+            merged[:, plan.index(which)] = torch.stack(best)
         return merged[0], merged[1]
 
-    def _scratch_best(self, x: torch.Tensor, rows: Sequence[RowSampling]
+    def _scratch_best(self, x: torch.Tensor, plan: ScratchPlan, native: bool
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """This shard's best (score key, global id) of each scratch row: the argmax of greedy
         rows, the Gumbel-max of the others."""
-        greedy = [i for i, r in enumerate(rows) if r.greedy]
-        seeded = [i for i, r in enumerate(rows) if not r.greedy]
-        if not seeded:
+        if plan.seeded is None:
             return greedy_best(x, self.vocab_start)
-        seeds = self._index(_signed_seed(rows[i].seed) for i in seeded)
-        positions = self._index(rows[i].position for i in seeded)
-        if not greedy:  # (every row: no copy of x)
-            return gumbel_best(x, seeds, positions, self.vocab_start)
-        keys = torch.empty(len(rows), dtype=torch.int64, device=self.device)
+        if plan.greedy is None:  # (every row: no copy of x)
+            return self._gumbel(x, plan.seeds, plan.positions, native)
+        keys = torch.empty(plan.n, dtype=torch.int64, device=self.device)
         ids = torch.empty_like(keys)
-        picked, drawn = self._index(greedy), self._index(seeded)
+        picked, drawn = plan.greedy, plan.seeded
         keys[picked], ids[picked] = greedy_best(x[picked], self.vocab_start)
-        keys[drawn], ids[drawn] = gumbel_best(x[drawn], seeds, positions, self.vocab_start)
+        keys[drawn], ids[drawn] = self._gumbel(x[drawn], plan.seeds, plan.positions, native)
         return keys, ids
+
+    def _gumbel(self, x: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
+                native: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        if native:
+            return gumbel_best(x, seeds, positions, self.vocab_start)
+        return exact_gumbel_best(x, seeds, positions, self.lane_ids[: self.local_valid])
 
     def processed(
         self,
@@ -166,154 +184,115 @@ class ShardedSampler:
         """The scratch rows [rows, local_valid] after every transformation (filtered lanes are
         -inf; greedy rows are neither scaled nor filtered). A view of the scratch buffer,
         valid until the next call. Collective: every rank of the group must call it."""
-        self._check(logits, rows, prompt_ids, output_ids)
-        return self._transform(logits, rows, prompt_ids, output_ids)
+        plan = self.plan(rows, prompt_ids, output_ids)
+        self._check(logits, plan.n)
+        return self._transform(logits, plan.scratch(range(plan.n), False), plan.native)
 
-    def _raw_argmax(self, logits: torch.Tensor, which: list[int] | None) -> torch.Tensor | None:
+    def _raw_argmax(self, logits: torch.Tensor, which: torch.Tensor | None
+                    ) -> torch.Tensor | None:
         """The compiled argmax lane of raw rows `which` (default all; NaN as -inf, as in the
         scratch), or None where it does not apply (the scratch path)."""
         if not self.local_valid:
             return None
-        index = None if which is None else self._index(which)
-        return native_argmax(logits[:, : self.local_valid], index)
+        return native_argmax(logits[:, : self.local_valid], which, checked=True)
 
-    def _plain_greedy(self, logits: torch.Tensor, which: list[int]
+    def _plain_greedy(self, logits: torch.Tensor, plan: SamplePlan
                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """This shard's best (score key, global id) of the unprocessed greedy rows `which`, read
-        from the raw rows with no scratch copy; None where it does not apply. A shard's best
+        """This shard's best (score key, global id) of the unprocessed greedy rows, read from
+        the raw rows with no scratch copy; None where it does not apply. A shard's best
         score is its raw value, widened as the scratch widens it."""
-        lane = self._raw_argmax(logits, which) if which else None
+        if not plan.plain_greedy:
+            return None
+        which = plan.index(plan.plain_greedy)
+        lane = self._raw_argmax(logits, which)
         if lane is None:
             return None
-        score = logits[self._index(which), lane].to(torch.float64)
+        score = logits[which, lane].to(torch.float64)
         score = torch.where(score.isnan(), NEG_INF, score)
         return score_keys(score), lane + self.vocab_start
 
-    def _plain_temperature(self, logits: torch.Tensor, rows: Sequence[RowSampling],
-                           plain: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """This shard's best (score key, global id) of the temperature-only rows `plain` (no
-        logits processor, no filter): compiled code reads their raw rows, as the scratch
-        would hold them after the copy and the division, and finds the few lanes that can
-        still win; no scratch copy. None where it does not apply (the scratch path)."""
-        if not plain:
+    def _plain_temperature(self, logits: torch.Tensor, plan: SamplePlan
+                           ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """This shard's best (score key, global id) of the temperature-only rows (no logits
+        processor, no filter): compiled code reads their raw rows, as the scratch would hold
+        them after the copy and the division, and finds the few lanes that can still win;
+        no scratch copy. None where it does not apply (the scratch path)."""
+        if not plan.plain:
             return None
-        temps = torch.tensor([rows[i].temperature for i in plain], dtype=torch.float32)
-        return scaled_gumbel_best(logits[:, : self.local_valid], plain,
-                                  temps.clamp_(max=FLOAT32_MAX),
-                                  [_signed_seed(rows[i].seed) for i in plain],
-                                  [rows[i].position for i in plain], self.vocab_start)
+        return scaled_gumbel_best(logits[:, : self.local_valid], plan.plain,
+                                  plan.plain_temperatures, plan.plain_seeds,
+                                  plan.plain_positions, self.vocab_start)
 
-    def _check(
-        self,
-        logits: torch.Tensor,
-        rows: Sequence[RowSampling],
-        prompt_ids: Sequence[Sequence[int]],
-        output_ids: Sequence[Sequence[int]],
-    ) -> None:
-        n = len(rows)
+    def _check(self, logits: torch.Tensor, n: int) -> None:
         if logits.dim() != 2 or logits.shape[0] != n or logits.shape[1] != self.local_width:
             raise ValueError(
                 f"logits: expected [{n}, {self.local_width}], got {tuple(logits.shape)}"
             )
-        if not 1 <= n <= self.max_rows:
-            raise ValueError(f"rows: expected 1..{self.max_rows}, got {n}")
-        if len(prompt_ids) != n or len(output_ids) != n:
-            raise ValueError(f"prompt_ids and output_ids: expected {n} lists each")
-        for i, r in enumerate(rows):
-            if r.max_token_id() >= self.vocab_size:
-                raise ValueError(f"rows[{i}]: token id {r.max_token_id()} outside vocabulary")
 
-    def _transform(
-        self,
-        logits: torch.Tensor,
-        rows: Sequence[RowSampling],
-        prompt_ids: Sequence[Sequence[int]],
-        output_ids: Sequence[Sequence[int]],
-        which: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """The scratch rows of `rows` (the rows `which` of logits; default all of them)."""
-        n = len(rows)
-        x = self.scratch[:n, : self.local_valid]
+    def _transform(self, logits: torch.Tensor, plan: ScratchPlan, native: bool
+                   ) -> torch.Tensor:
+        """The scratch rows of the plan's rows (the rows ``plan.which`` of logits, default
+        all of them)."""
+        x = self.scratch[: plan.n, : self.local_valid]
         source = logits[:, : self.local_valid]
-        if which is not None:
-            source = source.index_select(0, which)
-        temps = [1.0 if r.greedy else r.temperature for r in rows]
-        scale = torch.tensor(temps, dtype=torch.float32, device=self.device)
-        scale.clamp_(max=FLOAT32_MAX)  # (+inf / +inf would be NaN)
+        if plan.which is not None:
+            source = source.index_select(0, plan.which)
         # No processor in the batch: the copy, the NaN rule and the division in one pass.
-        if not (all(r.unprocessed for r in rows) and native_scaled_rows(source, scale, x)):
+        if not (native and plan.unprocessed and native_scaled_rows(source, plan.scale, x)):
             if source.dtype == x.dtype:  # (the copy and the NaN rule in one pass)
                 torch.nan_to_num(source, nan=NEG_INF, posinf=float("inf"), neginf=NEG_INF,
                                  out=x)
             else:
                 x.copy_(source).nan_to_num_(nan=NEG_INF, posinf=float("inf"), neginf=NEG_INF)
-            apply_processors(x, rows, prompt_ids, output_ids, self.lanes)
-            if any(t != 1.0 for t in temps):
-                x.div_(scale.unsqueeze(1))
-        self._filter(x, rows)
+            plan.processors.apply(x)
+            if plan.scaled:
+                x.div_(plan.scale.unsqueeze(1))
+        if plan.filters is not None:
+            self._filter(x, plan.filters, native)
         return x
 
-    def _filter(self, x: torch.Tensor, rows: Sequence[RowSampling]) -> None:
-        v = self.vocab_size
-        filtered = [i for i, r in enumerate(rows) if r.filtered(v)]
-        if not filtered:
-            return
-        small = [rows[i].top_k_active(v) and rows[i].top_k <= TOPK_WIDTH for i in filtered]
-        ks = [rows[i].top_k if s else 1 for i, s in zip(filtered, small, strict=True)]
-        block = x if len(filtered) == x.shape[0] else x[self._index(filtered)]
-        max_key, kth = max_and_topk(block, self._index(ks), self.filter_exchange)
-        maxima = dict(zip(filtered, key_values(max_key).unbind(0), strict=True))
+    def _filter(self, x: torch.Tensor, plan: FilterPlan, native: bool) -> None:
+        block = x if plan.index is None else x[plan.index]
+        max_key, kth = max_and_topk(block, plan.ks, self.filter_exchange, plan.take, native)
+        maxima = key_values(max_key)
 
-        def row_max(which: list[int]) -> torch.Tensor:
-            return torch.stack([maxima[i] for i in which])
+        def row_max(rows: FilterRows) -> torch.Tensor:
+            return maxima if rows.maxima is None else maxima.index_select(0, rows.maxima)
 
         # min-p first, as vLLM runs it (before top-k and top-p). It keeps exp(x - max) >=
         # min_p, and the max survives every filter, so its set does not depend on where it
         # runs; but top-p below then measures mass over what min-p kept.
-        min_p = [i for i in filtered if rows[i].min_p > 0]
-        if min_p:
-            floors = self._float64([rows[i].min_p for i in min_p])
-            self._change(x, min_p, lambda b: remove_below_min_p(b, row_max(min_p), floors))
+        if plan.min_p is not None:
+            rows = plan.min_p
+            self._change(x, rows.index, lambda b: remove_below_min_p(
+                b, row_max(rows), rows.values, native))
         # The k-th largest values were exchanged before min-p; that is the same cut, because
         # min-p only drops values below every value it keeps.
-        if any(small):
-            small_rows = torch.tensor(small, device=self.device)
-            self._change(x, filtered, lambda b: remove_below_kth(b, kth, small_rows))
+        if plan.small is not None:
+            self._change(x, plan.index, lambda b: remove_below_kth(b, kth, plan.small, native))
 
-        def radix_cut(which: list[int], block: torch.Tensor, top_p: bool) -> None:
-            lanes = radix_lanes(block, row_max(which) if top_p else None, v)
-            targets = self._float64([rows[i].top_p if top_p else rows[i].top_k for i in which])
-            cut = radix_thresholds(lanes, targets, top_p, self.filter_exchange)
+        def radix_cut(rows: FilterRows, block: torch.Tensor, top_p: bool) -> None:
+            lanes = radix_lanes(block, row_max(rows) if top_p else None, self.vocab_size,
+                                native)
+            cut = radix_thresholds(lanes, rows.values, top_p, self.filter_exchange)
             lanes.remove_below(block, cut)
 
-        large = [i for i in filtered if rows[i].top_k_active(v) and rows[i].top_k > TOPK_WIDTH]
-        if large:
-            self._change(x, large, lambda b: radix_cut(large, b, False))
-        top_p = [i for i in filtered if rows[i].top_p < 1]
-        if top_p:
+        if plan.large is not None:
+            large = plan.large
+            self._change(x, large.index, lambda b: radix_cut(large, b, False))
+        if plan.top_p is not None:
             # Lanes already at -inf (min-p, top-k) weigh 0: top-p's mass is over the rest.
-            self._change(x, top_p, lambda b: radix_cut(top_p, b, True))
+            top_p = plan.top_p
+            self._change(x, top_p.index, lambda b: radix_cut(top_p, b, True))
 
-    def _change(
-        self, x: torch.Tensor, which: list[int], change: Callable[[torch.Tensor], object]
-    ) -> None:
-        """``change(rows block)`` in place on rows ``which`` of x."""
-        if len(which) == x.shape[0]:
+    @staticmethod
+    def _change(x: torch.Tensor, index: torch.Tensor | None,
+                change: Callable[[torch.Tensor], object]) -> None:
+        """``change(rows block)`` in place on rows ``index`` of x (None: every row)."""
+        if index is None:
             change(x)
         else:
-            idx = self._index(which)
-            block = x[idx]
+            block = x[index]
             change(block)
-            x[idx] = block
-
-    def _index(self, values: Iterable[int]) -> torch.Tensor:
-        return torch.tensor(list(values), dtype=torch.int64, device=self.device)
-
-    def _float64(self, values: Sequence[float]) -> torch.Tensor:
-        return torch.tensor([float(t) for t in values], dtype=torch.float64, device=self.device)
-
-
-def _signed_seed(seed: int) -> int:
-    """A seed in [0, 2**64) as the int64 the Philox keys are read from."""
-    return seed - SEED_MAX if seed >= 2**63 else seed
+            x[index] = block
 

@@ -26,6 +26,7 @@ import torch
 from helios_logprobs.ranks.commit import RecordBatch, SlotState
 from helios_logprobs.ranks.contract.upload import LaneRequest
 from helios_logprobs.ranks.plan import SlotWork, StepPlan
+from helios_logprobs.ranks.sampler.plan import SamplePlan
 from helios_logprobs.ranks.step.config import StepConfig
 
 
@@ -82,6 +83,8 @@ class StepInputs:
     host: tuple[list[int], list[int], list[int], list[int]] | None = None
     """(token ids, positions, slots, forward rows) as host lists, checked in prepare, so the
     forward reads no tensor back to decide anything."""
+    sampling: SamplePlan | None = None
+    """The sampler's plan of the rows (RankStep.prepare makes it; None without rows)."""
 
     @property
     def frame(self) -> int:

@@ -12,13 +12,18 @@
     score    the submission's scored_prefill chunk -> prompt_logprobs rows (ranks/step/scoring)
 
 Scored prefill and graph capture each replace or wrap one phase. Prepare makes every host
-decision: it writes the step's static input buffers (``StepBuffers``, sized at start-up) and
-hands the forward its host lists; forward and reduce read only tensors (the reduction's gate
-takes the row slots, epochs and positions from the same buffers), and commit works on the
-read-back tokens (tests/unit/ranks/test_capture_safe_step.py checks it under a guard).
+decision: it writes the step's static input buffers (``StepBuffers``, sized at start-up),
+hands the forward its host lists and plans the sampler's rows (``ShardedSampler.plan``: row
+paths, index, parameter and processor tensors); forward, sample and reduce read only tensors
+(the reduction's gate takes the row slots, epochs and positions from the same buffers; the
+capture-safe sampler, CUDA's, reads nothing on the host), and commit works on the read-back
+tokens (tests/unit/ranks/test_capture_safe_step.py and test_capture_sample.py check it under
+a guard).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
@@ -107,6 +112,10 @@ class RankStep:
         width = self.outputs.completion_records.shape[-1]
         inputs = prepare_inputs(plan, self.slots, self.config, width, self.device,
                                 self.buffers)
+        if inputs.rows:  # (the sampler's host decisions: ranks/sampler/plan.py)
+            masks = {w.slot: w.grammar_masks for w in plan.work if w.grammar_masks}
+            inputs = replace(inputs, sampling=self.sampler.plan(
+                *sampler_rows(inputs.rows, masks)))
         # A submission without sampling rows runs no graph with logprob outputs: no transfers.
         sampling = self.uploader is not None and bool(inputs.rows)
         self.upload = self.uploader.upload(inputs.lanes) if sampling else NO_UPLOAD
@@ -128,8 +137,7 @@ class RankStep:
         """One token per sampling row (int64, on the step's device); None without rows."""
         if not inputs.rows:
             return None
-        params, prompts, histories = sampler_rows(inputs.rows)
-        return self.sampler.sample(logits, params, prompts, histories)
+        return self.sampler.run(logits, inputs.sampling)
 
     @staticmethod
     def readback(tokens: torch.Tensor | None) -> list[int]:

@@ -1,8 +1,9 @@
 """The capture-safe phases at TP2 over gloo (issue 36): every rank serves the mixed run of
-tests/unit/ranks/test_capture_safe_step.py with forward (its all-reduces included), commit,
-reduce (the tensor gate; the CPU launches and their exchanges exempt, as at TP1) and score
-under the host-read guard, prepare allocating nothing, and serves what an unguarded TP1
-engine serves."""
+tests/unit/ranks/test_capture_safe_step.py with forward (its all-reduces included), sample
+(the capture-safe sampler with its filter and pick exchanges, under the strict guard),
+commit, reduce (the tensor gate; the CPU launches and their exchanges exempt, as at TP1) and
+score under the host-read guard, prepare allocating nothing (the sampler's plan aside), and
+serves what a TP1 engine serves."""
 
 from __future__ import annotations
 
@@ -19,8 +20,14 @@ def rank_main(model_dir: str) -> dict:
     from helios_logprobs.collectives.groups import world_group
     from helios_logprobs.runtime.engine.bootstrap import build_engine, load_rank
     from helios_logprobs.runtime.engine.config import RuntimeConfig
-    from tests.capture_guard import HostSyncGuard, allocated_bytes
-    from tests.unit.ranks.test_capture_safe_step import GUARDED, SERVING, PlanLog, guard_exempt
+    from tests.capture_guard import HostSyncGuard
+    from tests.unit.ranks.test_capture_safe_step import (
+        GUARDED,
+        SERVING,
+        PlanLog,
+        guard_exempt,
+        measure_prepare,
+    )
 
     config = RuntimeConfig(model_dir=model_dir, capacity=4, max_model_len=96, chunk_size=8,
                            speculative_tokens=2, ngram_min=1, ngram_max=3,
@@ -35,15 +42,11 @@ def rank_main(model_dir: str) -> dict:
     driver = reduction.driver
     reduction.driver = lambda *args: guard_exempt(guard, driver, *args)
     guard.exempt(step.scorer, "scoring")
+    step.sampler.capture_safe = True  # (CUDA's sampler, its exchanges inside the phase)
+    guard.strict = {"sample"}
+    guard.wrap(step, "sample")
     allocations = []
-    prepare = step.prepare
-
-    def measured(plan):
-        inputs, allocated = allocated_bytes(lambda: prepare(plan))
-        allocations.append(allocated)
-        return inputs
-
-    step.prepare = measured
+    measure_prepare(step, allocations)
     log = PlanLog(step)
     events = engine.run_offline(SERVING)
     return {"events": events, "guarded": guard.guarded, "kinds": log.kinds(),
@@ -58,6 +61,7 @@ def test_tp2_phases_read_nothing_back_and_serve_the_tp1_results(tmp_path):
         assert rank["kinds"] == {"decode", "chunked prefill", "mixed", "speculative round",
                                  "scored prefill"}
         assert rank["guarded"]["forward"] == rank["plans"]
-        assert all(rank["guarded"][phase] > 0 for phase in ("commit", "reduce", "score"))
+        assert all(rank["guarded"][phase] > 0 for phase in ("sample", "commit", "reduce",
+                                                             "score"))
         assert rank["allocations"] == [0] * rank["plans"]
         assert_same_results(tp1["events"], rank["events"])

