@@ -35,7 +35,13 @@ MARGIN = 1.5
 NOISE = 0.08
 
 
-def build_tokenizer():
+TOOL_CALL = "<tool_call>"
+END_TOOL_CALL = "</tool_call>"
+
+
+def build_tokenizer(extra: tuple[str, ...] = ()):
+    """`extra`: more added (non-special) tokens after ADDED, e.g. TOOL_CALL, END_TOOL_CALL
+    and JSON punctuation (the base pieces are letters, digits, space and newline)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     vocab = {piece: i for i, piece in enumerate(PIECES)}
@@ -46,6 +52,7 @@ def build_tokenizer():
     tokenizer.add_tokens([AddedToken(THINK, normalized=False, special=False),
                           AddedToken(END_THINK, normalized=False, special=False)])
     tokenizer.add_special_tokens([AddedToken(SEP, special=True, normalized=False)])
+    tokenizer.add_tokens([AddedToken(text, normalized=False, special=False) for text in extra])
     return tokenizer
 
 
@@ -60,15 +67,17 @@ def default_successors() -> dict[str, str]:
 
 
 def write_scripted(
-    path: Path, successors: dict[str, str] | None = None, seed: int = 7
+    path: Path, successors: dict[str, str] | None = None, seed: int = 7,
+    extra: tuple[str, ...] = (),
 ) -> Path:
     """Write the checkpoint, tokenizer.json and tokenizer_config.json into ``path``; token
-    strings in ``successors`` are pieces or added tokens (defaults: default_successors())."""
+    strings in ``successors`` are pieces or added tokens (defaults: default_successors());
+    `extra` adds tokens (build_tokenizer), each followed by EOS unless `successors` says."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(extra)
     vocab = tokenizer.get_vocab_size(with_added_tokens=True)
-    ids = {piece: tokenizer.token_to_id(piece) for piece in [*PIECES, *ADDED]}
+    ids = {piece: tokenizer.token_to_id(piece) for piece in [*PIECES, *ADDED, *extra]}
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=32, num_hidden_layers=2,
@@ -77,7 +86,7 @@ def write_scripted(
         eos_token_id=ids[EOS],
     )
     model = LlamaForCausalLM(config)
-    mapping = {**default_successors(), **(successors or {})}
+    mapping = {**default_successors(), **{text: EOS for text in extra}, **(successors or {})}
     with torch.no_grad():
         model.model.embed_tokens.weight.zero_()
         model.model.embed_tokens.weight[:, :vocab] = torch.eye(vocab)
