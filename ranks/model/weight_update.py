@@ -115,10 +115,11 @@ def _pairs(serving: ShardWeights, staged: ShardWeights):
             yield getattr(old, spec.name), getattr(new, spec.name)
 
 
-def stage(model, model_path: str | Path) -> ShardWeights:
-    """This rank's slices of ``model_path``, in host memory, in the serving dtype."""
+def stage(model, model_path: str | Path | None, reader=None) -> ShardWeights:
+    """This rank's slices of ``model_path`` (or of ``reader``'s tensors), in host memory, in
+    the serving dtype."""
     staged = load_shard_weights(model_path, model.config, model.layout, torch.device("cpu"),
-                                model.dtype)
+                                model.dtype, reader=reader)
     for old, new in _pairs(model.weights, staged):
         if (old is None) != (new is None) or (old is not None and old.shape != new.shape):
             raise WeightLoadError("the new shard does not match the serving shard's layout")
@@ -135,19 +136,23 @@ def commit(model, staged: ShardWeights) -> None:
         torch.cuda.synchronize(model.device)
 
 
+def agree(model, error: str | None) -> str | None:
+    """Every rank's outcome, gathered over ``model.group``: None when no rank failed, else
+    the first failing rank's error (every rank of the group calls it)."""
+    errors = all_gather_object(error, model.group)
+    return next((e for e in errors if e is not None), None)
+
+
 def apply_update(model, update: UpdateWeights) -> str | None:
     """Stage, agree, commit (see the module's docstring); every rank of ``model.group``
     calls it for the same update. None when every rank committed, else the first failing
     rank's error (then no rank changed anything)."""
-    rank = group_rank(model.group)
     staged, error = None, None
     try:
         staged = stage(model, update.model_path)
     except Exception as exc:  # noqa: BLE001 - reported to every rank below
-        error = f"rank {rank}: {exc}"
-    errors = all_gather_object(error, model.group)
-    failed = [e for e in errors if e is not None]
-    if failed:
-        return failed[0]
-    commit(model, staged)
-    return None
+        error = f"rank {group_rank(model.group)}: {exc}"
+    failed = agree(model, error)
+    if failed is None:
+        commit(model, staged)
+    return failed

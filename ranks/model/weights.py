@@ -142,10 +142,12 @@ def load_shard_weights(
     device: torch.device,
     dtype: torch.dtype,
     progress: LoadProgress | None = None,
+    reader: Any | None = None,
 ) -> ShardWeights:
     """This rank's shard. ``progress(done, total)`` is called after each of ``total`` =
     ``num_hidden_layers + 2`` parts: the embedding (with an untied head), every decoder layer,
-    the final norm."""
+    the final norm. ``reader``: where the tensors come from instead of ``model_dir``'s files
+    (the same interface as CheckpointReader: weight updates from a trainer)."""
 
     def place(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(device=device, dtype=dtype).contiguous()
@@ -156,7 +158,7 @@ def load_shard_weights(
         if progress is not None:
             progress(done, total)
 
-    with open_checkpoint(model_dir) as reader:
+    with reader if reader is not None else open_checkpoint(model_dir) as reader:
         embed = place(_vocab_rows(reader, "model.embed_tokens.weight", config, layout))
         if config.tie_word_embeddings:
             lm_head = embed

@@ -193,10 +193,18 @@ class Engine:
 
     def run_paused(self, fn: Callable[[], object], timeout: float | None = None) -> object:
         """``fn()`` on the step thread while the engine is paused (RuntimeError when it is
-        not); its result, or its exception raised here."""
-        call = PausedCall(fn)
+        not, or when it resumes first); its result, or its exception raised here."""
+        return self._call(PausedCall(fn), timeout)
+
+    def run_between_steps(self, fn: Callable[[], object],
+                          timeout: float | None = None) -> object:
+        """``fn()`` on the step thread between two steps, paused or not (never call it from
+        the step thread); its result, or its exception raised here."""
+        return self._call(PausedCall(fn, needs_pause=False), timeout)
+
+    def _call(self, call: PausedCall, timeout: float | None) -> object:
         with self._lock:
-            if not self._pause.paused:
+            if call.needs_pause and not self._pause.paused:
                 raise RuntimeError("the engine is not paused")
             self._pause.calls.append(call)
             self._lock.notify_all()
@@ -205,10 +213,10 @@ class Engine:
     def _has_work(self) -> bool:
         """Under the lock: whether the step thread has anything to do."""
         pause = self._pause
-        if self._aborted or pause.settling():
+        if self._aborted or pause.settling() or pause.runnable_calls():
             return True
         if pause.paused:
-            return bool(pause.calls)
+            return False
         return bool(self._incoming) or self.scheduler.has_work()
 
     def _settle_pause(self, incoming: list[Request], aborted: set[int]) -> None:
@@ -236,8 +244,8 @@ class Engine:
                 self._pause.paused = True
                 self._lock.notify_all()
 
-    def _run_paused_calls(self, calls: list[PausedCall], aborted: set[int]) -> None:
-        self._drop_aborted(aborted)
+    @staticmethod
+    def _run_calls(calls: list[PausedCall]) -> None:
         for call in calls:
             try:
                 call.future.set_result(call.fn())
@@ -277,10 +285,11 @@ class Engine:
                                       if not pause.admissible(r.ordinal)
                                       and r.ordinal not in aborted]
                     settling, calls = pause.settling(), pause.take_calls()
+                self._run_calls(calls)
                 if settling:
                     self._settle_pause(incoming, aborted)
-                elif calls or self._pause.paused:
-                    self._run_paused_calls(calls, aborted)
+                elif self._pause.paused:
+                    self._drop_aborted(aborted)
                 else:
                     self.step_once(incoming, aborted)
         except BaseException as exc:  # noqa: BLE001 - any failure ends every request

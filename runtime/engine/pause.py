@@ -26,10 +26,11 @@ PAUSE_MODES = ("abort", "wait", "keep")
 
 @dataclass(frozen=True)
 class PausedCall:
-    """``fn()`` to run on the step thread while paused; its result or error goes to
-    ``future``."""
+    """``fn()`` to run on the step thread between steps; its result or error goes to
+    ``future``. ``needs_pause``: only while paused (a resume first fails it)."""
 
     fn: Callable[[], Any]
+    needs_pause: bool = True
     future: Future = field(default_factory=Future)
 
 
@@ -56,9 +57,11 @@ class PauseState:
             self.mode, self.upto, self.paused = mode, last_ordinal, False
 
     def resume(self) -> list[PausedCall]:
-        """Serve again; returns the calls that never ran (the caller fails them)."""
+        """Serve again; returns the calls that needed the pause and never ran (the caller
+        fails them)."""
         self.mode, self.paused = None, False
-        left, self.calls = list(self.calls), deque()
+        left = [call for call in self.calls if call.needs_pause]
+        self.calls = deque(call for call in self.calls if not call.needs_pause)
         return left
 
     def admissible(self, ordinal: int) -> bool:
@@ -69,8 +72,11 @@ class PauseState:
         """A pause was asked for and has not taken effect yet."""
         return self.mode is not None and not self.paused
 
+    def runnable_calls(self) -> bool:
+        return any(self.paused or not call.needs_pause for call in self.calls)
+
     def take_calls(self) -> list[PausedCall]:
-        if not self.paused:
-            return []
-        calls, self.calls = list(self.calls), deque()
+        """The calls that may run now (the others stay queued)."""
+        calls = [call for call in self.calls if self.paused or not call.needs_pause]
+        self.calls = deque(call for call in self.calls if call not in calls)
         return calls

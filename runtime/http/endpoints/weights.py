@@ -1,10 +1,13 @@
 """vLLM's weight-sync routes for RL (vllm/entrypoints/serve/dev/rlhf/): POST /pause
-(``?mode=abort|wait|keep``), POST /resume, GET /is_paused, and POST /update_weights with
-``{"update_info": {"model_path": "<checkpoint folder>"}}`` (this server's source: a
-safetensors folder of the served layout, each rank reading only its shard). Order: pause,
-update, resume. The operations run on the engine core (runtime/engine/weight_update.py);
-/metrics counts the updates (``helios:rl_weight_update_total``, vLLM's
-``vllm:rl_weight_update_total``, and ``helios:rl_weight_update_failures_total``).
+(``?mode=abort|wait|keep``), POST /resume, GET /is_paused, POST
+/init_weight_transfer_engine (``{"init_info": {master_address, master_port, rank_offset,
+world_size}}``: join a trainer's group) and POST /update_weights, whose ``update_info`` is
+either ``{"model_path": "<checkpoint folder>"}`` (a safetensors folder of the served layout,
+each rank reading only its shard) or vLLM's ``{"names", "dtype_names", "shapes"}`` (the
+trainer then broadcasts those tensors, in that order). Order: pause, update, resume. The
+operations run on the engine core (runtime/engine/weight_update.py); /metrics counts the
+updates (``helios:rl_weight_update_total``, vLLM's ``vllm:rl_weight_update_total``, and
+``helios:rl_weight_update_failures_total``).
 """
 
 from __future__ import annotations
@@ -30,6 +33,12 @@ class UpdateWeightsRequest(OpenAIModel):
     """vLLM's /update_weights body: the source is described by ``update_info``."""
 
     update_info: dict[str, Any]
+
+
+class InitWeightTransferRequest(OpenAIModel):
+    """vLLM's /init_weight_transfer_engine body."""
+
+    init_info: dict[str, Any]
 
 
 async def control(engine: Any, op: str, args: dict[str, Any]) -> tuple[int, dict[str, Any]]:
@@ -114,11 +123,20 @@ def add_weight_routes(app: FastAPI, engine: Any, registry, max_request_bytes: in
         req = await parse_body(request, UpdateWeightsRequest, max_request_bytes)
         if isinstance(req, Response):
             return req
-        path = req.update_info.get("model_path")
-        if not isinstance(path, str) or not path:
+        info = req.update_info
+        if "names" not in info and not (isinstance(info.get("model_path"), str)
+                                        and info["model_path"]):
             return error_response("update_info.model_path: a checkpoint folder (a string) is "
-                                  "required", "update_info.model_path")
-        return await _call("update_weights", {"model_path": path})
+                                  "required, or names, dtype_names and shapes",
+                                  "update_info.model_path")
+        return await _call("update_weights", {"update_info": info})
+
+    @app.post("/init_weight_transfer_engine")
+    async def init_weight_transfer(request: Request) -> Response:
+        req = await parse_body(request, InitWeightTransferRequest, max_request_bytes)
+        if isinstance(req, Response):
+            return req
+        return await _call("init_weight_transfer", {"init_info": req.init_info})
 
     async def _call(op: str, args: dict[str, Any]) -> Response:
         try:

@@ -1,17 +1,21 @@
 """vLLM's weight-sync routes: pause, update from a checkpoint folder, resume. After an
 update from folder B a server started on A answers, bit for bit, as a fresh server started on
-B (greedy ids and logprobs, TP1 and TP2); a folder whose tensor names or shapes differ from
-the served checkpoint's is refused naming the tensor, and the old weights keep serving;
-/metrics counts updates and failures."""
+B (greedy ids and logprobs, TP1 and TP2), whether B comes as a folder or is broadcast by a
+trainer process over the group the server joins for it; a folder (or an update_info) whose
+tensor names or shapes differ from the served checkpoint's is refused naming the tensor, and
+the old weights keep serving; /metrics counts updates and failures."""
 
 from __future__ import annotations
 
 import re
+import threading
 
 import httpx
 import pytest
+from safetensors.torch import load_file
 
-from tests.server.helpers import post, strict_json
+from helios_logprobs.collectives import weight_transfer
+from tests.server.helpers import free_port, post, strict_json
 
 pytestmark = pytest.mark.slow
 
@@ -104,3 +108,52 @@ def test_mismatched_tensors_are_refused_and_the_old_weights_serve(request, rl_mo
         resume(served)
     assert outputs(served) == before
     assert counter(served, "rl_weight_update_failures") == failures + len(cases)
+
+
+def _trainer_group(server, port: int, world: int):
+    """The trainer's end of the group (this process), joined by the server's ranks."""
+    joined: dict = {}
+    opening = threading.Thread(target=lambda: joined.update(
+        group=weight_transfer.trainer_init("127.0.0.1", port, world, timeout_s=120)))
+    opening.start()
+    response = post(server, "/init_weight_transfer_engine", {"init_info": {
+        "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
+        "world_size": world}})
+    opening.join(120)
+    assert response.status_code == 200, response.text
+    assert response.json() == {"message": "Weight transfer initialized"}
+    return joined["group"]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_update_broadcast_by_a_trainer_equals_a_fresh_server(request, rl_models, tp):
+    served, fresh = (request.getfixturevalue(name) for name in PAIRS[tp])
+    before, on_b = outputs(served), outputs(fresh)
+    group = _trainer_group(served, free_port(), 1 + tp)
+    tensors = load_file(str(rl_models["b"] / "model.safetensors"))
+    names = sorted(tensors, reverse=True)  # (any order: the one update_info gives)
+    info = {"names": names, "dtype_names": ["float32"] * len(names),
+            "shapes": [list(tensors[name].shape) for name in names]}
+    wrong = {**info, "shapes": [[1], *info["shapes"][1:]]}
+    missing = {key: value[1:] for key, value in info.items()}
+    assert pause(served).status_code == 200
+    try:
+        for bad, param, named in ((wrong, "update_info.shapes", names[0]),
+                                  (missing, "update_info.names", names[0])):
+            response = post(served, "/update_weights", {"update_info": bad})
+            assert response.status_code == 400, response.text
+            error = strict_json(response.content)["error"]
+            assert error["param"] == param and named in error["message"], error
+        answers: list[httpx.Response] = []
+        updating = threading.Thread(target=lambda: answers.append(
+            post(served, "/update_weights", {"update_info": info})))
+        updating.start()
+        weight_transfer.trainer_send_weights(group, ((name, tensors[name]) for name in names))
+        updating.join(120)
+        assert answers and answers[0].status_code == 200, answers
+    finally:
+        resume(served)
+        weight_transfer.leave(group)
+    assert outputs(served) == on_b  # bit for bit
+    assert paused_update(served, rl_models["a"]).status_code == 200
+    assert outputs(served) == before
