@@ -5,42 +5,16 @@ are this package's own, never the session's shared ones."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
 
 from tests.devices import missing_gpus
 from tests.server.helpers import launch, write_model
+from tests.server.rl.checkpoints import narrow_down_proj, rename_norm, reweighted
 
 COMMON = ["--capacity", "4", "--batch-invariant"]
 SERVERS = {"a1": ("a", 1), "b1": ("b", 1), "a2": ("a", 2), "b2": ("b", 2)}
-
-
-def reweighted(source: Path, target: Path, seed: int, edit=None) -> Path:
-    """A copy of ``source`` whose tensors are redrawn around their own scale from ``seed``
-    (``edit(tensors)`` may then rename or reshape some)."""
-    shutil.copytree(source, target)
-    tensors = load_file(str(target / "model.safetensors"))
-    generator = torch.Generator().manual_seed(seed)
-    for name, tensor in sorted(tensors.items()):
-        noise = torch.randn(tensor.shape, generator=generator, dtype=torch.float32)
-        tensors[name] = (tensor.float() + 0.5 * tensor.float().std() * noise).to(tensor.dtype)
-    if edit is not None:
-        edit(tensors)
-    save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
-    return target
-
-
-def rename_norm(tensors: dict) -> None:
-    tensors["model.norm.weights"] = tensors.pop("model.norm.weight")
-
-
-def narrow_down_proj(tensors: dict) -> None:
-    name = "model.layers.1.mlp.down_proj.weight"
-    tensors[name] = tensors[name][:, :-1].contiguous()
 
 
 @pytest.fixture(scope="session")
