@@ -7,7 +7,15 @@ from __future__ import annotations
 
 import pytest
 
-from tests.server.helpers import TOLERANCE, hf_rows, post, sse_events, strict_json, token_id_of
+from tests.server.helpers import (
+    TOLERANCE,
+    hf_rows,
+    post,
+    same,
+    sse_events,
+    strict_json,
+    token_id_of,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -141,3 +149,16 @@ def test_refusals_name_the_parameter(rl_a1, body, param):
     response = post(rl_a1, "/inference/v1/generate", body)
     assert response.status_code == 400, response.text
     assert strict_json(response.content)["error"]["param"] == param
+
+
+def test_prompt_logprobs_equal_completions(scoring_server):
+    sampling = {"temperature": 0.0, "max_tokens": 1, "prompt_logprobs": 2}
+    got = generate(scoring_server, **sampling)["prompt_logprobs"]
+    reference = completion(scoring_server, **sampling)["choices"][0]["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(PROMPT) == len(reference)
+    for mine, theirs in zip(got[1:], reference[1:], strict=True):
+        assert list(mine) == list(theirs)  # the prompt token's id, then its alternatives
+        for key, item in mine.items():
+            assert item["decoded_token"] == f"token_id:{key}"
+            assert item["rank"] == theirs[key]["rank"]
+            assert same(item["logprob"], theirs[key]["logprob"])
