@@ -23,7 +23,7 @@ GENERATION_CONFIG_DEFAULT = "auto"
 torch through ranks.model)."""
 MAX_REQUEST_BYTES = 8 * 1024 * 1024
 """--max-request-bytes' default (runtime.http.protocol.limits.DEFAULT_MAX_REQUEST_BYTES)."""
-TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "qwen3_coder")
 """--tool-call-parser's names (runtime.text.parsers.tool_parsers.TOOL_PARSERS: this module
 imports no runtime code, so --help answers at once)."""
 API_KEY_ENV = ("VLLM_API_KEY", "HELIOS_API_KEY")
@@ -154,8 +154,9 @@ def serve_parser(prog: str = "helios_logprobs.launch.serve",
         help="parse tool calls out of the output when a request's tool_choice is 'auto' (the "
              "default with tools); needs --tool-call-parser")
     add("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
-        help="how tool calls are written in the output: hermes (<tool_call>{...}</tool_call>) "
-             "or llama3_json ({\"name\": ..., \"parameters\": ...}; ...)")
+        help="how tool calls are written in the output: hermes (<tool_call>{...}</tool_call>), "
+             "llama3_json ({\"name\": ..., \"parameters\": ...}; ...) or qwen3_coder "
+             "(<tool_call><function=NAME><parameter=P>...)")
     add("--api-server-count", "-asc", type=_positive, default=1, metavar="N",
         help="API server processes (HTTP, tokenization, detokenization, the wire format) "
              "beside the engine core, sharing the port (vLLM's --api-server-count)")

@@ -93,7 +93,7 @@ class PreparedChat:
         use = self.tool_use
         parser = {"auto": use.parser, "none": None}.get(use.mode, use.mode)
         return ParserSettings(self.reasoning, self.reasoning_ended, parser, use.parallel,
-                              use.name)
+                              use.name, use.parameters)
 
 
 def _check_logprobs(req: ChatCompletionRequest) -> int | None:

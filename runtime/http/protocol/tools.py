@@ -51,6 +51,8 @@ class ToolUse:
     parallel: bool = True
     constraint: Any = None
     """The structured-output spec that forces the call ("required", "named")."""
+    parameters: dict[str, Any] | None = None
+    """Each tool's parameters schema by name ("auto": a parser may convert values by it)."""
 
     @property
     def parses(self) -> bool:
@@ -98,7 +100,8 @@ def resolve_tool_use(tools: list[dict[str, Any]] | None, choice: Any,
     if choice == "auto":
         if not (serving.auto and serving.parser):
             raise RequestError("tools", f"tools: {AUTO_NEEDS_FLAGS}")
-        return ToolUse("auto", serving.parser, parallel=parallel)
+        parameters = {t["function"]["name"]: t["function"].get("parameters") for t in tools}
+        return ToolUse("auto", serving.parser, parallel=parallel, parameters=parameters)
     name = _named(choice) if isinstance(choice, dict) else None
     if name is not None and name not in {t["function"]["name"] for t in tools}:
         raise RequestError("tool_choice", f"tool_choice: tool {name!r} has not been passed "

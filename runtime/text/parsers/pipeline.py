@@ -39,6 +39,8 @@ class ParserSettings:
     parallel_tool_calls: bool = True
     tool_name: str | None = None
     """The named function ("named")."""
+    tool_parameters: dict[str, Any] | None = None
+    """Each tool's parameters schema by name (qwen3_coder converts values by it)."""
 
     def __post_init__(self) -> None:
         if self.tool_parser is not None and self.tool_parser not in (*TOOL_PARSERS, *FORCED):
@@ -53,6 +55,8 @@ class ParserSettings:
             return None
         if self.tool_parser in FORCED:
             return HeldToEnd(self.tool_name, **kwargs)
+        if self.tool_parser == "qwen3_coder":
+            kwargs["tools"] = self.tool_parameters
         return TOOL_PARSERS[self.tool_parser](**kwargs)
 
     @property

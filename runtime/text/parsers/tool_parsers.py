@@ -18,7 +18,9 @@ and, if any object fails, all of it is content (vLLM's). Any other output is con
 
 from __future__ import annotations
 
+import ast
 import json
+import re
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -78,13 +80,14 @@ class HermesParser(ToolParser):
         self.inside = False
         self.after_call = False
 
-    def _body(self, body: str) -> tuple[str, str] | None:
+    def _body(self, body: str) -> list[tuple[str, str]] | None:
+        """The calls in one tool call's body, or None when it is malformed."""
         try:
             obj = json.loads(body)
         except ValueError:
             return None
         arguments = _arguments_of(obj, "arguments")
-        return None if arguments is None else (obj["name"], arguments)
+        return None if arguments is None else [(obj["name"], arguments)]
 
     def feed(self, text: str, at: int, final: bool = False) -> list[Event]:
         if self.held_at is None:
@@ -100,7 +103,7 @@ class HermesParser(ToolParser):
                 if parsed is None:
                     out.append(Piece(CONTENT, buf[pos:stop], base + pos))
                 else:
-                    out += self._call(*parsed)
+                    out += [event for call in parsed for event in self._call(*call)]
                     self.after_call = True
                 pos, self.inside = stop, False
                 continue
@@ -123,6 +126,75 @@ class HermesParser(ToolParser):
             break
         self.held, self.held_at = buf[pos:], base + pos
         return out
+
+
+FUNCTION = re.compile(r"<function=(.*?)</function>|<function=(.*)$", re.DOTALL)
+PARAMETER = re.compile(r"<parameter=(.*?)(?:</parameter>|(?=<parameter=)|(?=</function>)|$)",
+                       re.DOTALL)
+STRING_TYPES = ("string", "str", "text", "varchar", "char", "enum")
+INTEGER_PREFIXES = ("int", "uint", "long", "short", "unsigned")
+
+
+def convert_parameter(value: str, schema: Any) -> Any:
+    """vLLM's qwen3_coder _convert_param_value: the text as the parameter's schema type says
+    ("null" is None; a value that does not convert stays a string, a bad boolean false)."""
+    if value.lower() == "null":
+        return None
+    kind = str(schema.get("type", "string")).strip().lower() if isinstance(
+        schema, dict) else "string"
+    if kind in STRING_TYPES:
+        return value
+    if kind.startswith(INTEGER_PREFIXES):
+        try:
+            return int(value)
+        except ValueError:
+            return value
+    if kind.startswith(("num", "float")):
+        try:
+            number = float(value)
+        except ValueError:
+            return value
+        return int(number) if number.is_integer() else number
+    if kind in ("boolean", "bool", "binary"):
+        return value.lower() == "true"
+    if kind in ("object", "array", "arr") or kind.startswith(("dict", "list")):
+        try:
+            return json.loads(value)
+        except ValueError:
+            pass
+    try:
+        return ast.literal_eval(value)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return value
+
+
+class Qwen3CoderParser(HermesParser):
+    """vLLM's `qwen3_coder`: `<tool_call><function=NAME><parameter=P>value</parameter>...
+    </function></tool_call>` (one or more functions per tool call); each value converted by
+    the parameter's type in the request's tool schema (`tools`: name -> parameters)."""
+
+    def __init__(self, tools: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.tools = tools or {}
+
+    def _body(self, body: str) -> list[tuple[str, str]] | None:
+        calls = []
+        for whole, unclosed in FUNCTION.findall(body):
+            text = whole or unclosed
+            name, found, rest = text.partition(">")
+            if not found or not name:
+                return None
+            schema = self.tools.get(name)
+            properties = schema.get("properties", schema) if isinstance(schema, dict) else {}
+            arguments = {}
+            for match in PARAMETER.findall(rest):
+                key, found, value = match.partition(">")
+                if not found:
+                    return None
+                value = value.removeprefix("\n").removesuffix("\n")
+                arguments[key] = convert_parameter(value, properties.get(key))
+            calls.append((name, json.dumps(arguments, ensure_ascii=False)))
+        return calls or None
 
 
 class Llama3JsonParser(ToolParser):
@@ -220,5 +292,6 @@ class HeldToEnd(ToolParser):
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesParser,
     "llama3_json": Llama3JsonParser,
+    "qwen3_coder": Qwen3CoderParser,
 }
 """--tool-call-parser names (vLLM's)."""

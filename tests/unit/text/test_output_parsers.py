@@ -237,3 +237,30 @@ def test_queue_holds_entries_only_until_their_text_is_consumed(parser_settings):
         assert len(kept) == 400
     else:  # all output is content
         assert len(kept) == len(raws)
+
+
+SCHEMA = {"w": {"type": "object", "properties": {
+    "city": {"type": "string"}, "days": {"type": "integer"}, "temp": {"type": "number"},
+    "metric": {"type": "boolean"}, "tags": {"type": "array"}}}}
+QWEN3_CODER = ParserSettings(tool_parser="qwen3_coder", tool_parameters=SCHEMA)
+CODER_CALL = ("<tool_call>\n<function=w>\n<parameter=city>\nparis\n</parameter>\n"
+              "<parameter=days>\n3\n</parameter>\n<parameter=temp>\n2.5\n</parameter>\n"
+              "<parameter=metric>\nTrue\n</parameter>\n<parameter=tags>\n[\"a\"]\n</parameter>\n"
+              "<parameter=other>\nnull\n</parameter>\n</function>\n</tool_call>")
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("Sure.\n" + CODER_CALL + "\n",
+     [(CONTENT, "Sure.\n"), ("w", {"city": "paris", "days": 3, "temp": 2.5, "metric": True,
+                                   "tags": ["a"], "other": None})]),
+    ("<tool_call><function=w><parameter=days>x</parameter></function></tool_call>",
+     [("w", {"days": "x"})]),  # (vLLM's: a value that does not convert stays a string)
+    ("<tool_call>no function here</tool_call>",
+     [(CONTENT, "<tool_call>no function here</tool_call>")]),
+])
+def test_qwen3_coder(text, expected):
+    events = run(QWEN3_CODER, [text])
+    check_sources(events, text)
+    assert summary(events) == expected
+    for pieces in all_cuts(text, 2):
+        assert summary(run(QWEN3_CODER, pieces)) == expected
