@@ -173,3 +173,15 @@ def request_spec(response_format: Any, structured_outputs: Any,
         raise RequestError(found[-1][0], f"only one output constraint per request: {names} "
                                          f"both constrain the output")
     return found[0][1] if found else None
+
+
+def chat_response_format(text: Any) -> dict[str, Any] | None:
+    """A Responses ``text`` object's format as chat's ``response_format`` (None: plain text);
+    call ``text_format_spec`` first, which refuses what this cannot convert."""
+    fmt = (text or {}).get("format") if isinstance(text, Mapping) else None
+    if not isinstance(fmt, Mapping) or fmt.get("type") in (None, "text"):
+        return None
+    if fmt["type"] == "json_object":
+        return {"type": "json_object"}
+    body = {key: fmt[key] for key in ("name", "description", "schema", "strict") if key in fmt}
+    return {"type": "json_schema", "json_schema": body}

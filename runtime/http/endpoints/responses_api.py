@@ -43,6 +43,10 @@ from helios_logprobs.runtime.http.protocol.models import (
     ResponsesRequest,
 )
 from helios_logprobs.runtime.http.responses import now
+from helios_logprobs.runtime.structured.request_fields import (
+    chat_response_format,
+    text_format_spec,
+)
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -157,9 +161,7 @@ def _refusals(req: ResponsesRequest) -> None:
         raise RequestError("reasoning", f"reasoning: expected an object whose effort is one of "
                                         f"{', '.join(EFFORTS)} and whose summary is one of "
                                         f"{', '.join(SUMMARIES)} (or null), got {reasoning!r}")
-    fmt = (req.text or {}).get("format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise RequestError("text", "text.format: only the text format is supported")
+    text_format_spec(req.text)  # (text.format: a 400 naming it, before the chat request)
 
 
 def _chat_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
@@ -203,7 +205,8 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
             "top_logprobs": (req.top_logprobs or 0) if wants else None,
             "reasoning_effort": (req.reasoning or {}).get("effort"),
             "tools": _chat_tools(req.tools), "tool_choice": _chat_tool_choice(req.tool_choice),
-            "parallel_tool_calls": req.parallel_tool_calls}
+            "parallel_tool_calls": req.parallel_tool_calls,
+            "response_format": chat_response_format(req.text)}
     try:
         return ChatCompletionRequest.model_validate(
             {k: v for k, v in body.items() if v is not None})
@@ -254,7 +257,7 @@ def _response(prep: PreparedResponses, assets: ModelAssets, status: str, output:
         "previous_response_id": None,
         "reasoning": _reasoning_echo(src.reasoning),
         "store": False, "temperature": sampling.sampled_temperature,
-        "text": {"format": {"type": "text"}},
+        "text": {"format": (src.text or {}).get("format") or {"type": "text"}},
         "tool_choice": "auto" if src.tool_choice is None else src.tool_choice,
         "tools": src.tools or [],
         "top_logprobs": src.top_logprobs or 0,

@@ -31,12 +31,6 @@ def _best_of(value: Any, req: Any) -> bool:
     return value is not None and value != req.n
 
 
-def _not_text_format(value: Any, req: Any) -> bool:
-    if value is None:
-        return False
-    return not (isinstance(value, dict) and value.get("type", "text") == "text")
-
-
 def _forces_calls(value: Any, req: Any) -> bool:
     return value not in (None, "none", "auto")
 
@@ -53,7 +47,8 @@ class Refusal:
     is_set: Callable[[Any, Any], bool] = _given
 
 
-STRUCTURED = "structured outputs are not supported by this server"
+STRUCTURED = ("vLLM's older guided_* fields are not taken (current vLLM ignores them): use "
+              "structured_outputs or response_format")
 TOOLS = "the deprecated functions API is not supported by this server (use tools)"
 REFUSED: dict[str, Refusal] = {
     # sampling and decoding features that are not implemented
@@ -74,9 +69,6 @@ REFUSED: dict[str, Refusal] = {
     "packed_top_logprobs": Refusal("packed_top_logprobs (base64-packed top logprobs) is not "
                                    "supported by this server", _truthy),
     # structured outputs
-    "response_format": Refusal("only response_format type 'text' is supported",
-                               _not_text_format),
-    "structured_outputs": Refusal(STRUCTURED),
     "guided_json": Refusal(STRUCTURED),
     "guided_regex": Refusal(STRUCTURED),
     "guided_choice": Refusal(STRUCTURED),
@@ -101,8 +93,7 @@ COMMON_REFUSED = (
     "use_beam_search", "length_penalty", "best_of",
     "logits_processors", "vllm_xargs", "repetition_detection",
     "watermarking", "spaces_between_special_tokens",
-    "kv_transfer_params", "response_format",
-    "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+    "kv_transfer_params", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
     "guided_decoding_backend", "guided_whitespace_pattern",
 )
 COMPLETION_REFUSED = (*COMMON_REFUSED, "suffix", "prompt_embeds", "packed_top_logprobs")

@@ -124,7 +124,7 @@ def test_without_include_no_entries(server):
     ({"top_logprobs": 21, "include": INCLUDE}, "top_logprobs"),
     ({"top_logprobs": 21}, "top_logprobs"),  # (OpenAI's bound holds without the include too)
     ({"max_output_tokens": 0}, "max_output_tokens"),
-    ({"text": {"format": {"type": "json_object"}}}, "text"),
+    ({"text": {"format": {"type": "xml"}}}, "text.format"),
 ])
 def test_refusals_name_the_field(server, fields, param):
     body = {"model": served_name(server), "input": "Hi", **fields}

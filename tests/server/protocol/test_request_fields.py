@@ -113,8 +113,6 @@ REFUSED_VALUES = {
     "spaces_between_special_tokens": False,
 
     "kv_transfer_params": {"do_remote_decode": True},
-    "response_format": {"type": "json_object"},
-    "structured_outputs": {"json": SCHEMA},
     "guided_json": SCHEMA,
     "guided_regex": "[a-z]+",
     "guided_choice": ["yes", "no"],
@@ -134,7 +132,8 @@ REFUSED_VALUES = {
     "web_search_options": {},
 }
 MORE_REFUSED = [
-    ("completions", "response_format", {"type": "json_schema", "json_schema": {"name": "x"}}),
+    ("completions", "response_format", {"type": "xml"}),
+    ("completions", "structured_outputs", {"regex": "a", "choice": ["a"]}),
     ("chat", "tool_choice", {"type": "function", "function": {"name": "f"}}),
     # (a server without --enable-auto-tool-choice: tools' default "auto" cannot be honoured)
     ("chat", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
@@ -226,5 +225,5 @@ def test_real_server_logs_unknown_fields(server):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=served_name(server), max_tokens=2,
                                        messages=[{"role": "user", "content": "Hi"}],
-                                       response_format={"type": "json_object"})
+                                       response_format={"type": "structural_tag"})
     assert info.value.status_code == 400 and info.value.body["param"] == "response_format"
