@@ -37,7 +37,7 @@ from helios_logprobs.ranks.speculative import sampler_rows, split_rows
 from helios_logprobs.ranks.step.config import StepConfig
 from helios_logprobs.ranks.step.inputs import StepBuffers, StepInputs, prepare_inputs
 from helios_logprobs.ranks.step.reduce import StepReduction
-from helios_logprobs.ranks.step.reduce_graph import ReductionGraph
+from helios_logprobs.ranks.step.reduce_graph import ReductionGraph, compile_counters
 from helios_logprobs.ranks.step.scoring import PromptScorer
 
 NO_UPLOAD = UploadResult(requesting_slots=(), copy_width=0)
@@ -99,6 +99,22 @@ class RankStep:
         if config.compile and self.reduction is not None:
             self.graph = ReductionGraph(self.reduction, group, compile=True)
             self.graph(self.buffers.row_tensors, self.buffers.frame_index)
+        self.compiled_at_start = compile_counters()
+        """Dynamo's counters once the step is built (its compiles done): serve_stats'
+        recompilations are the graphs compiled since."""
+
+    def serve_stats(self) -> dict[str, int]:
+        """What /metrics shows of this rank's process (helios:compile_*, helios:device_memory_*):
+        dynamo's graphs and graph breaks, the graphs compiled after start-up
+        (``compile_recompilations``: 0 while serving means nothing compiled mid-serving), and
+        on CUDA the allocator's allocated and reserved bytes (absent on the CPU)."""
+        now = compile_counters()
+        stats = {"compile_graphs": now["graphs"], "compile_graph_breaks": now["graph_breaks"],
+                 "compile_recompilations": now["graphs"] - self.compiled_at_start["graphs"]}
+        if self.device.type == "cuda":
+            stats["device_memory_allocated"] = torch.cuda.memory_allocated(self.device)
+            stats["device_memory_reserved"] = torch.cuda.memory_reserved(self.device)
+        return stats
 
     def run(self, plan: StepPlan) -> None:
         inputs = self.prepare(plan)

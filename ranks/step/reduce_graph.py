@@ -131,8 +131,15 @@ class ReductionGraph:
 
 
 def compile_counters() -> dict[str, int]:
-    """Dynamo's account of this process: graphs compiled and graph breaks. With --compile
-    both are fixed once the rank is built: a later change is a compile while serving."""
+    """Dynamo's account of this process: graphs compiled (each recompilation compiles one
+    more) and graph breaks. With --compile both are fixed once the rank is built: a later
+    change is a compile while serving. (Dynamo's frame counters stay 0 for fullgraph
+    compiles, so the graphs stand for them.) Zeros where dynamo was never imported (nothing
+    compiled; an eager server does not pay the import)."""
+    import sys
+
+    if "torch._dynamo.utils" not in sys.modules:
+        return {"graphs": 0, "graph_breaks": 0}
     from torch._dynamo.utils import counters
 
     return {"graphs": int(counters["stats"]["unique_graphs"]),

@@ -58,6 +58,9 @@ def core_stats(engine: Engine) -> CoreStats:
     if engine.prompts is not None:
         values["prompt_logprob_rows"] = engine.prompts.rows_copied
         values["prompt_logprob_bytes_copied"] = engine.prompts.bytes_copied
+    serve_stats = getattr(getattr(engine, "step", None), "serve_stats", None)
+    if serve_stats is not None:  # (compile counters, device memory: runtime/http/metrics.py)
+        values.update(serve_stats())
     return CoreStats(engine.healthy(), waiting, running,
                      min(1.0, held / positions) if positions else 0.0, values)
 

@@ -12,9 +12,10 @@ the queue gauges and KV-cache usage, token and request counters, time to first t
 inter-token and end-to-end latency histograms, the copy counters of the coordinator's frame
 executor and prompt reader, the speculative rounds' drafts and accepted tokens, rejections by
 reason, and the frame bytes of the rank step (ranks.capacity.sizing.frame_bytes), the
-completion frames apart from the scored and host ones. The engine's values come from the
-engine (in an API server: the engine core's latest report); the server's own are added up
-over every API server (prometheus_client's multiprocess mode).
+completion frames apart from the scored and host ones; dynamo's compile counters and, on
+CUDA, the device allocator's bytes (RankStep.serve_stats, rank 0's process). The engine's
+values come from the engine (in an API server: the engine core's latest report); the
+server's own are added up over every API server (prometheus_client's multiprocess mode).
 """
 
 from __future__ import annotations
@@ -234,6 +235,7 @@ class CoreCollector:
             for name in ("completion", "scored", "host"):
                 frames.add_metric([name], self.frames[name])
             yield frames
+        yield from step_metrics(step_stats_of(self.engine))
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -242,6 +244,43 @@ def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
 
 def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
     return CounterMetricFamily(PREFIX + name, doc, value=value)
+
+
+COMPILE_COUNTERS = {
+    "compile_graphs": "Graphs dynamo compiled in the engine core's process (rank 0), "
+                      "recompilations included",
+    "compile_graph_breaks": "Graph breaks dynamo met in the engine core's process (rank 0)",
+    "compile_recompilations": "Graphs dynamo compiled after the rank step was built (a "
+                              "recompilation or a compile while serving; 0 when --compile "
+                              "compiled everything at start-up)",
+}
+DEVICE_MEMORY = ("allocated", "reserved")
+
+
+def step_stats_of(engine: Any) -> dict[str, int]:
+    """The rank step's compile counters and device memory (RankStep.serve_stats): what the
+    engine core reported, or an in-process engine's step's own."""
+    counters = getattr(getattr(engine, "stats", None), "counters", None)
+    if isinstance(counters, dict):
+        return {name: value for name, value in counters.items()
+                if name.startswith(("compile_", "device_memory_"))}
+    serve_stats = getattr(getattr(engine, "step", None), "serve_stats", None)
+    return serve_stats() if callable(serve_stats) else {}
+
+
+def step_metrics(stats: dict[str, int]) -> Iterator[Metric]:
+    """helios:compile_* counters, and helios:device_memory_bytes{kind} on CUDA (absent on the
+    CPU, which has no device allocator to read)."""
+    for name, doc in COMPILE_COUNTERS.items():
+        if name in stats:
+            yield _counter(name, doc, stats[name])
+    if any(f"device_memory_{kind}" in stats for kind in DEVICE_MEMORY):
+        memory = GaugeMetricFamily(PREFIX + "device_memory_bytes", "The rank step's device "
+                                   "allocator on rank 0: bytes allocated and reserved",
+                                   labels=["kind"])
+        for kind in DEVICE_MEMORY:
+            memory.add_metric([kind], stats.get(f"device_memory_{kind}", 0))
+        yield memory
 
 
 def frame_bytes_of(engine: Any) -> dict[str, int] | None:
