@@ -12,6 +12,7 @@ import json
 import re
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -53,7 +54,7 @@ def tiny(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"structured_tp{request.param}")
     model = write_model(root / "model", "byte_level")
     server = launch(f"structured_tp{request.param}", model, request.param,
-                    ["--capacity", "8"], root)
+                    ["--capacity", "8", "--speculative-tokens", "3", "--ngram-min", "1"], root)
     try:
         server.wait_healthy()
         yield server
@@ -204,3 +205,28 @@ def test_bad_constraints_are_400_naming_the_field(tiny, route, fields, param, re
             tiny.client().completions.create(model=served_name(tiny), prompt="x", max_tokens=4,
                                              extra_body=fields)
     assert raised.value.body["param"] == param
+
+
+def metric(server, name: str) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    return next(float(line.split()[-1]) for line in text.splitlines()
+                if line.startswith(f"helios:{name} "))
+
+
+def test_speculative_rounds_under_a_grammar_equal_plain_decoding(tiny):
+    """History proposals are masked from tentative matcher states and rolled back: a
+    constrained request (greedy: the random model repeats whitespace, which proposals
+    predict) emits the same tokens and logprobs with speculation on and off, and proposals
+    were accepted while it ran."""
+    accepted = metric(tiny, "spec_decode_num_accepted_tokens_total")
+    body = {"model": served_name(tiny), "messages": MESSAGES, "max_tokens": 40,
+            "temperature": 0.0, "logprobs": True, "top_logprobs": 2, **IDS,
+            "structured_outputs": {"json": SCHEMA}}
+    off = strict_json(post(tiny, "/v1/chat/completions", {**body, "speculative": False})
+                      .content)["choices"][0]
+    on = strict_json(post(tiny, "/v1/chat/completions", body).content)["choices"][0]
+    assert metric(tiny, "spec_decode_num_accepted_tokens_total") > accepted
+    assert on["message"]["content"] == off["message"]["content"]
+    assert len(on["logprobs"]["content"]) == 40
+    for a, b in zip(on["logprobs"]["content"], off["logprobs"]["content"], strict=True):
+        assert a["token"] == b["token"] and abs(a["logprob"] - b["logprob"]) <= 1e-5
