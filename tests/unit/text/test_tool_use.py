@@ -86,6 +86,13 @@ def test_forced_calls_build_the_structured_constraint_or_refuse():
     with pytest.raises(RequestError) as caught:
         constrained(Params(), use)
     assert caught.value.param == "tool_choice"
+    from helios_logprobs.runtime.engine.client import SamplingParams
+
+    assert constrained(SamplingParams(), use).structured == use.constraint
+    assert constrained(SamplingParams(), named).structured == named.constraint
+    with pytest.raises(RequestError) as caught:  # (with response_format's constraint too)
+        constrained(SamplingParams(structured=named.constraint), use)
+    assert caught.value.param == "tool_choice"
 
 
 @pytest.mark.parametrize(("settings", "text", "expected"), [
