@@ -8,7 +8,13 @@ from dataclasses import replace
 
 from helios_logprobs.launch.arguments import runtime_config
 from helios_logprobs.ranks.capacity.buffers import FIXED_SECTIONS, dtype_name
-from helios_logprobs.ranks.capacity.sizing import JobSizing, RankSizing, job_sizing, max_capacity
+from helios_logprobs.ranks.capacity.sizing import (
+    JobSizing,
+    RankSizing,
+    frame_bytes,
+    job_sizing,
+    max_capacity,
+)
 from helios_logprobs.ranks.contract.declarations import resolve_completion_token_capacity
 from helios_logprobs.ranks.model.config import ModelConfig
 from helios_logprobs.ranks.model.dtype import resolve_dtype
@@ -143,6 +149,7 @@ def report(plan: Plan) -> dict:
         },
         "ranks": [rank_report(plan, r, job) for r in job.ranks],
         "kv": kv_summary(plan, job),
+        "memory": memory_report(plan),
         "shortfall": job.shortfall,
         "error": shortfall_message(plan) if job.shortfall else None,
     }
@@ -154,6 +161,31 @@ def report(plan: Plan) -> dict:
             "kv": kv_summary(plan, without),
         }
         out["prompt_logprobs_cost"] = prompt_logprobs_cost(plan, out)
+    return out
+
+
+GRAPH_POOL_NOTE = ("0 until CUDA graphs are captured: serving captures none yet (the step runs "
+                   "eagerly); /metrics reads the live figure, helios:device_memory_bytes"
+                   "{kind=\"graph_pool\"}")
+
+
+def memory_report(plan: Plan) -> dict:
+    """The memory report: the frames' physical bytes (sizing.frame_bytes; ``device`` frames on
+    every rank, ``host`` frames on the coordinator), counted apart from the device totals, and
+    on CUDA the device totals per rank: ``allocated``, the bytes the tightest rank's tensors
+    hold at the configured capacity (weights, fixed buffers, KV cache); ``reserved_limit``,
+    what the caching allocator may reserve (--device-memory x --memory-utilization, the
+    fraction a server sets with --gpu-memory-utilization); ``graph_pool``, the CUDA graph
+    pool's bytes, 0 (GRAPH_POOL_NOTE). On the CPU the device fields are absent: there is no
+    device allocator (host and device are one memory, host frames are in the budget)."""
+    out: dict = {"frames": frame_bytes(plan.step).as_dict()}
+    if not plan.cpu:
+        out["device"] = {
+            "allocated": max(r.device_bytes for r in plan.job.ranks),
+            "reserved_limit": plan.usable,
+            "graph_pool": 0,
+            "graph_pool_note": GRAPH_POOL_NOTE,
+        }
     return out
 
 

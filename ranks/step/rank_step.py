@@ -35,6 +35,7 @@ from helios_logprobs.ranks.plan import StepPlan
 from helios_logprobs.ranks.sampler.sampler import ShardedSampler
 from helios_logprobs.ranks.speculative import sampler_rows, split_rows
 from helios_logprobs.ranks.step.config import StepConfig
+from helios_logprobs.ranks.step.device_memory import device_memory
 from helios_logprobs.ranks.step.inputs import StepBuffers, StepInputs, prepare_inputs
 from helios_logprobs.ranks.step.reduce import StepReduction
 from helios_logprobs.ranks.step.reduce_graph import ReductionGraph, compile_counters
@@ -107,13 +108,12 @@ class RankStep:
         """What /metrics shows of this rank's process (helios:compile_*, helios:device_memory_*):
         dynamo's graphs and graph breaks, the graphs compiled after start-up
         (``compile_recompilations``: 0 while serving means nothing compiled mid-serving), and
-        on CUDA the allocator's allocated and reserved bytes (absent on the CPU)."""
+        on CUDA the allocator's allocated and reserved bytes and its graph pools' bytes (0
+        until a graph is captured; ranks/step/device_memory.py), absent on the CPU."""
         now = compile_counters()
         stats = {"compile_graphs": now["graphs"], "compile_graph_breaks": now["graph_breaks"],
                  "compile_recompilations": now["graphs"] - self.compiled_at_start["graphs"]}
-        if self.device.type == "cuda":
-            stats["device_memory_allocated"] = torch.cuda.memory_allocated(self.device)
-            stats["device_memory_reserved"] = torch.cuda.memory_reserved(self.device)
+        stats.update(device_memory(self.device))
         return stats
 
     def run(self, plan: StepPlan) -> None:

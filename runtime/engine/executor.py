@@ -1,17 +1,24 @@
-"""Frame copies into preallocated host memory: records always, payload only for requesters.
+"""Frame copies into the host frame pool: records always, payload only for requesters.
 
 A frame's packed payload is copied only for the physical slots that requested logprobs in
 that submission, and only each position's chosen pair plus the first W pairs, W = the larger
 of K and the frame's largest selected-ID count. Frames without a requesting lane copy no
-payload. On CUDA the host frames are pinned and the copy runs on its own stream after the
-producing event; the decoder reads them only after the transfer event.
+payload. Each copy leases a frame of the FramePool (runtime/engine/frames.py, allocated at
+start-up, pinned on CUDA) and the frame goes back to the pool once decoded
+(``HostFrame.release``, called by the frame reader); the pool refuses a lease rather than
+reuse a frame still being decoded.
 
-On CUDA each frame has its own contiguous pinned payload storage, laid out [capacity, T, 2+2W]
-for the copy's W (so a requesting run is one contiguous device-to-host copy), and the
-requesting runs are first packed on the copy stream into a preallocated device staging
-buffer of the same layout (a strided device source would make the transfer allocate a
-contiguous temporary). The producing and transfer events are preallocated per frame; nothing
-is allocated per copy. On CPU the frames are numpy copies, as before.
+On CUDA the executor records the producing event on the step's stream; the copy stream waits
+on it, packs the requesting runs into a preallocated device staging frame laid out
+[capacity, T, 2+2W] (a strided device source would make the transfer allocate a contiguous
+temporary), copies each run with one contiguous non-blocking transfer into the leased
+frame's pinned [capacity, T, 2+2W] storage, and records the frame's transfer event. Nothing
+waits on the host there: the HostFrame's first read (the decoder's) waits on the transfer
+event. The events are preallocated (one producing event per device frame, one transfer event
+per pool frame); nothing is allocated per copy. On CPU the frames are numpy copies.
+
+The engine decodes a frame before it runs the next step, so the device frame (rewritten two
+submissions later) is never overwritten while its transfer is in flight.
 """
 
 from __future__ import annotations
@@ -23,21 +30,57 @@ import torch
 
 from helios_logprobs.kernels.layout import FIRST_PAIR
 from helios_logprobs.ranks.contract.completion import CompletionOutputs
+from helios_logprobs.ranks.contract.declarations import FRAMES
+from helios_logprobs.runtime.engine.frames import FrameLease, FramePool
 
 
-@dataclass(frozen=True)
 class HostFrame:
-    submission: int
-    """The plan whose records and payload this frame holds (the decoder checks the records)."""
-    frame: int
-    records: np.ndarray
-    """int64 [capacity, 16+T], a host copy (a view of the executor's host frame)."""
-    payload: np.ndarray
-    """int32 [capacity, T, 2+2W]; only rows of requesting slots are meaningful."""
-    requesting: tuple[int, ...]
-    """Physical slots whose payload was copied (the request mask)."""
-    width: int
-    """W: pairs copied per position."""
+    """One copied frame. ``records`` and ``payload`` wait on the transfer event at the first
+    read (CUDA), so decoding starts only once the copy landed; ``release`` returns the frame
+    to its pool after decoding (a no-op for a frame built outside a pool)."""
+
+    __slots__ = ("submission", "frame", "requesting", "width", "lease", "_records",
+                 "_payload", "_transfer")
+
+    def __init__(self, submission: int, frame: int, records: np.ndarray, payload: np.ndarray,
+                 requesting: tuple[int, ...], width: int, *, lease: FrameLease | None = None,
+                 transfer: torch.cuda.Event | None = None) -> None:
+        self.submission = submission
+        """The plan whose records and payload this frame holds (the decoder checks them)."""
+        self.frame = frame
+        """The device frame copied (``submission % 2``)."""
+        self.requesting = requesting
+        """Physical slots whose payload was copied (the request mask)."""
+        self.width = width
+        """W: pairs copied per position."""
+        self.lease = lease
+        self._records = records
+        self._payload = payload
+        self._transfer = transfer
+
+    def _landed(self) -> None:
+        if self._transfer is not None:
+            self._transfer.synchronize()
+            self._transfer = None
+
+    @property
+    def records(self) -> np.ndarray:
+        """int64 [capacity, 16+T] (a view of the pool frame)."""
+        self._landed()
+        return self._records
+
+    @property
+    def payload(self) -> np.ndarray:
+        """int32 [capacity, T, 2+2W], contiguous; only rows of requesting slots are
+        meaningful."""
+        self._landed()
+        return self._payload
+
+    def release(self) -> None:
+        """Return the frame to its pool (after decoding: the arrays are then reused)."""
+        if self.lease is not None:
+            self._landed()
+            self.lease.release()
 
 
 @dataclass
@@ -49,87 +92,94 @@ class ExecutorCounters:
 
 
 class FrameExecutor:
-    def __init__(self, outputs: CompletionOutputs, logprobs: bool = True) -> None:
+    def __init__(self, outputs: CompletionOutputs, logprobs: bool = True,
+                 frames: int = FRAMES) -> None:
         """``logprobs`` False: the core declares no logprob outputs, so no host payload storage
-        exists and no payload transfer can be asked for."""
+        exists and no payload transfer can be asked for. ``frames``: the pool's size (one
+        per device frame: a copy can be in flight while the other frame is decoded)."""
         self.outputs = outputs
         records = outputs.completion_records
         payload = outputs.completion_logprobs
         pin = records.is_cuda
-        self.host_records = torch.empty(records.shape, dtype=records.dtype, pin_memory=pin)
-        shape = payload.shape if logprobs else (*payload.shape[:-1], FIRST_PAIR)
-        self.host_payload = torch.empty(shape, dtype=payload.dtype, pin_memory=pin)
-        self.stream = torch.cuda.Stream() if pin else None
+        words = payload.shape[-1] if logprobs else FIRST_PAIR
+        capacity, tokens = payload.shape[1:3]
+        self.pool = FramePool(frames, capacity, tokens, records.shape[-1], words, pin=pin)
+        self.stream = torch.cuda.Stream(records.device) if pin else None
         self.staging = None
         """CUDA: the device staging frame (flat; viewed [capacity, T, 2+2W] per copy)."""
         if pin:
-            self.staging = torch.empty(self.host_payload[0].numel(), dtype=payload.dtype,
+            self.staging = torch.empty(capacity * tokens * words, dtype=payload.dtype,
                                        device=payload.device)
-            self.produced = [torch.cuda.Event() for _ in range(shape[0])]
-            self.transferred = [torch.cuda.Event() for _ in range(shape[0])]
+            self.produced = [torch.cuda.Event() for _ in range(records.shape[0])]
+            self.transferred = [torch.cuda.Event() for _ in range(frames)]
         self.counters = ExecutorCounters()
-        self._views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, np.ndarray,
-                                                 np.ndarray]] = {}
+        self._staging_views: dict[int, torch.Tensor] = {}
         self._host_source = None if pin else (records.numpy(), payload.numpy())
         """Host frames: the copies go through numpy views (a torch index costs 1-3 us)."""
 
-    def _frame_views(self, frame: int, words: int):
-        """The host records and payload prefix of ``frame`` as tensors and as numpy arrays
-        (views made once per width)."""
-        views = self._views.get((frame, words))
-        if views is None:
-            records, payload = self.host_records[frame], self.host_payload[frame, :, :, :words]
-            if self.staging is not None:  # contiguous [capacity, T, words] pinned storage
-                capacity, tokens = payload.shape[:2]
-                payload = self.host_payload[frame].view(-1)[: capacity * tokens * words].view(
-                    capacity, tokens, words)
-            views = self._views[frame, words] = (records, payload, records.numpy(),
-                                                 payload.numpy())
-        return views
+    @property
+    def host_records(self) -> torch.Tensor:
+        """The pool's records, int64 [frames, capacity, 16+T]."""
+        return self.pool.records
+
+    @property
+    def host_payload(self) -> torch.Tensor:
+        """The pool's payload storage, int32 [frames, capacity, T, words]."""
+        return self.pool.payload
 
     def copy(self, submission: int, requesting: list[int], width: int) -> HostFrame:
-        """Copy submission's frame (``submission % 2``): its records, and for ``requesting``
-        slots the chosen pair plus ``width`` pairs per position (the upload protocol's W)."""
+        """Copy submission's frame (``submission % 2``) into a leased pool frame: its records,
+        and for ``requesting`` slots the chosen pair plus ``width`` pairs per position (the
+        upload protocol's W). The caller releases the HostFrame after decoding it."""
         frame = CompletionOutputs.frame_index(submission)
         words = FIRST_PAIR + 2 * width
-        if words > self.host_payload.shape[-1]:
-            raise ValueError(f"width {width}: the host frames hold {self.host_payload.shape[-1]} "
+        if words > self.pool.words:
+            raise ValueError(f"width {width}: the host frames hold {self.pool.words} "
                              f"words per position")
-        records, payload, host_records, host_payload = self._frame_views(frame, words)
+        lease = self.pool.acquire(submission)
+        records, payload, host_payload = self.pool.views(lease.index, words)
         self.counters.frames += 1
+        transfer = None
         if self.stream is not None:
-            produced, done = self.produced[frame], self.transferred[frame]
-            produced.record()
+            produced, transfer = self.produced[frame], self.transferred[lease.index]
+            produced.record()  # the producing step's work, on its stream
             self.stream.wait_event(produced)
             with torch.cuda.stream(self.stream):
-                self._copy(frame, requesting, records, payload, words)
-            done.record(self.stream)
-            done.synchronize()  # decoding (the caller, next) waits on the transfer only
+                self._copy_device(frame, requesting, lease.index, payload, words)
+            transfer.record(self.stream)
         else:
-            self._copy(frame, requesting, records, payload, words)
-        return HostFrame(submission, frame, host_records, host_payload, tuple(requesting),
-                         width)
+            self._copy_host(frame, requesting, records, host_payload, words)
+        self._count(requesting, words, payload.shape[1])
+        return HostFrame(submission, frame, records, host_payload, tuple(requesting), width,
+                         lease=lease, transfer=transfer)
 
-    def _copy(self, frame, requesting, records, payload, words) -> None:
-        self.counters.record_bytes += records.numel() * records.element_size()
-        runs = slot_runs(requesting)
-        if self._host_source is not None:
-            source_records, source_payload = self._host_source
-            records.numpy()[:] = source_records[frame]
-            if requesting:
-                rows, source = payload.numpy(), source_payload[frame]
-                for start, stop in runs:  # (slices: an advanced index costs as much as 16)
-                    rows[start:stop] = source[start:stop, :, :words]
-        else:
-            records.copy_(self.outputs.completion_records[frame], non_blocking=True)
-            source = self.outputs.completion_logprobs[frame]
-            staging = self.staging[: payload.numel()].view(payload.shape)
-            for start, stop in runs:
-                staging[start:stop].copy_(source[start:stop, :, :words])
-                payload[start:stop].copy_(staging[start:stop], non_blocking=True)
+    def _count(self, requesting, words: int, tokens: int) -> None:
+        self.counters.record_bytes += self.pool.records[0].numel() * 8
         if requesting:
-            self.counters.payload_bytes += words * 4 * payload.shape[1] * len(requesting)
+            self.counters.payload_bytes += words * 4 * tokens * len(requesting)
             self.counters.payload_copies += 1
+
+    def _copy_host(self, frame, requesting, records, payload, words) -> None:
+        source_records, source_payload = self._host_source
+        records[:] = source_records[frame]
+        if requesting:
+            source = source_payload[frame]
+            for start, stop in slot_runs(requesting):  # (an advanced index costs as much)
+                payload[start:stop] = source[start:stop, :, :words]
+
+    def _copy_device(self, frame, requesting, index, payload, words) -> None:
+        self.pool.records[index].copy_(self.outputs.completion_records[frame],
+                                       non_blocking=True)
+        if not requesting:
+            return
+        staging = self._staging_views.get(words)
+        if staging is None:
+            staging = self._staging_views[words] = self.staging[: payload.numel()].view(
+                payload.shape)
+        source = self.outputs.completion_logprobs[frame]
+        for start, stop in slot_runs(requesting):
+            staging[start:stop].copy_(source[start:stop, :, :words])
+            payload[start:stop].copy_(staging[start:stop], non_blocking=True)
 
 
 def slot_runs(slots: list[int]) -> list[tuple[int, int]]:

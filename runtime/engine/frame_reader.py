@@ -93,6 +93,17 @@ def expectation(request: Request) -> LaneExpectation:
 def read_frame(
     host: HostFrame, requests: list[Request], vocab_size: int
 ) -> dict[int, SlotOutcome]:
+    """``_read_frame``; then the host frame goes back to its pool (the results hold copies
+    of its arrays), also when decoding fails."""
+    try:
+        return _read_frame(host, requests, vocab_size)
+    finally:
+        host.release()
+
+
+def _read_frame(
+    host: HostFrame, requests: list[Request], vocab_size: int
+) -> dict[int, SlotOutcome]:
     """Outcomes keyed by request ordinal for the requests that sampled in this frame.
 
     Emitted tokens come from the records; logprob entries from the decoder, which checks each

@@ -254,7 +254,7 @@ COMPILE_COUNTERS = {
                               "recompilation or a compile while serving; 0 when --compile "
                               "compiled everything at start-up)",
 }
-DEVICE_MEMORY = ("allocated", "reserved")
+DEVICE_MEMORY = ("allocated", "reserved", "graph_pool")
 
 
 def step_stats_of(engine: Any) -> dict[str, int]:
@@ -269,14 +269,16 @@ def step_stats_of(engine: Any) -> dict[str, int]:
 
 
 def step_metrics(stats: dict[str, int]) -> Iterator[Metric]:
-    """helios:compile_* counters, and helios:device_memory_bytes{kind} on CUDA (absent on the
-    CPU, which has no device allocator to read)."""
+    """helios:compile_* counters, and helios:device_memory_bytes{kind=allocated|reserved|
+    graph_pool} on CUDA (absent on the CPU, which has no device allocator to read)."""
     for name, doc in COMPILE_COUNTERS.items():
         if name in stats:
             yield _counter(name, doc, stats[name])
     if any(f"device_memory_{kind}" in stats for kind in DEVICE_MEMORY):
         memory = GaugeMetricFamily(PREFIX + "device_memory_bytes", "The rank step's device "
-                                   "allocator on rank 0: bytes allocated and reserved",
+                                   "allocator on rank 0: bytes allocated and reserved, and "
+                                   "reserved by CUDA graph pools (0 until a graph is "
+                                   "captured)",
                                    labels=["kind"])
         for kind in DEVICE_MEMORY:
             memory.add_metric([kind], stats.get(f"device_memory_{kind}", 0))

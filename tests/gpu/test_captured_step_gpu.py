@@ -1,9 +1,12 @@
 """The step's reduce phase and the frame copy on a CUDA GPU (issue 36): the reduce phase of a
 real served step (tensor gate over the static row buffers, the six prepared Triton launches,
 the payload write) captured in a CUDA graph replays to the eager payload and allocates
-nothing over 1,000 replays; FrameExecutor's copies allocate nothing over 1,000 copies and
-land the requesting slots' payload prefixes bit-equal to the device frame; serving compiles
-no Triton kernel after start-up (counted at Triton's compile hook, not the interpreter).
+nothing over 1,000 replays; FrameExecutor's copies (leased pool frames, released after
+reading) allocate nothing over 1,000 copies and land the requesting slots' payload prefixes
+bit-equal to the device frame; the copy runs on the copy stream after the producing event and
+the first read of the host frame waits on the transfer event; the graph-pool bytes count a
+captured graph's pool; serving compiles no Triton kernel after start-up (counted at Triton's
+compile hook, not the interpreter).
 
 Skipped without CUDA (scripts/device-check.sh runs it on a GPU machine).
 """
@@ -130,9 +133,7 @@ def test_captured_reduce_phase_replays_to_the_eager_payload_without_allocating(e
     assert torch.equal(payload, eager)
 
 
-@pytest.mark.parametrize("requesting", [[0, 1, 2, 5], [3], []])
-def test_frame_copies_allocate_nothing_and_hold_the_requesting_prefixes(requesting):
-    capacity, tokens, width = 8, 4, 5
+def random_outputs(capacity: int = 8, tokens: int = 4) -> CompletionOutputs:
     outputs = CompletionOutputs.allocate(capacity, tokens, torch.device("cuda"))
     g = torch.Generator(device="cuda").manual_seed(3)
     outputs.completion_logprobs.copy_(torch.randint(
@@ -140,18 +141,87 @@ def test_frame_copies_allocate_nothing_and_hold_the_requesting_prefixes(requesti
         dtype=torch.int32))
     outputs.completion_records.copy_(torch.randint(
         0, 99, outputs.completion_records.shape, generator=g, device="cuda"))
+    return outputs
+
+
+@pytest.mark.parametrize("requesting", [[0, 1, 2, 5], [3], []])
+def test_frame_copies_allocate_nothing_and_hold_the_requesting_prefixes(requesting):
+    outputs = random_outputs()
     executor = FrameExecutor(outputs)
+    width = 5
     words = 2 + 2 * width
-    for submission in (0, 1):  # warm-up: each frame's views
-        executor.copy(submission, requesting, width)
+    assert executor.host_records.is_pinned() and executor.host_payload.is_pinned()
+    for submission in (0, 1, 2, 3):  # warm-up: each pool frame's views
+        executor.copy(submission, requesting, width).release()
     before = torch.cuda.memory_allocated()
     for submission in range(1000):
         host = executor.copy(submission, requesting, width)
+        if submission < 999:
+            host.release()
     assert torch.cuda.memory_allocated() == before
     assert host.payload.flags["C_CONTIGUOUS"]
     source = outputs.completion_logprobs[host.frame].cpu().numpy()
     assert (host.records == outputs.completion_records[host.frame].cpu().numpy()).all()
     for slot in requesting:
-        assert (host.payload[slot] == source[slot, :, :words]).all(), slot
+        assert host.payload[slot].tobytes() == source[slot, :, :words].tobytes(), slot
+    host.release()
+    assert executor.pool.leased() == []
     copied = executor.counters.payload_copies
-    assert copied == (1002 if requesting else 0)
+    assert copied == (1004 if requesting else 0)
+
+
+def test_the_copy_waits_on_the_producing_event_and_decoding_on_the_transfer_event():
+    """The step's stream is held by a sleep, then writes the frame (the producing work): the
+    copy returns at once, its transfer event is still pending, and the first read of the host
+    frame waits for it and sees the values written after the sleep."""
+    outputs = random_outputs()
+    executor = FrameExecutor(outputs)
+    requesting, width = [1, 2, 6], 4
+    words = 2 + 2 * width
+    wanted = outputs.completion_logprobs.clone()
+    wanted_records = outputs.completion_records.clone()
+    for submission in (0, 1):
+        executor.copy(submission, requesting, width).release()  # (warm-up)
+    outputs.completion_logprobs.fill_(-1)
+    outputs.completion_records.fill_(-1)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # (about 0.1 s of GPU cycles on the step's stream)
+    outputs.completion_logprobs.copy_(wanted)
+    outputs.completion_records.copy_(wanted_records)
+    host = executor.copy(7, requesting, width)
+    transfer = executor.transferred[host.lease.index]
+    assert not transfer.query()  # nothing waited on the host: the copy stream is queued
+    assert executor.stream != torch.cuda.current_stream()
+    payload = host.payload  # waits on the transfer event
+    assert transfer.query()
+    frame = CompletionOutputs.frame_index(7)
+    assert (host.records == wanted_records[frame].cpu().numpy()).all()
+    source = wanted[frame].cpu().numpy()
+    for slot in requesting:
+        assert payload[slot].tobytes() == source[slot, :, :words].tobytes(), slot
+    host.release()
+
+
+def test_graph_pool_bytes_count_captured_graphs_only():
+    """The memory report's graph-pool figure: the private pools' segments, 0 with no graph
+    held, more once a graph is captured (and allocated/reserved are the allocator's)."""
+    from helios_logprobs.ranks.step.device_memory import device_memory
+
+    device = torch.device("cuda")
+    torch.cuda.synchronize()
+    before = device_memory(device)
+    assert before["device_memory_allocated"] == torch.cuda.memory_allocated(device)
+    assert before["device_memory_reserved"] == torch.cuda.memory_reserved(device)
+    x = torch.ones(1 << 20, device=device)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        y = x * 2
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = x * 2
+    graph.replay()
+    torch.cuda.synchronize()
+    captured = device_memory(device)["device_memory_graph_pool"]
+    assert captured >= y.numel() * 4 and captured > before["device_memory_graph_pool"]

@@ -33,8 +33,13 @@ def test_a_copy_holds_the_requesting_slots_prefixes_and_nothing_else(requesting)
     for slot in range(capacity):
         want = source[slot, :, :words] if slot in requesting else SENTINEL
         assert (host.payload[slot] == want).all(), slot
-    untouched = executor.host_payload[frame, :, :, words:]
-    assert (untouched == SENTINEL).all() and (executor.host_payload[1 - frame] == SENTINEL).all()
+    # The copy fills a contiguous [capacity, T, words] prefix of its pool frame, nothing past
+    # it, and nothing in the other pool frame.
+    index = host.lease.index
+    flat = executor.host_payload[index].reshape(-1)
+    assert host.payload.ctypes.data == flat.data_ptr() and host.payload.flags["C_CONTIGUOUS"]
+    assert (flat[capacity * tokens * words:] == SENTINEL).all()
+    assert (executor.host_payload[1 - index] == SENTINEL).all()
     copied = len(set(requesting))
     assert executor.counters.payload_bytes == (words * 4 * tokens * copied if copied else 0)
 
