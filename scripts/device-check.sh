@@ -10,11 +10,13 @@
 #      working one (GPU machines here have no network), otherwise they are installed
 #      explicitly: from carried wheels in .whl/ when present, else from the package index
 #      (set PIP_INDEX_URL / PIP_EXTRA_INDEX_URL to a CUDA wheel index for a CUDA build);
-#   2. tests/gpu (serving shapes against the reference, no allocation after the first call,
-#      CUDA-graph capture; test_captured_step_gpu.py: the served reduce phase captured and
-#      replayed 1,000 times against eager with memory_allocated flat, FrameExecutor copies
-#      flat over 1,000 copies with the payload prefixes bit-equal, no Triton compile while
-#      serving);
+#   2. the frame-transfer path first (tests/gpu/test_captured_step_gpu.py: FrameExecutor's
+#      pooled pinned frames, memory_allocated flat over 1,000 copies, payload prefixes
+#      bit-equal to the device frame, the copy stream waiting on the producing event and the
+#      first read on the transfer event, graph-pool bytes), then the rest of tests/gpu
+#      (serving shapes against the reference, no allocation after the first call, CUDA-graph
+#      capture, the served reduce phase replayed 1,000 times against eager with
+#      memory_allocated flat, no Triton compile while serving);
 #   3. python bench/reduction.py --backend triton (times, ratio vs baseline, bandwidth);
 #   4. a timing of the two GPU selection networks (tl.topk vs max-extraction) at 256 x
 #      151,936 bf16, against log_softmax + topk on the full row;
@@ -109,8 +111,12 @@ done
 export PYTHONPATH="$PKG_ROOT:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
 # ------------------------------------------------------------------------------ 2. GPU tests
-step "2. tests/gpu"
-run gpu-tests 200 "$PY" -m pytest tests/gpu -q -p no:cacheprovider --durations=10
+step "2. tests/gpu: the frame transfer, then the rest"
+FRAME_TESTS="frame_cop or producing_event or graph_pool"
+run frame-transfer 90 "$PY" -m pytest tests/gpu/test_captured_step_gpu.py -q -p no:cacheprovider \
+    -k "$FRAME_TESTS"
+run gpu-tests 200 "$PY" -m pytest tests/gpu -q -p no:cacheprovider --durations=10 \
+    -k "not ($FRAME_TESTS)"
 
 # ------------------------------------------------------------------------------ 3. bench
 step "3. bench/reduction.py --backend triton"
