@@ -257,16 +257,16 @@ def test_a_sampled_id_outside_the_vocabulary_fails_only_its_request(model_dir, l
     request, and the other request of the same batch and later requests are served."""
     config = RuntimeConfig(model_dir=model_dir, capacity=2, max_model_len=64)
     step = load_rank(config, None)
-    sample = step.sampler.sample
+    run = step.sampler.run
 
-    def faulty(logits, rows, prompts, histories):
-        tokens = sample(logits, rows, prompts, histories)
-        for i, prompt in enumerate(prompts):
-            if list(prompt) == [5, 6] and len(histories[i]) == 1:
+    def faulty(logits, plan):
+        tokens = run(logits, plan)
+        for i, prompt in enumerate(plan.prompt_ids):
+            if list(prompt) == [5, 6] and len(plan.output_ids[i]) == 1:
                 tokens[i] = 2**31 - 1
         return tokens
 
-    step.sampler.sample = faulty
+    step.sampler.run = faulty
     engine = build_engine(config, step)
     bad = SamplingParams(max_tokens=4, temperature=0.0, logprobs=logprobs, ignore_eos=True)
     good = SamplingParams(max_tokens=4, temperature=0.0, logprobs=2, ignore_eos=True)
