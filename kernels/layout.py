@@ -5,6 +5,10 @@ from __future__ import annotations
 EXPORT_K = 20
 """Natural alternatives a core exports (K)."""
 
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+"""vLLM's --logprobs-mode values (vllm/config/model.py LogprobsMode); the first is the default
+and the contract's rule (ranks/step/reduce.py serves the others)."""
+
 MAX_TOKEN_IDS = 128
 """Caller-selected token IDs per request (logprob_token_ids)."""
 
@@ -14,8 +18,13 @@ PAYLOAD_WORDS = 2 + 2 * MAX_TOKEN_IDS
 TILE_CANDIDATES = 32
 """Best sort keys each vocabulary tile (and each shard) keeps."""
 
-EXCHANGE1_WORDS = 2
-"""Exchange 1, per position per rank: [shard max FP32 bits, shard exp mass FP32 bits]."""
+EXCHANGE1_WORDS = 3
+"""Exchange 1, per position per rank: [shard max FP32 bits, shard exp mass FP32 bits, shard
+entropy term FP32 bits]. The statistics launches write words 0-1; word 2 (kernels/entropy.py)
+is written only for rows whose entropy is asked for and read only for them."""
+
+ENTROPY_WORD = 2
+"""Exchange 1's word holding the shard's sum of e^(x - max) (x - max) (kernels/entropy.py)."""
 
 EXCHANGE2_WORDS = 1 + MAX_TOKEN_IDS
 """Exchange 2, per position per rank: word 0 = the chosen token's raw logit FP32 bits (only

@@ -3,16 +3,25 @@
 Each rank holds logits [rows, width] for global ids [vocab_start, vocab_start + width), of
 which the first local_valid lanes are real vocabulary (the rest is padding). Per call:
 
-  shard_stats       (launches 1-2)  -> exchange 1: EXCHANGE1_WORDS = 2 int32 words per row
-  gather 1          [world, rows, 2]: word 0 = shard max FP32 bits, word 1 = shard exp mass
-                    FP32 bits (relative to that max); (-inf, 0) from a shard with no lanes
+  shard_stats       (launches 1-2)  -> exchange 1: EXCHANGE1_WORDS = 3 int32 words per row
+  gather 1          [world, rows, 3]: word 0 = shard max FP32 bits, word 1 = shard exp mass
+                    FP32 bits (relative to that max); (-inf, 0) from a shard with no lanes;
+                    word 2 = the shard's entropy term (kernels/entropy.py), written only for
+                    the rows whose entropy is asked for
   shard_candidates  (launches 3-5)  -> exchange 2: EXCHANGE2_WORDS = 129 int32 words per row
   gather 2          [world, rows, 129]: word 0 = chosen raw logit FP32 bits (owner's word
                     read), words 1..64 = best 32 sort keys as (high, low) halves (natural
                     rows) or words 1..count = selected IDs' raw logit bits (owner's read)
   final_merge       (launch 6)      -> the packed payload, identical on every rank
 
-(2 + 129) * 4 = 524 bytes per position per rank; no vocabulary-sized row ever travels.
+(3 + 129) * 4 = 528 bytes per position per rank; no vocabulary-sized row ever travels.
+
+Two options serve ``--logprobs-mode`` and entropy (ranks/step/reduce.py): ``normalize=False``
+reports the row's values themselves (the ``*_logits`` modes): the candidates and the final
+merge read a constant exchange 1 whose global normalization is exactly 0 (rank 0 sends max
+0 and mass 1, the others -inf and 0), so each value is x - 0 = x bit for bit, ordered as
+the logprobs would be; the true statistics still travel for the entropy. A call with
+``entropy_out`` also writes each flagged row's entropy of softmax(row) there (FP32).
 
 One rank (a size-1 group) with the torch backend has nothing to exchange: it runs the
 four-launch whole-vocabulary reduction (kernels/cpu/backend.py), which gives the same
@@ -35,6 +44,7 @@ from helios_logprobs.kernels.backends import (
     whole_native_call,
     whole_reduction,
 )
+from helios_logprobs.kernels.entropy import combine_entropy, whole_entropy, write_entropy_word
 from helios_logprobs.kernels.layout import EXCHANGE1_WORDS, EXCHANGE2_WORDS
 from helios_logprobs.kernels.rows import RowRequest
 
@@ -88,9 +98,11 @@ class PreparedShardedReduction:
         backend: str,
         device: torch.device | str,
         repeated: bool = False,
+        normalize: bool = True,
     ) -> None:
         """``repeated``: every call passes the same logits, request and output tensors (the
-        runtime's step reduction), so a one-rank group may prepare its arguments once."""
+        runtime's step reduction), so a one-rank group may prepare its arguments once.
+        ``normalize``: False reports raw values (no lse subtracted)."""
         if not 0 <= local_valid <= width:
             raise ValueError(f"local_valid {local_valid} outside [0, {width}]")
         self.group = group
@@ -105,12 +117,15 @@ class PreparedShardedReduction:
         self.repeated = repeated
         self.steps = shard_steps(backend)
         self.world = group_size(group)
-        self.whole = whole_reduction(backend, repeated) if self.world == 1 else None
+        self.normalize = normalize
+        self.whole = whole_reduction(backend, repeated) if self.world == 1 and normalize \
+            else None
         self.shard_starts = agreed_shard_starts(group, vocab_start, local_valid, vocab_size,
                                                 rows)
         self.exchange1 = WordExchange(group, rows, EXCHANGE1_WORDS, device)
         self.exchange2 = WordExchange(group, rows, EXCHANGE2_WORDS, device)
         self.lse = torch.empty(rows, dtype=torch.float32, device=device)
+        self.unit_e1 = None if normalize else unit_statistics(self.world, rows, device)
 
     def native_call(
         self, logits: torch.Tensor, request: RowRequest, out: torch.Tensor
@@ -127,22 +142,44 @@ class PreparedShardedReduction:
         return self.exchange1.bytes_sent + self.exchange2.bytes_sent
 
     def __call__(
-        self, logits: torch.Tensor, request: RowRequest, out: torch.Tensor
+        self, logits: torch.Tensor, request: RowRequest, out: torch.Tensor,
+        entropy_out: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """The packed payload of the flagged rows into ``out``; with ``entropy_out`` (FP32
+        [rows]) also their entropy (other rows of it untouched)."""
         if logits.shape != (self.rows, self.width):
             raise ValueError(f"logits: expected {(self.rows, self.width)}, got {logits.shape}")
+        entropy_rows = None
+        if entropy_out is not None:
+            entropy_rows = torch.nonzero(request.requested).squeeze(1)
         if self.whole is not None:
+            if entropy_rows is not None:
+                entropy_out[entropy_rows] = whole_entropy(logits, entropy_rows,
+                                                          self.local_valid)
             return self.whole(logits, request, self.vocab_size, out)
         steps = self.steps
         steps.shard_stats(logits, request, self.local_valid, self.exchange1.send)
+        if entropy_rows is not None:
+            write_entropy_word(logits, entropy_rows, self.local_valid, self.exchange1.send)
         e1_all = self.exchange1.gather()
+        if entropy_rows is not None:
+            entropy_out[entropy_rows] = combine_entropy(e1_all[:, entropy_rows])
         steps.shard_candidates(
-            logits, request, e1_all, self.vocab_start, self.local_valid, self.lse,
-            self.exchange2.send,
+            logits, request, e1_all if self.unit_e1 is None else self.unit_e1,
+            self.vocab_start, self.local_valid, self.lse, self.exchange2.send,
         )
         e2_all = self.exchange2.gather()
         steps.final_merge(e2_all, self.lse, request, self.shard_starts, out)
         return out
+
+
+def unit_statistics(world: int, rows: int, device: torch.device | str) -> torch.Tensor:
+    """Exchange-1 words [world, rows, 3] whose global normalization is exactly 0: rank 0's
+    max 0 and mass 1, every other rank's max -inf and mass 0 (lse = 0 + log 1)."""
+    words = torch.zeros(world, rows, EXCHANGE1_WORDS, dtype=torch.float32, device=device)
+    words[1:, :, 0] = float("-inf")
+    words[0, :, 1] = 1.0
+    return words.view(torch.int32)
 
 
 def prepared_reduction(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from helios_logprobs.runtime.engine.config import DTYPES, RuntimeConfig
+from helios_logprobs.runtime.engine.config import DTYPES, LOGPROBS_MODES, RuntimeConfig
 from helios_logprobs.runtime.text.reasoning import PARSERS
 
 
@@ -40,6 +40,11 @@ def add_runtime_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-logprobs", action="store_true",
                    help="allocate prompt scoring (prompt_logprobs, echo with logprobs); "
                         "costs fixed memory, off by default")
+    p.add_argument("--logprobs-mode", choices=LOGPROBS_MODES, default=LOGPROBS_MODES[0],
+                   help="what generated positions report (vLLM's values): raw_* the logits "
+                        "the sampler receives, processed_* after every processor, "
+                        "temperature and top-k/top-p/min-p (dropped tokens -inf, renormalized "
+                        "over the kept ones); *_logits the values without normalization")
     p.add_argument("--no-logprobs", action="store_true",
                    help="export a core without logprob buffers (K=0)")
     p.add_argument("--max-logprobs", type=int, default=d("max_logprobs"),
@@ -134,6 +139,7 @@ def runtime_config(args: argparse.Namespace, device: str) -> RuntimeConfig:
         max_batched_tokens=args.max_batched_tokens,
         logprobs=not args.no_logprobs,
         prompt_logprobs=args.prompt_logprobs,
+        logprobs_mode=args.logprobs_mode,
         max_logprobs=args.max_logprobs,
         completion_token_capacity=args.completion_token_capacity,
         reduction_backend=backend,

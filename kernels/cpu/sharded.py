@@ -97,7 +97,8 @@ def chunk_maxima(
 def shard_stats(
     logits: torch.Tensor, request: RowRequest, local_valid: int, e1_out: torch.Tensor
 ) -> None:
-    """Launches 1-2 on this shard. e1_out int32 [rows, 2] (exchange 1 send words):
+    """Launches 1-2 on this shard. e1_out int32 [rows, 3] (exchange 1 send words; word 2,
+    the entropy term, is kernels/entropy.py's and stays untouched here):
     word 0 = the shard's FP32 max bits, word 1 = its exp mass relative to that max (bits).
     A shard with no valid lanes, and every unflagged row, reports (-inf, 0)."""
     if torch_lean.LEAN and logits.device.type == "cpu" and local_valid > 0:
@@ -110,12 +111,12 @@ def shard_stats(
         return
     stats = tile_stats(logits, rows, local_valid)
     big, mass = combine(stats.max, stats.mass)
-    write_rows(e1_out, rows, torch.stack((float_bits(big), float_bits(mass)), dim=1))
+    write_rows(e1_out[:, :2], rows, torch.stack((float_bits(big), float_bits(mass)), dim=1))
 
 
 def global_lse(e1_all: torch.Tensor) -> torch.Tensor:
-    """Exchange 1 [world, rows, 2] -> FP32 lse [rows], combined sequentially in rank order so
-    that every rank computes bit-identical values (NaN when non-finite)."""
+    """Exchange 1 [world, rows, 3] (words 0-1 read) -> FP32 lse [rows], combined sequentially
+    in rank order so that every rank computes bit-identical values (NaN when non-finite)."""
     big_all = bits_to_float(e1_all[..., 0])
     mass_all = bits_to_float(e1_all[..., 1])
     if e1_all.shape[0] == 1:

@@ -274,8 +274,17 @@ def reduction_buffers(
         return ()
     cap, world, width = step.max_rows, layout.tp_size, layout.local_width
     r = "reduction."
+    tokens = resolve_completion_token_capacity(step.token_capacity)
     out = [
-        Buffer("reduction", "logits", r + "logits", (cap, width), dtype),
+        # (processed modes: the reduction reads the sampler's scratch, listed there)
+        *(() if step.processed else (
+            Buffer("reduction", "logits", r + "logits", (cap, width), dtype),)),
+        Buffer("reduction", "entropy", r + "entropy", (cap,), "float32"),
+        Buffer("reduction", "entropy frames", r + "entropy_frames",
+               (FRAMES, step.capacity, tokens), "float32"),
+        *(() if step.normalized else (
+            Buffer("reduction", "unit exchange 1", r + "driver.unit_e1",
+                   (world, cap, EXCHANGE1_WORDS), "int32"),)),
         Buffer("reduction", "rows", r + "rows", (cap,), "int64"),
         Buffer("reduction", "gated kinds", r + "kinds", (len(GATED_KINDS),), "int64"),
         Buffer("reduction", "chosen", r + "chosen", (cap,), "int64"),

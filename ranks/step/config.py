@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from helios_logprobs.kernels.layout import EXPORT_K
+from helios_logprobs.kernels.layout import EXPORT_K, LOGPROBS_MODES
 from helios_logprobs.ranks.contract.declarations import resolve_completion_token_capacity
 
 
@@ -34,7 +34,22 @@ class StepConfig:
     """--compile: the reduce phase runs as one ``torch.compile(fullgraph=True)`` graph
     (ranks/step/reduce_graph.py), compiled at start-up; the torch backend only."""
 
+    logprobs_mode: str = LOGPROBS_MODES[0]
+    """--logprobs-mode: what generated positions report. raw_*: the logits the sampler
+    receives; processed_*: after every processor, temperature and the top-k/top-p/min-p mask
+    (a dropped token at -inf), renormalized over the kept tokens for processed_logprobs;
+    *_logits: the values themselves, no normalization (ranks/step/reduce.py)."""
+
     def __post_init__(self) -> None:
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got "
+                             f"{self.logprobs_mode!r}")
+        if self.prompt_logprobs and self.logprobs_mode.endswith("_logits"):
+            raise ValueError(f"prompt scoring reports logprobs; vLLM's prompt logits under "
+                             f"{self.logprobs_mode!r} are not served")
+        if self.compile and self.logprobs_mode.endswith("_logits"):
+            raise ValueError(f"compile serves the *_logprobs modes only, got "
+                             f"{self.logprobs_mode!r}")
         if self.capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {self.capacity}")
         if self.max_seq_len < 2:
@@ -67,6 +82,16 @@ class StepConfig:
     def token_budget(self) -> int:
         """The most tokens one submission feeds the forward (its input buffers' length)."""
         return self.max_batched_tokens or 2 * max(self.chunk_limit, self.max_rows)
+
+    @property
+    def processed(self) -> bool:
+        """Whether generated positions report the sampler's processed rows."""
+        return self.logprobs_mode.startswith("processed_")
+
+    @property
+    def normalized(self) -> bool:
+        """Whether generated positions report logprobs (else the logits themselves)."""
+        return self.logprobs_mode.endswith("_logprobs")
 
     @property
     def logprobs(self) -> bool:

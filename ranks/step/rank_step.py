@@ -82,6 +82,8 @@ class RankStep:
             vocab_size=model.vocab_size,
             max_rows=config.max_rows,
             device=self.device,
+            # processed modes: every row through the scratch, which the reduction then reads
+            capture_safe=True if config.processed else None,
         )
         self.uploader: LogprobUploader | None = None
         self.reduction: StepReduction | None = None
@@ -92,7 +94,8 @@ class RankStep:
             )
             self.reduction = StepReduction(
                 model, group, self.outputs, config.reduction_backend, self.device,
-                rows=config.max_rows,
+                rows=config.max_rows, normalize=config.normalized,
+                source=self.sampler.scratch if config.processed else None,
             )
         self.graph: ReductionGraph | None = None
         """--compile: the reduce phase as one compiled graph, compiled here (a warm-up call
@@ -145,7 +148,8 @@ class RankStep:
         hidden = self.model.forward_hidden(inputs.token_ids, inputs.positions, inputs.slots,
                                            inputs.row_index, inputs.host)
         # The logits go straight into the buffer the reduction reads (no copy of them).
-        out = None if self.reduction is None else self.reduction.logits[:sampling]
+        reads_raw = self.reduction is not None and self.reduction.reads_raw
+        out = self.reduction.logits[:sampling] if reads_raw else None
         logits = self.model.project(hidden[:sampling], out=out)
         return logits, (hidden[sampling:] if inputs.scored_index.numel() else None)
 
@@ -172,7 +176,8 @@ class RankStep:
         if self.graph is not None:
             self.graph(inputs.row_tensors, inputs.frame_index)
             return
-        self.reduction(inputs.frame, logits, inputs.row_slots, inputs.row_epochs,
+        source = logits if self.reduction.reads_raw else self.reduction.logits[: len(logits)]
+        self.reduction(inputs.frame, source, inputs.row_slots, inputs.row_epochs,
                        inputs.row_positions, inputs.row_tensors)
 
     def score(self, inputs: StepInputs, hidden: torch.Tensor | None) -> None:

@@ -23,6 +23,14 @@ emitted prefix are neither read nor written. Every rank computes the same record
 so every rank gates the same rows. At TP1 on CPU the gate, the compiled reduction and the
 write are one C call (gate.c's step_reduce), which hands rows it cannot vouch for back to the
 driver's own path.
+
+``--logprobs-mode`` (vLLM's four values, ranks/step/config.py): the ``processed_*`` modes read
+the sampler's scratch, the rows after every processor, temperature and the top-k/top-p/min-p
+mask (filtered lanes at -inf), instead of the raw logits, so the reduction's own exchange 1
+carries the kept set's maximum and mass and a processed logprob is x - lse over the kept
+tokens; the ``*_logits`` modes subtract no normalization (kernels/sharded.py). A call with
+``entropy`` also writes each gated row's entropy of the reported distribution into
+``entropy_frames[frame, slot, position]`` (FP32; one more word of exchange 1).
 """
 
 from __future__ import annotations
@@ -55,15 +63,31 @@ class StepReduction:
         backend: str,
         device: torch.device,
         rows: int | None = None,
+        source: torch.Tensor | None = None,
+        normalize: bool = True,
     ) -> None:
         """``rows``: the most sampling rows of one submission (capacity x (1 + N) with
-        speculative rounds; the capacity without)."""
+        speculative rounds; the capacity without). ``source``: the buffer [rows,
+        local_width] the reduction reads (the sampler's FP32 scratch in the processed modes;
+        default its own buffer of the model's dtype, which the forward projects into).
+        ``normalize``: False for the ``*_logits`` modes."""
         cap = rows or outputs.capacity
         self.outputs = outputs
         self.k = outputs.k
         self.vocab_size = model.vocab_size
-        self.logits = torch.zeros(cap, model.local_width, dtype=model.dtype, device=device)
+        self.reads_raw = source is None
+        """Whether the forward projects its logits into ``logits`` (the raw modes)."""
+        if source is not None and tuple(source.shape) != (cap, model.local_width):
+            raise ValueError(f"source: expected {(cap, model.local_width)}, got "
+                             f"{tuple(source.shape)}")
+        self.logits = torch.zeros(cap, model.local_width, dtype=model.dtype, device=device) \
+            if source is None else source
         """The logits the reduction reads: row r holds sampling row r (FIRST_LOGIT_ROW)."""
+        self.entropy = torch.full((cap,), float("nan"), dtype=torch.float32, device=device)
+        self.entropy_frames = torch.full(outputs.completion_logprobs.shape[:3], float("nan"),
+                                         dtype=torch.float32, device=device)
+        """FP32 [2, capacity, T]: the entropy of each gated position of a frame, written by
+        calls with ``entropy`` (other positions keep their value)."""
         self.rows = torch.arange(cap, dtype=torch.int64, device=device)
         self.kinds = torch.tensor([int(Kind.SAMPLE), int(Kind.SPECULATIVE)], device=device)
         self.chosen = torch.zeros(cap, dtype=torch.int64, device=device)
@@ -83,6 +107,7 @@ class StepReduction:
             backend=backend,
             device=device,
             repeated=True,
+            normalize=normalize,
         )
         self.kernels = self._prepare_kernels() if backend == "triton" else None
         # Host tensors: gate and write in C (gate.c; tensor ops cost microseconds each on CPU,
@@ -115,31 +140,36 @@ class StepReduction:
         row_epochs: list[int],
         row_positions: list[int] | None = None,
         row_tensors: torch.Tensor | None = None,
+        entropy: bool = False,
     ) -> None:
         """Reduce the gated rows of ``logits`` [rows, local_width] into their emitted
         positions (``row_positions``; 0 for every row of a slot when omitted) in ``frame``'s
         packed output. The row lists hold one entry per buffer row (-1 past the last row);
         ``row_tensors``: the same three lists as int64 [3, buffer rows] on the device (the
-        step's static inputs), which the tensor gate reads instead of building them."""
+        step's static inputs), which the tensor gate reads instead of building them.
+        ``entropy``: also the gated rows' entropy into ``entropy_frames``."""
         rows = logits.shape[0]
         if row_positions is None:
             row_positions = [0 if slot >= 0 else -1 for slot in row_slots]
         if logits.data_ptr() != self.logits.data_ptr():
             self.logits[:rows].copy_(logits)
-        if self.call is not None:
+        if self.call is not None and not entropy:
             if self.native.step(frame, row_slots, row_epochs, row_positions, rows, self.call,
                                 torch.get_num_threads()):
                 return  # gate, reduction and write in one C call
             # The C call gated the rows and left some to Python: the driver's own path.
             slots, positions = self.native.row_tensors()
-        else:
+        else:  # (with entropy at TP1 on CPU too: the gate, then the driver's path)
             if row_tensors is None:
                 row_tensors = torch.tensor((row_slots, row_epochs, row_positions),
                                            dtype=torch.int64, device=self.rows.device)
             slots, epochs, positions = row_tensors
             self.gate(frame, slots, epochs, positions)
-        self.driver(self.logits, self.request, self.out)
+        self.driver(self.logits, self.request, self.out,
+                    entropy_out=self.entropy if entropy else None)
         self.write(frame, slots[:rows], positions[:rows])
+        if entropy:
+            self.write_entropy(frame, slots[:rows], positions[:rows])
 
     def gate(
         self,
@@ -188,3 +218,13 @@ class StepReduction:
         gated = self.requested[: slots.shape[0], None] != 0
         merged = torch.where(gated, self.out[: slots.shape[0], :words], target[index])
         target.index_copy_(0, index, merged)
+
+    def write_entropy(self, frame: int, slots: torch.Tensor, positions: torch.Tensor) -> None:
+        """Each gated row's entropy into its (slot, emitted position) of ``frame``; ungated
+        rows write back what is there (the payload write's rule)."""
+        target = self.entropy_frames[frame]
+        flat = target.view(-1)
+        index = slots.clamp(min=0) * target.shape[1] + positions.clamp(min=0)
+        gated = self.requested[: slots.shape[0]] != 0
+        flat.index_copy_(0, index, torch.where(gated, self.entropy[: slots.shape[0]],
+                                               flat[index]))

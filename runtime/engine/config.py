@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from helios_logprobs.kernels.layout import EXPORT_K
+from helios_logprobs.kernels.layout import EXPORT_K, LOGPROBS_MODES
 from helios_logprobs.runtime.text.reasoning import load_reasoning, reasoning_strings
 
 if TYPE_CHECKING:  # (torch: the command line reads this module's defaults without it)
@@ -39,6 +39,8 @@ class RuntimeConfig:
     """Tokens per submission; None: twice the larger of chunk_size and capacity."""
     logprobs: bool = True
     """False exports a core without logprob buffers (K=0): logprob requests get HTTP 400."""
+    logprobs_mode: str = LOGPROBS_MODES[0]
+    """--logprobs-mode (vLLM's four values): ranks/step/config.py StepConfig.logprobs_mode."""
     max_logprobs: int = EXPORT_K
     """K, natural alternatives the core exports (vLLM's --max-logprobs). K < 20 declares no
     token-ID inputs, so logprob_token_ids is refused."""
@@ -167,6 +169,7 @@ class RuntimeConfig:
             reduction_backend=self.reduction_backend,
             max_logprobs=self.max_logprobs if self.logprobs else 0,
             prompt_logprobs=self.prompt_logprobs,
+            logprobs_mode=self.logprobs_mode,
             chunk_limit=self.chunk_size,
             speculative_tokens=self.speculative_tokens,
             max_batched_tokens=self.batched_tokens,
