@@ -23,6 +23,11 @@ PROMPTS = ([5, 77, 130, 42, 9], [200, 3, 3, 17, 64, 101, 7, 280])
 PAIRS = {1: ("rl_a1", "rl_b1"), 2: ("rl_a2", "rl_b2")}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _start_together(rl_servers):
+    rl_servers.start("a1", "b1", "a2", "b2")
+
+
 def outputs(server) -> list[tuple[list[int], list]]:
     """Greedy ids and their logprob entries for each prompt (exact JSON values)."""
     out = []
