@@ -162,9 +162,23 @@ def _sampling(vocab: int, k: int, max_model_len: int, scoring: bool) -> dict[str
         "vllm_xargs": {"type": "null"}, "kv_transfer_params": {"type": "null"},
         "repetition_detection": {"type": "null"},
         "response_format": {"anyOf": [{"type": "null"}, {
-            "type": "object", "properties": {"type": {"const": "text"}}}]},
+            "type": "object", "required": ["type"], "properties": {
+                "type": {"enum": ["text", "json_object", "json_schema"]},
+                "json_schema": {"type": "object", "required": ["schema"], "properties": {
+                    "name": {"type": "string"}, "description": {"type": "string"},
+                    "schema": {"type": ["object", "boolean"]},
+                    "strict": _nullable({"type": "boolean"})}}}}]},
+        "structured_outputs": _nullable({
+            "type": "object", "additionalProperties": False, "properties": {
+                "json": {"type": ["object", "boolean", "string", "null"]},
+                "regex": _nullable({"type": "string", "minLength": 1}),
+                "choice": _nullable({"type": "array", "minItems": 1,
+                                     "items": {"type": "string"}}),
+                "grammar": _nullable({"type": "string", "minLength": 1}),
+                "json_object": _nullable({"const": True}),
+                "disable_any_whitespace": {"type": "boolean"}}}),
         **{name: {"type": "null"} for name in (
-            "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+            "guided_json", "guided_regex", "guided_choice",
             "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern")},
     }
 
@@ -222,7 +236,10 @@ def _tighten(schemas: dict[str, Any], vocab: int, k: int, max_model_len: int,
             "summary": {"enum": [None, *SUMMARIES]},
             "generate_summary": {"enum": [None, *SUMMARIES]}}}),
         "text": _nullable({"type": "object", "properties": {"format": _nullable({
-            "type": "object", "required": ["type"], "properties": {"type": {"const": "text"}}})}}),
+            "type": "object", "required": ["type"], "properties": {
+                "type": {"enum": ["text", "json_object", "json_schema"]},
+                "name": {"type": "string"}, "schema": {"type": ["object", "boolean"]},
+                "strict": _nullable({"type": "boolean"})}})}}),
     })
     schemas["TokenizeChatRequest"]["properties"].update({
         "messages": chat["properties"]["messages"], "tools": {"type": "null"},
