@@ -29,10 +29,14 @@ def allowed_ids(row: bytes, vocab_size: int) -> np.ndarray:
     return _bits(row, vocab_size)[:vocab_size]
 
 
-def _bits(row: bytes, vocab_size: int) -> np.ndarray:
+def _check(row: bytes, vocab_size: int) -> None:
     if len(row) != 4 * bitmask_words(vocab_size):
         raise ValueError(f"a grammar bitmask row over {vocab_size} ids has "
                          f"{4 * bitmask_words(vocab_size)} bytes, got {len(row)}")
+
+
+def _bits(row: bytes, vocab_size: int) -> np.ndarray:
+    _check(row, vocab_size)
     return np.unpackbits(np.frombuffer(row, dtype=np.uint8), bitorder="little").view(bool)
 
 
@@ -44,7 +48,11 @@ def shard_blocked(rows: list[bytes], vocab_start: int, local_valid: int, vocab_s
         raise ValueError(f"shard [{vocab_start}, {vocab_start + local_valid}) outside the "
                          f"vocabulary of {vocab_size}")
     blocked = np.empty((len(rows), local_valid), dtype=bool)
+    first, last = vocab_start // 32, -(-(vocab_start + local_valid) // 32)
+    skip = vocab_start - 32 * first  # (the shard's first id within its first word)
     for i, row in enumerate(rows):
-        np.logical_not(_bits(row, vocab_size)[vocab_start:vocab_start + local_valid],
-                       out=blocked[i])
+        _check(row, vocab_size)
+        words = np.frombuffer(row, dtype=np.uint8)[4 * first:4 * last]  # (only the shard's)
+        bits = np.unpackbits(words, bitorder="little").view(bool)
+        np.logical_not(bits[skip:skip + local_valid], out=blocked[i])
     return torch.from_numpy(blocked).to(device)
