@@ -162,3 +162,22 @@ def test_prompt_logprobs_equal_completions(scoring_server):
             assert item["decoded_token"] == f"token_id:{key}"
             assert item["rank"] == theirs[key]["rank"]
             assert same(item["logprob"], theirs[key]["logprob"])
+
+
+def test_streamed_choices_and_a_stop_token_equal_the_whole_response(rl_a1):
+    sampling = {"temperature": 0.8, "seed": 5, "n": 2, "max_tokens": 8, "logprobs": 1,
+                "ignore_eos": True}
+    free = generate(rl_a1, **sampling)["choices"][0]["token_ids"]
+    sampling["stop_token_ids"] = [free[2]]  # (choice 0 stops there: same seed, same tokens)
+    whole = generate(rl_a1, **sampling)["choices"]
+    assert whole[0]["finish_reason"] == "stop"
+    events = generate(rl_a1, stream=True, **sampling)
+    for choice in whole:
+        chunks = [c for e in events for c in e["choices"] if c["index"] == choice["index"]]
+        assert [t for c in chunks for t in c["token_ids"]] == choice["token_ids"]
+        assert [x for c in chunks for x in c["logprobs"]["content"]] == \
+            choice["logprobs"]["content"]
+        assert [c["finish_reason"] for c in chunks][-1] == choice["finish_reason"]
+        assert all(c["finish_reason"] is None for c in chunks[:-1])
+        if choice["finish_reason"] == "stop":  # (the stop token rides on the last chunk)
+            assert chunks[-1]["token_ids"] == [sampling["stop_token_ids"][0]]
