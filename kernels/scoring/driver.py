@@ -29,12 +29,16 @@ class PreparedPromptScoring:
         local_valid: int,
         vocab_size: int,
         device: torch.device | str = "cpu",
+        normalize: bool = True,
     ) -> None:
+        """``normalize`` False: report logits, not logprobs (kernels/scoring/steps.py
+        target_values)."""
         if not 0 <= local_valid <= width:
             raise ValueError(f"local_valid {local_valid} outside [0, {width}]")
         self.width = width
         self.vocab_start = vocab_start
         self.local_valid = local_valid
+        self.normalize = normalize
         rows = PROMPT_BLOCK_ROWS
         self.shard_starts = agreed_shard_starts(group, vocab_start, local_valid, vocab_size,
                                                 rows)
@@ -54,7 +58,7 @@ class PreparedPromptScoring:
         send1, send2 = self.exchange1.send[:n], self.exchange2.send[:n]
         stats = score_stats(logits, targets, self.vocab_start, self.local_valid, send1)
         e1_all = self.exchange1.gather(rows=n)
-        lse, value = target_values(e1_all, targets, self.shard_starts)
+        lse, value = target_values(e1_all, targets, self.shard_starts, self.normalize)
         score_candidates(logits, stats, lse, value, self.vocab_start, self.local_valid, send2)
         e2_all = self.exchange2.gather(rows=n)
         return score_merge(e2_all, targets, value, out)

@@ -97,11 +97,15 @@ def _lean(logits: torch.Tensor) -> bool:
 
 
 def target_values(
-    e1_all: torch.Tensor, targets: torch.Tensor, shard_starts: list[int]
+    e1_all: torch.Tensor, targets: torch.Tensor, shard_starts: list[int], normalize: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(lse, v) FP32 [n]: the global normalization and each target's reported value (NaN for
-    an invalid target), identical on every rank."""
+    an invalid target), identical on every rank. ``normalize`` False (--logprobs-mode
+    *_logits): a normalization of exactly 0 where the row has one (NaN stays NaN), so every
+    reported value is the logit itself."""
     lse = global_lse(e1_all)
+    if not normalize:
+        lse = torch.where(torch.isfinite(lse), torch.zeros_like(lse), lse)
     t = targets.to(torch.int64)
     world = e1_all.shape[0]
     bounds = torch.tensor(shard_starts[1:world], dtype=torch.int64, device=t.device)

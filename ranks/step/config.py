@@ -44,9 +44,6 @@ class StepConfig:
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got "
                              f"{self.logprobs_mode!r}")
-        if self.prompt_logprobs and self.logprobs_mode.endswith("_logits"):
-            raise ValueError(f"prompt scoring reports logprobs; vLLM's prompt logits under "
-                             f"{self.logprobs_mode!r} are not served")
         if self.compile and self.logprobs_mode.endswith("_logits"):
             raise ValueError(f"compile serves the *_logprobs modes only, got "
                              f"{self.logprobs_mode!r}")

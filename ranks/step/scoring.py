@@ -71,7 +71,10 @@ class ScoredFrames:
 
 
 class PromptScorer:
-    def __init__(self, model, group: object, chunk_limit: int, device: torch.device) -> None:
+    def __init__(self, model, group: object, chunk_limit: int, device: torch.device,
+                 normalize: bool = True) -> None:
+        """``normalize`` False (--logprobs-mode raw_logits or processed_logits): prompt rows
+        report the raw logits, as vLLM's prompt positions do under those modes."""
         self.model = model
         self.ladder = tuple(
             ScoredFrames.allocate(c, device) for c in scored_capacities(chunk_limit)
@@ -81,7 +84,7 @@ class PromptScorer:
         """The one [64, local_vocabulary] logit matrix, reused by every row block."""
         self.scoring = PreparedPromptScoring(
             group, model.local_width, model.vocab_start, model.local_valid, model.vocab_size,
-            device,
+            device, normalize,
         )
         self.last: tuple[int, int] | None = None
         """(capacity, rows) of the last scored chunk, for the coordinator's copy."""

@@ -2,7 +2,9 @@
 321, leaves TP2 a padded lane) with processed_logprobs, and one with processed_logits,
 against transformers' logits of the same checkpoint with vLLM's processors applied in its
 order (tests/sampler_oracle.py: penalties, temperature, min-p, top-k, top-p) and renormalized
-in float64. A masked-out alternative is sent as -9999.0; a refused mode is one
+in float64; raw_logits at TP2 with prompt scoring reports transformers' logits at generated
+and prompt positions (vLLM: prompt positions follow logits vs logprobs only). A masked-out
+alternative is sent as -9999.0; a refused mode is one
 ``helios: error:`` line and exit status 2."""
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ pytestmark = pytest.mark.slow
 PROMPT = [5, 77, 130, 42, 9, 250, 18, 77]
 COMMON = ["--capacity", "4", "--generation-config", "vllm"]
 SERVERS = {"p1": ("processed_logprobs", 1), "p2": ("processed_logprobs", 2),
-           "l1": ("processed_logits", 1)}
+           "l1": ("processed_logits", 1), "r2": ("raw_logits", 2)}
+EXTRA = {"r2": ["--prompt-logprobs"]}
 SAMPLING = {
     "filtered": dict(temperature=0.8, top_k=6, top_p=0.95, repetition_penalty=1.3, seed=11),
     "min_p": dict(temperature=1.5, min_p=0.2, frequency_penalty=0.4, seed=5),
@@ -48,8 +51,8 @@ WIRE_FLOOR = -9999.0
 def servers(tmp_path_factory):
     root = tmp_path_factory.mktemp("logprobs-mode")
     model = write_model(root / "model", "byte_level")
-    started = {name: launch(f"mode_{name}", model, tp, [*COMMON, "--logprobs-mode", mode],
-                            root)
+    started = {name: launch(f"mode_{name}", model, tp,
+                            [*COMMON, "--logprobs-mode", mode, *EXTRA.get(name, [])], root)
                for name, (mode, tp) in SERVERS.items() if missing_gpus(tp) is None}
     try:
         yield started
@@ -76,12 +79,17 @@ def complete(server, sampling: dict) -> tuple[list[int], list[float], list[dict[
     return ids, logprobs["token_logprobs"], tops
 
 
+def hf_logits(model_dir, ids: list[int]) -> torch.Tensor:
+    """transformers' FP32 logits: row i predicts ids[i + 1]."""
+    model = _hf_model(str(model_dir))
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
 def processed_rows(model_dir, generated: list[int], sampling: dict) -> list[torch.Tensor]:
     """The oracle: transformers' FP32 logits of each generated position through vLLM's
     processors (float32, dropped ids -inf)."""
-    model = _hf_model(str(model_dir))
-    with torch.no_grad():
-        logits = model(torch.tensor([PROMPT + generated])).logits[0].float()
+    logits = hf_logits(model_dir, PROMPT + generated)
     params = {k: v for k, v in sampling.items() if k != "seed"}
     rows = []
     for j in range(len(generated)):
@@ -129,6 +137,32 @@ def test_processed_logprobs_at_tp2_equal_tp1(servers, case: str):
 @pytest.mark.parametrize("case", sorted(SAMPLING))
 def test_processed_logits(servers, case: str):
     check_processed(ready(servers, "l1"), SAMPLING[case], normalized=False)
+
+
+def test_raw_logits_at_generated_and_prompt_positions(servers):
+    server = ready(servers, "r2")
+    body = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "logprobs": TOP, "prompt_logprobs": 3,
+            "ignore_eos": True, "return_tokens_as_token_ids": True,
+            **SAMPLING["filtered"]}
+    response = post(server, "/v1/completions", body)
+    assert response.status_code == 200, response.text
+    choice = strict_json(response.content)["choices"][0]
+    ids = [token_id_of(t) for t in choice["logprobs"]["tokens"]]
+    logits = hf_logits(server.model_dir, PROMPT + ids)
+    for j, (token, value, top) in enumerate(zip(ids, choice["logprobs"]["token_logprobs"],
+                                                choice["logprobs"]["top_logprobs"],
+                                                strict=True)):
+        row = logits[len(PROMPT) - 1 + j]
+        assert abs(value - float(row[token])) <= TOLERANCE
+        best = row.topk(TOP).indices.tolist()
+        assert {token_id_of(k) for k in top} - {token} <= set(best)
+    prompt = choice["prompt_logprobs"]
+    assert prompt[0] is None and len(prompt) == len(PROMPT)
+    for position in range(1, len(PROMPT)):
+        row = logits[position - 1]
+        for key, entry in prompt[position].items():
+            assert abs(entry["logprob"] - float(row[int(key)])) <= TOLERANCE, (position, key)
+            assert entry["rank"] == int((row > row[int(key)]).sum()) + 1
 
 
 def test_an_unknown_mode_is_refused_at_start_up():

@@ -491,8 +491,10 @@ def test_sharded_exchange_word_layouts():
     out, lse, e1_all, e2_all = check_sharded(logits, starts, width, chosen, token_ids,
                                              requested, 20, prepared=prepared)
     neg_inf = int(float_bits(torch.tensor([-INF]))[0])
-    # Exchange 1: the empty shard reports (-inf, 0); others (max, mass) bits.
-    assert e1_all[0, :2].tolist() == [[neg_inf, 0], [neg_inf, 0]]
+    # Exchange 1: the empty shard reports (-inf, 0); others (max, mass) bits. Word 2 (the
+    # entropy term, kernels/entropy.py) is never written by the statistics launches.
+    assert e1_all[0, :2, :2].tolist() == [[neg_inf, 0], [neg_inf, 0]]
+    assert (e1_all[:, :, 2] == 77).all()
     for r in (1, 2):
         part = logits[:2, starts[r] : starts[r + 1]]
         m = part.max(dim=1).values

@@ -67,5 +67,36 @@ def test_step_config_checks_the_mode():
     assert config.processed and not config.normalized
     with pytest.raises(ValueError, match="logprobs_mode must be one of"):
         StepConfig(4, 64, logprobs_mode="processed")
-    with pytest.raises(ValueError, match="prompt scoring"):
-        StepConfig(4, 64, prompt_logprobs=True, logprobs_mode="raw_logits")
+    with pytest.raises(ValueError, match="compile serves"):
+        StepConfig(4, 64, compile=True, logprobs_mode="raw_logits")
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_prompt_rows_report_logits_under_the_logits_modes(normalize: bool):
+    """Prompt scoring follows vLLM: logits under *_logits, logprobs otherwise (no processor:
+    prompt positions are never sampled)."""
+    from helios_logprobs.kernels.layout import PROMPT_K, PROMPT_ROW_WORDS
+    from helios_logprobs.kernels.scoring.driver import PreparedPromptScoring
+
+    x, _, _, _ = scenario()
+    x = x[:6].contiguous()
+    targets = torch.tensor([3, 150, 300, 0, -1, 151], dtype=torch.int32)
+    scoring = PreparedPromptScoring(None, VOCAB, 0, VOCAB, VOCAB, normalize=normalize)
+    out = scoring(x, targets, torch.zeros(6, PROMPT_ROW_WORDS, dtype=torch.int32))
+    want = x.to(torch.float64)
+    if normalize:
+        want = want - torch.logsumexp(want, 1, keepdim=True)
+    for r, t in enumerate(targets.tolist()):
+        if t < 0:
+            assert int(out[r, 0]) == -1
+            continue
+        value = float(out[r, 1:2].view(torch.float32))
+        if normalize:
+            assert abs(value - float(want[r, t])) < 1e-5
+        else:
+            assert value == float(x[r, t])  # bit for bit
+        assert int(out[r, 2]) == int((x[r] > x[r, t]).sum()) + 1
+        ids = out[r, 3::2][:PROMPT_K].tolist()
+        assert ids == sorted(range(VOCAB), key=lambda j: (-float(x[r, j]), j))[:PROMPT_K]
+        if not normalize:
+            assert torch.equal(out[r, 4::2][:PROMPT_K].view(torch.float32), x[r, ids])
