@@ -160,7 +160,7 @@ class Engine:
         return [list(sink.events) for sink in sinks]
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, sink) -> Request:
-        """Queue a request whose events go to ``sink`` (any object with Sink's put/put_all):
+        """Queue a request whose events go to ``sink`` (any object with Sink's put/put_rows):
         the engine core's endpoint; raises RequestError or EngineError."""
         return self._submit(prompt_ids, params, sink)
 
@@ -331,14 +331,15 @@ class Engine:
         upload = self.step.upload
         host = self.executor.copy(plan.submission, list(upload.requesting_slots),
                                   upload.copy_width)
-        outcomes = read_frame(host, sampling, self.info.vocab_size)
+        frame, outcomes = read_frame(host, sampling, self.info.vocab_size)
+        token_ids = frame.token_ids.tolist()
         for request in sampling:
             outcome = outcomes[request.ordinal]
             self.speculation.add(request.proposals, outcome)
-            tokens = outcome.tokens
-            queued = request.sink.put_all(tokens)
-            request.generated.extend(token.token_id for token in tokens[:queued])
-            if queued < len(tokens):
+            start, stop = outcome.start, outcome.stop
+            queued = request.sink.put_rows(frame, start, stop) if stop > start else 0
+            request.generated.extend(token_ids[start:start + queued])
+            if queued < stop - start:
                 outcome.error = (
                     f"client too slow: more than {self.max_pending_events} undelivered events"
                 )
@@ -359,7 +360,7 @@ class Engine:
             self.scheduler.finish(request)
             request.sink.put(error)
             return
-        if not request.sink.put(PromptScores(entries)):
+        if not request.sink.put_prompt(entries):
             self.scheduler.finish(request)
             request.sink.put(EngineError("client too slow: undelivered prompt scores"))
             return

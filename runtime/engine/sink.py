@@ -8,7 +8,9 @@ from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from helios_logprobs.runtime.outputs import EngineError, Finished
+from helios_logprobs.runtime.engine.frame_tokens import FrameTokens
+from helios_logprobs.runtime.engine.prompt_reader import PromptArrays
+from helios_logprobs.runtime.outputs import EngineError, Finished, PromptScores
 
 
 class Wakeups(threading.local):
@@ -90,6 +92,14 @@ class Sink:
         if wake:
             WAKEUPS.wake(self)
         return queued
+
+    def put_rows(self, frame: FrameTokens, start: int, stop: int) -> int:
+        """Queue a frame's token rows ``start:stop`` as GeneratedToken events (put_all)."""
+        return self.put_all(frame.tokens(start, stop))
+
+    def put_prompt(self, scores: PromptArrays) -> bool:
+        """Queue a scored chunk's entries as one PromptScores event (put)."""
+        return self.put(PromptScores(scores.entries()))
 
     def _wake(self) -> None:
         with self.lock:

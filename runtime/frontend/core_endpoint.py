@@ -17,6 +17,8 @@ import numpy as np
 from helios_logprobs.collectives.codec import CodecError, decode, encode
 from helios_logprobs.ranks.contract.requests import RequestError
 from helios_logprobs.runtime.engine.engine import Engine
+from helios_logprobs.runtime.engine.frame_tokens import FrameTokens
+from helios_logprobs.runtime.engine.prompt_reader import PromptArrays
 from helios_logprobs.runtime.engine.weight_update import WeightControl
 from helios_logprobs.runtime.frontend.messages import (
     Abort,
@@ -82,6 +84,15 @@ class RemoteSink:
     def put_all(self, events) -> int:
         return self.endpoint.collect(self.server, self.request_id, events)
 
+    def put_rows(self, frame: FrameTokens, start: int, stop: int) -> int:
+        self.endpoint.collect_rows(self.server, self.request_id, frame, start, stop)
+        return stop - start
+
+    def put_prompt(self, scores: PromptArrays) -> bool:
+        with self.endpoint.lock:
+            self.endpoint.packers[self.server].add_prompt(self.request_id, scores)
+        return True
+
 
 class CoreEndpoint:
     def __init__(self, engine: Engine, sockets, count: int, frame_bytes: dict | None) -> None:
@@ -116,6 +127,11 @@ class CoreEndpoint:
                 if isinstance(event, (Finished, EngineError)):
                     self.requests.pop((server, request_id), None)
         return len(events)
+
+    def collect_rows(self, server: int, request_id: int, frame: FrameTokens, start: int,
+                     stop: int) -> None:
+        with self.lock:
+            self.packers[server].add_rows(request_id, frame, start, stop)
 
     def flush(self) -> None:
         """Send every API server its events since the last flush, with the core's gauges."""

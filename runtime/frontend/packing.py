@@ -8,116 +8,104 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from helios_logprobs.runtime.engine.frame_tokens import LAST_CODES, FrameTokens, TokenColumns
+from helios_logprobs.runtime.engine.prompt_reader import PromptArrays
 from helios_logprobs.runtime.frontend.messages import CoreStats, Ended, PromptRows, StepOutputs
 from helios_logprobs.runtime.outputs import (
     EngineError,
     Finished,
     GeneratedToken,
-    PromptLogprob,
     PromptScores,
-    TokenLogprob,
     TokenLogprobs,
 )
 
-_LAST = {None: -1, False: 0, True: 1}
-_LAST_OF = (False, True, None)  # indexed by the int8 value (-1 -> None)
 Event = PromptScores | GeneratedToken | Finished | EngineError
 
 
-def _alternatives(alternatives) -> TokenLogprobs:
-    return TokenLogprobs.of(alternatives)
-
-
 class StepPacker:
-    """One API server's events since the last ``take``, kept as flat lists."""
+    """One API server's outputs since the last ``take``: token rows as (frame, row range)
+    references until ``take`` gathers them, prompt rows and ends."""
 
     def __init__(self) -> None:
         self._reset()
 
     def _reset(self) -> None:
-        self.request_ids: list[int] = []
-        self.indexes: list[int] = []
-        self.token_ids: list[int] = []
-        self.values: list[float] = []
-        self.last: list[int] = []
-        self.alt_counts: list[int] = []
-        self.alt_ids: list[int] = []
-        self.alt_values: list[float] = []
+        self._frame: FrameTokens | None = None
+        self._request_ids: list[int] = []
+        self._starts: list[int] = []
+        self._stops: list[int] = []
+        self._contiguous = True
+        """The rows since the frame began are one run (an API server that takes every request
+        of the frame in order: no gather)."""
+        self._chunks: list[tuple[np.ndarray, TokenColumns]] = []
         self.prompts: list[PromptRows] = []
         self.ends: list[Ended] = []
 
     def __bool__(self) -> bool:
-        return bool(self.request_ids or self.prompts or self.ends)
+        return bool(self._request_ids or self._chunks or self.prompts or self.ends)
 
-    def add(self, request_id: int, event: Event) -> None:
-        if isinstance(event, GeneratedToken):
-            self.request_ids.append(request_id)
-            self.indexes.append(event.index)
-            self.token_ids.append(event.token_id)
-            self.values.append(np.nan if event.logprob is None else event.logprob)
-            self.last.append(_LAST[event.last])
-            alternatives = _alternatives(event.alternatives)
-            self.alt_counts.append(len(alternatives))
-            self.alt_ids.extend(alternatives.ids)
-            self.alt_values.extend(alternatives.values)
-        elif isinstance(event, Finished):
+    def add_rows(self, request_id: int, frame: FrameTokens, start: int, stop: int) -> None:
+        """A request's token rows ``start:stop`` of ``frame`` (kept by reference)."""
+        if frame is not self._frame:
+            self._close_frame()
+            self._frame = frame
+        elif self._stops[-1] != start:
+            self._contiguous = False
+        self._request_ids.append(request_id)
+        self._starts.append(start)
+        self._stops.append(stop)
+
+    def add_prompt(self, request_id: int, scores: PromptArrays) -> None:
+        self.prompts.append(PromptRows(request_id, *scores))
+
+    def add(self, request_id: int, event: Finished | EngineError) -> None:
+        if isinstance(event, Finished):
             entry = None
             if event.entry is not None:
                 e = event.entry
-                alternatives = _alternatives(e.alternatives)
+                alternatives = TokenLogprobs.of(e.alternatives)
                 entry = (e.index, e.token_id, e.logprob, tuple(alternatives.ids),
-                         tuple(alternatives.values), _LAST[e.last])
+                         tuple(alternatives.values), LAST_CODES[e.last])
             self.ends.append(Ended(request_id, event.reason, event.stop_token_id, entry))
         elif isinstance(event, EngineError):
             self.ends.append(Ended(request_id, "", error=str(event)))
-        elif isinstance(event, PromptScores):
-            self.prompts.append(_prompt_rows(request_id, event))
         else:
             raise TypeError(f"not an engine event: {type(event).__name__}")
 
+    def _close_frame(self) -> None:
+        if self._request_ids:
+            lengths = np.subtract(self._stops, self._starts)
+            request_ids = np.repeat(np.array(self._request_ids, dtype=np.int64), lengths)
+            columns = (self._frame.rows(self._starts[0], self._stops[-1]) if self._contiguous
+                       else self._frame.select(self._starts, self._stops))
+            self._chunks.append((request_ids, columns))
+            self._request_ids, self._starts, self._stops = [], [], []
+        self._frame = None
+        self._contiguous = True
+
     def take(self, stats: CoreStats) -> StepOutputs:
-        out = StepOutputs(
-            np.array(self.request_ids, dtype=np.int64), np.array(self.indexes, dtype=np.int32),
-            np.array(self.token_ids, dtype=np.int32), np.array(self.values, dtype=np.float32),
-            np.array(self.last, dtype=np.int8), np.array(self.alt_counts, dtype=np.int32),
-            np.array(self.alt_ids, dtype=np.int32), np.array(self.alt_values, dtype=np.float32),
-            tuple(self.prompts), tuple(self.ends), stats,
-        )
+        self._close_frame()
+        if len(self._chunks) == 1:
+            request_ids, columns = self._chunks[0]
+        elif self._chunks:
+            request_ids = np.concatenate([ids for ids, _ in self._chunks])
+            columns = TokenColumns(*(np.concatenate(parts) for parts in
+                                     zip(*(c for _, c in self._chunks), strict=True)))
+        else:
+            request_ids, columns = np.zeros(0, dtype=np.int64), _NO_TOKENS
+        out = StepOutputs(request_ids, *columns, tuple(self.prompts), tuple(self.ends), stats)
         self._reset()
         return out
 
 
-def _prompt_rows(request_id: int, scores: PromptScores) -> PromptRows:
-    entries = scores.entries
-    ids: list[int] = []
-    values: list[float] = []
-    for entry in entries:
-        alternatives = _alternatives(entry.alternatives)
-        ids.extend(alternatives.ids)
-        values.extend(alternatives.values)
-    return PromptRows(
-        request_id,
-        np.array([e.position for e in entries], dtype=np.int64),
-        np.array([e.token_id for e in entries], dtype=np.int32),
-        np.array([e.logprob for e in entries], dtype=np.float32),
-        np.array([e.rank for e in entries], dtype=np.int64),
-        np.array([len(e.alternatives) for e in entries], dtype=np.int32),
-        np.array(ids, dtype=np.int32), np.array(values, dtype=np.float32),
-    )
+_NO_TOKENS = TokenColumns(
+    np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.float32),
+    np.zeros(0, np.int8), np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.float32))
 
 
 def _unpack_prompt(rows: PromptRows) -> PromptScores:
-    ids, values = rows.alt_ids.tolist(), rows.alt_values.tolist()
-    entries = []
-    start = 0
-    for position, token_id, value, rank, count in zip(
-            rows.positions.tolist(), rows.token_ids.tolist(), rows.values.tolist(),
-            rows.ranks.tolist(), rows.alt_counts.tolist(), strict=True):
-        alternatives = tuple(map(TokenLogprob, ids[start:start + count],
-                                 values[start:start + count]))
-        start += count
-        entries.append(PromptLogprob(position, token_id, value, rank, alternatives))
-    return PromptScores(tuple(entries))
+    return PromptScores(PromptArrays(rows.positions, rows.token_ids, rows.values, rows.ranks,
+                                     rows.alt_counts, rows.alt_ids, rows.alt_values).entries())
 
 
 def unpack(outputs: StepOutputs) -> Iterator[tuple[int, Event]]:
@@ -125,17 +113,9 @@ def unpack(outputs: StepOutputs) -> Iterator[tuple[int, Event]]:
     then tokens, then its end."""
     for rows in outputs.prompts:
         yield rows.request_id, _unpack_prompt(rows)
-    ids, values = outputs.alt_ids.tolist(), outputs.alt_values.tolist()
-    start = 0
-    for request_id, index, token_id, value, last, count in zip(
-            outputs.request_ids.tolist(), outputs.indexes.tolist(),
-            outputs.token_ids.tolist(), outputs.values.tolist(), outputs.last.tolist(),
-            outputs.alt_counts.tolist(), strict=True):
-        end = start + count
-        alternatives = TokenLogprobs(ids[start:end], values[start:end])
-        start = end
-        logprob = None if value != value else value  # NaN: no logprob
-        yield request_id, GeneratedToken(index, token_id, logprob, alternatives, _LAST_OF[last])
+    tokens = TokenColumns(outputs.indexes, outputs.token_ids, outputs.values, outputs.last,
+                          outputs.alt_counts, outputs.alt_ids, outputs.alt_values).tokens()
+    yield from zip(outputs.request_ids.tolist(), tokens, strict=True)
     for ended in outputs.ends:
         yield ended.request_id, _unpack_end(ended)
 
@@ -147,5 +127,6 @@ def _unpack_end(ended: Ended) -> Finished | EngineError:
     if ended.entry is not None:
         index, token_id, logprob, alt_ids, alt_values, last = ended.entry
         entry = GeneratedToken(index, token_id, logprob,
-                               TokenLogprobs(list(alt_ids), list(alt_values)), _LAST_OF[last])
+                               TokenLogprobs(list(alt_ids), list(alt_values)),
+                               None if last < 0 else bool(last))
     return Finished(ended.reason, ended.stop_token_id, entry)

@@ -76,3 +76,14 @@ class SlotDecode(NamedTuple):
     @property
     def ok(self) -> bool:
         return self.error is None
+
+
+class LaneRows(NamedTuple):
+    """One requesting slot's rows of a FrameDecode: ``start:stop`` in emitted order, the
+    entries ``start:good`` (good < stop: the row ``good`` fails, ``error`` names it; a record
+    that fails its checks has no rows and its error)."""
+
+    start: int
+    stop: int
+    good: int
+    error: DecodeError | None = None

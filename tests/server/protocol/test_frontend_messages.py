@@ -1,4 +1,5 @@
-"""The engine core <-> API server messages: every engine event survives StepPacker ->
+"""The engine core <-> API server messages: every engine event, packed as the core packs it
+(token rows of one or more frames' arrays, prompt score arrays), survives StepPacker ->
 collectives.codec -> unpack unchanged (FP32 values bit for bit, -inf, forced tokens without a
 logprob, every `last` state, a finish's scored stop entry, errors, prompt scores), every
 message type round-trips, and malformed bytes are refused."""
@@ -14,6 +15,8 @@ import pytest
 
 from helios_logprobs.collectives.codec import CodecError, decode, encode
 from helios_logprobs.runtime.engine.client import EngineInfo, SamplingParams
+from helios_logprobs.runtime.engine.frame_tokens import FrameTokens
+from helios_logprobs.runtime.engine.prompt_reader import PromptArrays
 from helios_logprobs.runtime.frontend.messages import (
     Abort,
     CoreStats,
@@ -89,12 +92,43 @@ def same(a, b) -> bool:
     return a == b
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_a_steps_events_survive_the_wire(seed):
-    events = random_events(np.random.default_rng(seed))
+def pack(events: list[tuple[int, object]], frames: int = 2) -> StepPacker:
+    """The engine's way: each request's tokens as a row range of one frame's arrays (requests
+    spread over ``frames`` frames, in reverse order of their rows), the rest as events."""
     packer = StepPacker()
+    requests = list(dict.fromkeys(r for r, _ in events))
+    for part in range(frames):
+        mine = requests[part::frames]
+        tokens = [(r, e) for r, e in events if r in mine and isinstance(e, GeneratedToken)]
+        frame = FrameTokens.of([e for _, e in tokens])
+        for request_id in reversed(mine):
+            rows = [i for i, (r, _) in enumerate(tokens) if r == request_id]
+            packer.add_rows(request_id, frame, rows[0], rows[-1] + 1)
     for request_id, event in events:
-        packer.add(request_id, event)
+        if isinstance(event, PromptScores):
+            packer.add_prompt(request_id, prompt_arrays(event))
+        elif not isinstance(event, GeneratedToken):
+            packer.add(request_id, event)
+    return packer
+
+
+def prompt_arrays(scores: PromptScores) -> PromptArrays:
+    entries = scores.entries
+    alternatives = [a for e in entries for a in e.alternatives]
+    return PromptArrays(
+        np.array([e.position for e in entries], dtype=np.int64),
+        np.array([e.token_id for e in entries], dtype=np.int32),
+        np.array([e.logprob for e in entries], dtype=np.float32),
+        np.array([e.rank for e in entries], dtype=np.int64),
+        np.array([len(e.alternatives) for e in entries], dtype=np.int32),
+        np.array([a.token_id for a in alternatives], dtype=np.int32),
+        np.array([a.logprob for a in alternatives], dtype=np.float32))
+
+
+@pytest.mark.parametrize(("seed", "frames"), [(0, 1), (1, 2), (2, 3)])
+def test_a_steps_events_survive_the_wire(seed, frames):
+    events = random_events(np.random.default_rng(seed))
+    packer = pack(events, frames)
     message = decode(encode(packer.take(STATS)))
     assert isinstance(message, StepOutputs) and message.stats == STATS
     got = list(unpack(message))
@@ -107,8 +141,8 @@ def test_a_steps_events_survive_the_wire(seed):
 
 
 def test_the_values_cross_as_fp32_arrays_not_objects():
-    packer = StepPacker()
-    packer.add(1, GeneratedToken(0, 5, fp32(-1.5), TokenLogprobs([5, 6], [fp32(-1.5), -2.0])))
+    packer = pack([(1, GeneratedToken(0, 5, fp32(-1.5),
+                                      TokenLogprobs([5, 6], [fp32(-1.5), -2.0])))])
     out = packer.take(STATS)
     assert out.values.dtype == np.float32 and out.alt_values.dtype == np.float32
     assert out.alt_ids.dtype == np.int32 and out.alt_counts.tolist() == [2]
@@ -142,9 +176,7 @@ def test_malformed_messages_are_refused():
     object.__setattr__(bad, "index", -1)
     with pytest.raises(CodecError, match="index"):  # a field the message's check refuses
         decode(encode(bad))
-    packer = StepPacker()
-    packer.add(1, GeneratedToken(0, 5, -1.0, TokenLogprobs([5], [-1.0])))
-    out = packer.take(STATS)
+    out = pack([(1, GeneratedToken(0, 5, -1.0, TokenLogprobs([5], [-1.0])))]).take(STATS)
     with pytest.raises(ValueError):  # counts that do not add up
         StepOutputs(out.request_ids, out.indexes, out.token_ids, out.values, out.last,
                     out.alt_counts + 1, out.alt_ids, out.alt_values, (), (), STATS)

@@ -19,6 +19,7 @@ import pytest
 from helios_logprobs.collectives.codec import decode, encode
 from helios_logprobs.collectives.frontend import CoreSockets, ServerSockets
 from helios_logprobs.runtime.engine.client import EngineInfo, SamplingParams
+from helios_logprobs.runtime.engine.frame_tokens import FrameTokens
 from helios_logprobs.runtime.frontend.messages import (
     Abort,
     CoreStats,
@@ -53,7 +54,8 @@ def link(tmp_path):
 
 def step(request_id: int, index: int) -> bytes:
     packer = StepPacker()
-    packer.add(request_id, GeneratedToken(index, 7, -0.5, TokenLogprobs([7], [-0.5])))
+    frame = FrameTokens.of([GeneratedToken(index, 7, -0.5, TokenLogprobs([7], [-0.5]))])
+    packer.add_rows(request_id, frame, 0, 1)
     out = encode(packer.take(STATS))
     assert not packer  # the core keeps nothing of a step once it is taken
     return out
