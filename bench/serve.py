@@ -16,7 +16,7 @@ high: rerun then.
 
     python -m bench.serve [--large-vocab] [--requests 256] [--max-tokens 32] [--stream] [--chat]
         [--repeat 3] [--concurrency 16 --capacity 16] [--serve-arg=--api-server-count=2]
-        [--baseline-root /tmp/old] [--baseline-arg ...] [--modes none,0,20]
+        [--root /tmp/new] [--baseline-root /tmp/old] [--baseline-arg ...] [--modes none,0,20]
 
 With --baseline-root (a `git worktree` of another commit) or --baseline-arg, a second server
 runs the same modes in every round, interleaved with the first; the last table gives each
@@ -155,6 +155,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
                         help="one more launch.serve argument, e.g. "
                              "--serve-arg=--api-server-count=2")
+    parser.add_argument("--root", type=Path, default=None,
+                        help="run the server from this checkout (a `git worktree` of a "
+                             "commit) instead of this one")
     parser.add_argument("--baseline-root", type=Path, default=None,
                         help="also run a second server from this checkout (a `git worktree` of "
                              "an older commit), interleaved with the first in every round")
@@ -171,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.url is not None:
             servers["server"] = args.url
         else:
-            proc, servers["server"] = start_server(args, args.serve_arg)
+            proc, servers["server"] = start_server(args, args.serve_arg, args.root)
             procs.append(proc)
         if args.baseline_root is not None or args.baseline_arg:
             proc, servers["baseline"] = start_server(args, args.baseline_arg, args.baseline_root)
@@ -196,7 +199,8 @@ def main(argv: list[str] | None = None) -> None:
           f"max_tokens={args.max_tokens}, median of {args.repeat}")
     for label in servers:
         extra = args.serve_arg if label == "server" else args.baseline_arg
-        where = args.baseline_root if label == "baseline" and args.baseline_root else ROOT
+        where = (args.baseline_root if label == "baseline" and args.baseline_root
+                 else args.root or ROOT)
         print(f"{label}: {where} {' '.join(extra)}")
         print_modes({name: runs[label, name] for name, _ in modes})
     if len(servers) == 2:
