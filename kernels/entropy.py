@@ -43,12 +43,13 @@ def shard_terms(
     mass = torch.zeros(rows.numel(), dtype=torch.float32, device=logits.device)
     terms = torch.zeros_like(mass)
     for t0 in range(0, local_valid, TILE_LANES):
-        tile = logits[rows, t0 : min(t0 + TILE_LANES, local_valid)].to(torch.float32)
-        d = tile - shift
+        # (advanced indexing copies the tile: the in-place steps never touch the logits)
+        d = logits[rows, t0 : min(t0 + TILE_LANES, local_valid)].to(torch.float32)
+        d.sub_(shift)
         w = torch.exp(d)
-        live = w > 0  # False for -inf lanes: they add exactly 0
-        mass += torch.where(live, w, 0.0).sum(1)
-        terms += torch.where(live, w * d, 0.0).sum(1)
+        mass += w.sum(1)
+        # A -inf lane has w = 0 and w x d = NaN: it adds exactly 0.
+        terms += w.mul_(d).nan_to_num_(nan=0.0, neginf=0.0).sum(1)
     bad = ~torch.isfinite(big) & (big != NEG_INF)
     return mass, torch.where(bad, torch.full_like(terms, float("nan")), terms)
 
