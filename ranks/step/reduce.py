@@ -165,8 +165,10 @@ class StepReduction:
                                            dtype=torch.int64, device=self.rows.device)
             slots, epochs, positions = row_tensors
             self.gate(frame, slots, epochs, positions)
-        self.driver(self.logits, self.request, self.out,
-                    entropy_out=self.entropy if entropy else None)
+        if entropy:
+            self.driver(self.logits, self.request, self.out, entropy_out=self.entropy)
+        else:
+            self.driver(self.logits, self.request, self.out)
         self.write(frame, slots[:rows], positions[:rows])
         if entropy:
             self.write_entropy(frame, slots[:rows], positions[:rows])

@@ -37,9 +37,10 @@ def qwen2(tmp_path_factory):
     return write_qwen2(tmp_path_factory.mktemp("qwen2"))
 
 
-def serve(model_dir, mode: str, n: int):
+def serve(model_dir, mode: str, n: int, compile: bool = False):
     config = RuntimeConfig(model_dir=model_dir, capacity=4, max_model_len=96,
-                           speculative_tokens=n, ngram_min=1, ngram_max=3, logprobs_mode=mode)
+                           speculative_tokens=n, ngram_min=1, ngram_max=3, logprobs_mode=mode,
+                           compile=compile)
     engine = build_engine(config, load_rank(config, None))
     results = [[e for e in events if isinstance(e, GeneratedToken)]
                for events in engine.run_offline(JOBS)]
@@ -113,3 +114,55 @@ def test_raw_engine_samples_the_same_tokens_and_reports_raw_entries(runs, qwen2)
     assert check(qwen2, raw, processed=False) == 0
     for a, b in zip(base, raw, strict=True):
         assert [t.token_id for t in a] == [t.token_id for t in b]
+
+
+def test_compiled_reduce_phase_reads_the_processed_rows(runs, qwen2):
+    """--compile: the reduce phase's graph reads the same scratch rows (bit-equal entries)."""
+    compiled, _ = serve(qwen2, "processed_logprobs", 0, compile=True)
+    assert compiled == runs[("processed_logprobs", 0)][0]
+
+
+class EntropyRecorder:
+    """The step's StepReduction, called with ``entropy=True``; records each gated row's
+    (slot, position, value written to entropy_frames)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.seen: list[tuple[int, int, float]] = []
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def __call__(self, frame, logits, row_slots, row_epochs, row_positions=None,
+                 row_tensors=None):
+        inner = self.inner
+        inner(frame, logits, row_slots, row_epochs, row_positions, row_tensors, entropy=True)
+        for r in torch.nonzero(inner.requested[: logits.shape[0]]).flatten().tolist():
+            slot, position = row_slots[r], (row_positions or [0] * len(row_slots))[r]
+            written = float(inner.entropy_frames[frame, slot, position])
+            assert written == float(inner.entropy[r])
+            self.seen.append((slot, position, written))
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
+def test_step_reduction_writes_the_reported_distributions_entropy(qwen2, mode: str):
+    from tests.entropy_cases import reference_entropy
+
+    config = RuntimeConfig(model_dir=qwen2, capacity=4, max_model_len=96, logprobs_mode=mode)
+    engine = build_engine(config, load_rank(config, None))
+    recorder = engine.step.reduction = EntropyRecorder(engine.step.reduction)
+    prompt, params = JOBS[2]
+    tokens = [e for e in engine.run_offline([(prompt, params)])[0]
+              if isinstance(e, GeneratedToken)]
+    ids = [t.token_id for t in tokens]
+    assert [p for _, p, _ in recorder.seen] == [0] * len(ids)
+    with torch.no_grad():
+        logits = _hf_model(str(qwen2))(torch.tensor([prompt + ids])).logits[0].float()
+    for j, (_, _, got) in enumerate(recorder.seen):
+        x = logits[len(prompt) - 1 + j]
+        if mode == "processed_logprobs":
+            row = RowSampling(seed=params.seed, position=j, temperature=params.temperature,
+                              top_p=params.top_p, min_p=params.min_p,
+                              frequency_penalty=params.frequency_penalty)
+            x = oracle.final(x, row, prompt, ids[:j])
+        assert abs(got - float(reference_entropy(x))) <= TOLERANCE, (j, got)
