@@ -63,13 +63,23 @@ class GrammarState:
         masks = [self._fill()]
         taken = 0
         for token in proposals:
-            if token in self.stop_token_ids or not self.matcher.accept_token(token):
+            # (the row just filled says whether the grammar takes the proposal: no matcher
+            # call, and no xgrammar warning, for the many proposals it rejects)
+            if token in self.stop_token_ids or not self._allows(token):
+                break
+            if not self.matcher.accept_token(token):
                 break
             taken += 1
             masks.append(self._fill())
         if taken:
             self.matcher.rollback(taken)
         return tuple(proposals[:taken]), tuple(masks)
+
+    def _allows(self, token: int) -> bool:
+        """Whether the last filled row allows ``token``."""
+        if not 0 <= token < self.vocab_size:
+            return False
+        return bool((int(self._bitmask[0, token >> 5]) >> (token & 31)) & 1)
 
     def _fill(self) -> bytes:
         self.matcher.fill_next_token_bitmask(self._bitmask, 0)
