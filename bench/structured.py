@@ -15,9 +15,9 @@ it, and later rows are unconstrained, as in vLLM).
 Mask cost per step (the same vocabulary): on the coordinator, one matcher round (sync one
 committed token, fill one bitmask row: runtime/structured/state.py); on a rank, its shard's
 slice of that row as a lane mask (ranks/grammar_mask.py) plus the -inf fill of one scratch
-row, for the TP1 shard and a TP2 shard. Microseconds, medians. The rows are those of the
-json mode's longest output (with --mask-only, of a seeded random walk through the grammar:
-no forward pass, for a large vocabulary on a slow machine).
+row, for the TP1 shard and a TP2 shard (one torch thread). Microseconds, medians. The rows
+are those of the json mode's longest output (with --mask-only, of a seeded random walk
+through the grammar: no forward pass, for a large vocabulary on a slow machine).
 """
 
 from __future__ import annotations
@@ -100,6 +100,10 @@ def mask_costs(grammars, spec, sample: list[int], repeat: int) -> dict[str, floa
             break
         rows.append(masks[0])
     out = {"coordinator round": statistics.median(rounds) * 1e6}
+    # One torch thread: this thread is not the engine's step thread, whose OpenMP workers
+    # stay warm; a parallel fill here would time the workers' wake-up instead.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     for tp in (1, 2):
         start_id, width, valid = vocab_shard(vocab, tp, 0)
         scratch = torch.zeros(1, valid)
@@ -111,6 +115,7 @@ def mask_costs(grammars, spec, sample: list[int], repeat: int) -> dict[str, floa
                 scratch.masked_fill_(blocked, float("-inf"))
                 times.append(time.perf_counter() - start)
         out[f"rank slice+fill TP{tp}"] = statistics.median(times) * 1e6
+    torch.set_num_threads(threads)
     return out
 
 
