@@ -4,6 +4,7 @@ anything that cannot be constrained."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from helios_logprobs.ranks.contract.requests import RequestError
@@ -97,3 +98,21 @@ def test_one_constraint_per_request():
     error = refused(request_spec, {"type": "json_object"}, {"regex": "a"})
     assert error.param == "structured_outputs"
     assert refused(request_spec, {"type": "json_object"}, None, forced).param == "tool_choice"
+
+
+def test_sampling_params_check_the_spec_and_refuse_a_thinking_budget():
+    from helios_logprobs.collectives.codec import decode, encode
+    from helios_logprobs.runtime.engine.client import SamplingParams
+    from helios_logprobs.runtime.frontend.messages import Submit
+
+    spec = structured_outputs_spec({"choice": ["a", "b"]})
+    params = SamplingParams(max_tokens=4, structured=spec)
+    submit = Submit(0, 1, np.array([1, 2]), params)
+    assert decode(encode(submit)).params == params  # (the API server -> engine core message)
+    with pytest.raises(RequestError) as raised:
+        SamplingParams(max_tokens=4, structured=spec, thinking_token_budget=8)
+    assert raised.value.param == "thinking_token_budget"
+    forced = StructuredSpec("regex", "(ab", source="tools")
+    with pytest.raises(RequestError) as raised:
+        SamplingParams(max_tokens=4, structured=forced)
+    assert raised.value.param == "tools" and "not closed" in raised.value.message
