@@ -27,6 +27,9 @@ class RequestSpec:
     wants_logprobs: bool = False
     """The request reports logprobs: its lane is flagged in every sampling submission."""
     logprob_token_ids: tuple[int, ...] = ()
+    wants_entropy: bool = False
+    """Each sampled position also reports its distribution's entropy (needs the logprob
+    flag: the reduction computes it for flagged lanes; StepPlan.entropy)."""
     scores_prompt: bool = False
     """The prompt is prefilled with scored_prefill chunks (SlotWork.targets)."""
     thinking_budget: int | None = None
@@ -55,6 +58,8 @@ class RequestSpec:
             raise RequestError("logprob_token_ids", f"at most {MAX_TOKEN_IDS} ids")
         if self.logprob_token_ids and not self.wants_logprobs:
             raise RequestError("logprob_token_ids", "requires the logprob flag")
+        if self.wants_entropy and not self.wants_logprobs:
+            raise RequestError("return_entropy", "requires the logprob flag")
         if self.stop_entry and not self.wants_logprobs:
             raise RequestError("logprobs", "a scored stop token requires the logprob flag")
 
@@ -116,6 +121,9 @@ class SlotWork:
 class StepPlan:
     submission: int
     work: tuple[SlotWork, ...]
+    entropy: bool = False
+    """A sampling lane of this submission asks for entropy: the reduction also writes each
+    gated position's entropy (StepReduction.entropy_frames); False: it computes none."""
 
     def __post_init__(self) -> None:
         slots = [w.slot for w in self.work]

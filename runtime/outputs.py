@@ -86,6 +86,9 @@ class GeneratedToken:
     request cannot finish before another token (a later token of the same frame, or a request
     whose only finishes are emitted tokens: no stop token ids, EOS ignored). None: unknown, a
     stop token sampled next would finish it without a token."""
+    entropy: float | None = None
+    """The full-vocabulary entropy of the distribution the logprob was reported from (exact
+    FP32 as a Python float), when the request asked for it (return_entropy); else None."""
 
 
 @dataclass(frozen=True)

@@ -174,12 +174,13 @@ class RankStep:
         # Whether any lane requests is the same on every rank (the same plan and upload).
         if self.reduction is None or not self.upload.requesting_slots or not inputs.rows:
             return
-        if self.graph is not None:
+        entropy = inputs.plan.entropy
+        if self.graph is not None and not entropy:  # (the compiled region has no entropy)
             self.graph(inputs.row_tensors, inputs.frame_index)
             return
         source = logits if self.reduction.reads_raw else self.reduction.logits[: len(logits)]
         self.reduction(inputs.frame, source, inputs.row_slots, inputs.row_epochs,
-                       inputs.row_positions, inputs.row_tensors)
+                       inputs.row_positions, inputs.row_tensors, entropy=entropy)
 
     def score(self, inputs: StepInputs, hidden: torch.Tensor | None) -> None:
         if self.scorer is None:

@@ -56,6 +56,9 @@ class SamplingParams:
     """False opts this request out of speculative rounds (on an engine that runs them). Either
     way the tokens and logprobs are the same for greedy and seeded requests; speculation only
     changes how many tokens one step emits."""
+    return_entropy: bool = False
+    """SGLang's name: each generated position with a logprob also reports the entropy of the
+    distribution it was reported from (GeneratedToken.entropy); needs logprobs."""
     structured: StructuredSpec | None = None
     """The output constraint (response_format, structured_outputs, a forced tool call):
     the sampler masks what the grammar forbids; reported logprobs stay the raw ones."""

@@ -56,7 +56,9 @@ class Engine:
         self.config = config
         self.broadcast = broadcast or (lambda plan: None)
         self.scheduler = Scheduler(config)
-        self.executor = FrameExecutor(step.outputs, step.capabilities.allow_logprobs)
+        self.executor = FrameExecutor(
+            step.outputs, step.capabilities.allow_logprobs,
+            entropy=None if step.reduction is None else step.reduction.entropy_frames)
         self.prompts = PromptReader(step.scorer) if step.scorer is not None else None
         self.speculation = SpeculationCounters()
         self._lock = threading.Condition()
@@ -330,7 +332,7 @@ class Engine:
         sampling = [r for r in carried if r.slot in sampled and not r.done]
         upload = self.step.upload
         host = self.executor.copy(plan.submission, list(upload.requesting_slots),
-                                  upload.copy_width)
+                                  upload.copy_width, entropy=plan.entropy)
         frame, outcomes = read_frame(host, sampling, self.info.vocab_size)
         token_ids = frame.token_ids.tolist()
         for request in sampling:
@@ -413,6 +415,11 @@ def checked_spec(
     check_thinking_budget(params.thinking_token_budget, info.reasoning)
     check_min_tokens(params.min_tokens, params.max_tokens)
     check_token_ids("bad_words", [t for w in params.bad_words for t in w], info.vocab_size)
+    if not isinstance(params.return_entropy, bool):
+        raise RequestError("return_entropy", f"must be a boolean, got {params.return_entropy!r}")
+    if params.return_entropy and not params.wants_logprobs:
+        raise RequestError("return_entropy", "requires logprobs (the entropy is reported "
+                                             "beside each position's logprob)")
     if not isinstance(params.speculative, bool):
         raise RequestError("speculative", f"must be a boolean, got {params.speculative!r}")
     return request_spec(info, ordinal, prompt_ids, params, info.reasoning, server_seed)

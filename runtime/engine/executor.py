@@ -17,6 +17,11 @@ waits on the host there: the HostFrame's first read (the decoder's) waits on the
 event. The events are preallocated (one producing event per device frame, one transfer event
 per pool frame); nothing is allocated per copy. On CPU the frames are numpy copies.
 
+A submission whose plan asks for entropy (StepPlan.entropy) also copies the reduction's FP32
+entropy frame [capacity, T] into the leased frame's own host row (on CUDA on the same copy
+stream, before the transfer event); other copies leave that row alone and the HostFrame's
+``entropy`` is None.
+
 The engine decodes a frame before it runs the next step, so the device frame (rewritten two
 submissions later) is never overwritten while its transfer is in flight.
 """
@@ -40,11 +45,12 @@ class HostFrame:
     to its pool after decoding (a no-op for a frame built outside a pool)."""
 
     __slots__ = ("submission", "frame", "requesting", "width", "lease", "_records",
-                 "_payload", "_transfer")
+                 "_payload", "_transfer", "_entropy")
 
     def __init__(self, submission: int, frame: int, records: np.ndarray, payload: np.ndarray,
                  requesting: tuple[int, ...], width: int, *, lease: FrameLease | None = None,
-                 transfer: torch.cuda.Event | None = None) -> None:
+                 transfer: torch.cuda.Event | None = None,
+                 entropy: np.ndarray | None = None) -> None:
         self.submission = submission
         """The plan whose records and payload this frame holds (the decoder checks them)."""
         self.frame = frame
@@ -57,6 +63,7 @@ class HostFrame:
         self._records = records
         self._payload = payload
         self._transfer = transfer
+        self._entropy = entropy
 
     def _landed(self) -> None:
         if self._transfer is not None:
@@ -76,6 +83,14 @@ class HostFrame:
         self._landed()
         return self._payload
 
+    @property
+    def entropy(self) -> np.ndarray | None:
+        """FP32 [capacity, T]: each reduced position's entropy (meaningful for requesting
+        slots' emitted, unforced positions of entropy requests); None when not copied."""
+        if self._entropy is not None:
+            self._landed()
+        return self._entropy
+
     def release(self) -> None:
         """Return the frame to its pool (after decoding: the arrays are then reused)."""
         if self.lease is not None:
@@ -93,10 +108,12 @@ class ExecutorCounters:
 
 class FrameExecutor:
     def __init__(self, outputs: CompletionOutputs, logprobs: bool = True,
-                 frames: int = FRAMES) -> None:
+                 frames: int = FRAMES, entropy: torch.Tensor | None = None) -> None:
         """``logprobs`` False: the core declares no logprob outputs, so no host payload storage
         exists and no payload transfer can be asked for. ``frames``: the pool's size (one
-        per device frame: a copy can be in flight while the other frame is decoded)."""
+        per device frame: a copy can be in flight while the other frame is decoded).
+        ``entropy``: the reduction's FP32 entropy frames [2, capacity, T] (None: no
+        reduction, so no copy can ask for entropy)."""
         self.outputs = outputs
         records = outputs.completion_records
         payload = outputs.completion_logprobs
@@ -112,6 +129,10 @@ class FrameExecutor:
                                        device=payload.device)
             self.produced = [torch.cuda.Event() for _ in range(records.shape[0])]
             self.transferred = [torch.cuda.Event() for _ in range(frames)]
+        self.entropy_source = entropy
+        self.host_entropy = None if entropy is None else torch.empty(
+            (frames, *entropy.shape[1:]), dtype=torch.float32, pin_memory=pin)
+        """One host entropy frame per pool frame (indexed by the lease)."""
         self.counters = ExecutorCounters()
         self._staging_views: dict[int, torch.Tensor] = {}
         self._host_source = None if pin else (records.numpy(), payload.numpy())
@@ -127,17 +148,22 @@ class FrameExecutor:
         """The pool's payload storage, int32 [frames, capacity, T, words]."""
         return self.pool.payload
 
-    def copy(self, submission: int, requesting: list[int], width: int) -> HostFrame:
+    def copy(self, submission: int, requesting: list[int], width: int,
+             entropy: bool = False) -> HostFrame:
         """Copy submission's frame (``submission % 2``) into a leased pool frame: its records,
         and for ``requesting`` slots the chosen pair plus ``width`` pairs per position (the
-        upload protocol's W). The caller releases the HostFrame after decoding it."""
+        upload protocol's W); with ``entropy`` also the frame's entropy. The caller releases
+        the HostFrame after decoding it."""
         frame = CompletionOutputs.frame_index(submission)
         words = FIRST_PAIR + 2 * width
         if words > self.pool.words:
             raise ValueError(f"width {width}: the host frames hold {self.pool.words} "
                              f"words per position")
+        if entropy and self.entropy_source is None:
+            raise ValueError("entropy: this core has no reduction to compute it")
         lease = self.pool.acquire(submission)
         records, payload, host_payload = self.pool.views(lease.index, words)
+        host_entropy = self.host_entropy[lease.index] if entropy else None
         self.counters.frames += 1
         transfer = None
         if self.stream is not None:
@@ -146,12 +172,17 @@ class FrameExecutor:
             self.stream.wait_event(produced)
             with torch.cuda.stream(self.stream):
                 self._copy_device(frame, requesting, lease.index, payload, words)
+                if host_entropy is not None:
+                    host_entropy.copy_(self.entropy_source[frame], non_blocking=True)
             transfer.record(self.stream)
         else:
             self._copy_host(frame, requesting, records, host_payload, words)
+            if host_entropy is not None:
+                host_entropy.copy_(self.entropy_source[frame])
         self._count(requesting, words, payload.shape[1])
         return HostFrame(submission, frame, records, host_payload, tuple(requesting), width,
-                         lease=lease, transfer=transfer)
+                         lease=lease, transfer=transfer,
+                         entropy=None if host_entropy is None else host_entropy.numpy())
 
     def _count(self, requesting, words: int, tokens: int) -> None:
         self.counters.record_bytes += self.pool.records[0].numel() * 8

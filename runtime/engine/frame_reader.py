@@ -12,7 +12,7 @@ to the consumers as arrays (the engine core's StepPacker; an in-process Sink reb
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -180,6 +180,9 @@ def _read_frame(
             stop_token = record[abi6.HEADER + emitted] if stopped else None
             outcome.finish = Finished(name, stop_token)
     frame = rows.frame(records, decoded)
+    if host.entropy is not None:  # (a plan with an entropy request: StepPlan.entropy)
+        wanted = {r.slot for r in requests if r.spec.wants_entropy}
+        frame = replace(frame, entropy=rows.entropy(host.entropy, frame.values, wanted))
     for outcome, name, row in entries:
         entry = frame.tokens(row, row + 1)[0]
         outcome.finish = Finished(name, entry.token_id, entry)
@@ -230,6 +233,18 @@ class _Rows:
         token sampled next could finish it (every other row is False: more follow)."""
         self.last_rows.append(row)
         self.last_codes.append(LAST_CODES[end])
+
+    def entropy(self, table: np.ndarray, values: np.ndarray, wanted: set[int]) -> np.ndarray:
+        """Each row's entropy from ``table`` [capacity, T] at its (slot, position): NaN for
+        rows of requests that did not ask for it and for rows without a logprob (a forced or
+        failed position, which the reduction did not write)."""
+        counts = np.array(self.counts, dtype=np.int64)
+        slots = np.repeat(np.array(self.slots, dtype=np.int64), counts)
+        positions = np.arange(self.total) - np.repeat(np.cumsum(counts) - counts, counts)
+        out = table[slots, positions].astype(np.float32)
+        keep = np.isin(slots, list(wanted)) & ~np.isnan(values)
+        out[~keep] = np.nan
+        return out
 
     def frame(self, records: np.ndarray, decoded: FrameDecode | None) -> FrameTokens:
         n = self.total

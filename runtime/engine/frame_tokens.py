@@ -33,21 +33,37 @@ class TokenColumns(NamedTuple):
     """int32."""
     alt_values: np.ndarray
     """float32, exact FP32."""
+    entropy: np.ndarray | None = None
+    """float32 per token, exact FP32; NaN: none. None: no token of these rows has one."""
 
     def tokens(self) -> list[GeneratedToken]:
         """The columns as GeneratedToken objects (Python floats hold FP32 values exactly)."""
         ids, values = self.alt_ids.tolist(), self.alt_values.tolist()
+        n = len(self.indexes)
+        entropies = [None] * n if self.entropy is None else [
+            None if h != h else h for h in self.entropy.tolist()]
         tokens = []
         start = 0
-        for index, token_id, value, last, count in zip(
+        for index, token_id, value, last, count, entropy in zip(
                 self.indexes.tolist(), self.token_ids.tolist(), self.values.tolist(),
-                self.last.tolist(), self.alt_counts.tolist(), strict=True):
+                self.last.tolist(), self.alt_counts.tolist(), entropies, strict=True):
             end = start + count
             tokens.append(GeneratedToken(
                 index, token_id, None if value != value else value,
-                TokenLogprobs(ids[start:end], values[start:end]), _LAST_OF[last]))
+                TokenLogprobs(ids[start:end], values[start:end]), _LAST_OF[last], entropy))
             start = end
         return tokens
+
+
+def concat_columns(parts: Sequence[TokenColumns]) -> TokenColumns:
+    """The columns of ``parts`` one after another (entropy NaN for a part without it)."""
+    arrays = [np.concatenate(column) for column in zip(*(p[:7] for p in parts), strict=True)]
+    entropy = None
+    if any(p.entropy is not None for p in parts):
+        entropy = np.concatenate([
+            p.entropy if p.entropy is not None else np.full(len(p.indexes), np.nan, np.float32)
+            for p in parts])
+    return TokenColumns(*arrays, entropy)
 
 
 @dataclass(frozen=True)
@@ -65,9 +81,13 @@ class FrameTokens:
     """int64 [rows + 1]: 0, then the running sum of alt_counts."""
     alt_ids: np.ndarray
     alt_values: np.ndarray
+    entropy: np.ndarray | None = None
+    """float32 [rows]: each row's entropy (NaN: none); None when no row has one."""
 
     def __post_init__(self) -> None:
         n = len(self.indexes)
+        if self.entropy is not None and len(self.entropy) != n:
+            raise ValueError(f"entropy: {len(self.entropy)} rows, expected {n}")
         for name in ("token_ids", "values", "last", "alt_counts"):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"{name}: {len(getattr(self, name))} rows, expected {n}")
@@ -80,7 +100,8 @@ class FrameTokens:
         a, b = self.alt_offsets[start], self.alt_offsets[stop]
         return TokenColumns(self.indexes[start:stop], self.token_ids[start:stop],
                             self.values[start:stop], self.last[start:stop],
-                            self.alt_counts[start:stop], self.alt_ids[a:b], self.alt_values[a:b])
+                            self.alt_counts[start:stop], self.alt_ids[a:b], self.alt_values[a:b],
+                            None if self.entropy is None else self.entropy[start:stop])
 
     def select(self, starts: Sequence[int], stops: Sequence[int]) -> TokenColumns:
         """The rows ``starts[i]:stops[i]`` in that order."""
@@ -91,7 +112,8 @@ class FrameTokens:
         alt_rows = _ranges(self.alt_offsets[rows], counts.astype(np.int64))
         return TokenColumns(self.indexes[rows], self.token_ids[rows], self.values[rows],
                             self.last[rows], counts, self.alt_ids[alt_rows],
-                            self.alt_values[alt_rows])
+                            self.alt_values[alt_rows],
+                            None if self.entropy is None else self.entropy[rows])
 
     def tokens(self, start: int, stop: int) -> list[GeneratedToken]:
         return self.rows(start, stop).tokens()
@@ -101,6 +123,10 @@ class FrameTokens:
         """Objects -> arrays (tests, and an engine event built outside a frame)."""
         counts = [len(t.alternatives) for t in tokens]
         alternatives = [TokenLogprobs.of(t.alternatives) for t in tokens]
+        entropy = None
+        if any(t.entropy is not None for t in tokens):
+            entropy = np.array([np.nan if t.entropy is None else t.entropy for t in tokens],
+                               dtype=np.float32)
         return cls(
             np.array([t.index for t in tokens], dtype=np.int32),
             np.array([t.token_id for t in tokens], dtype=np.int32),
@@ -111,6 +137,7 @@ class FrameTokens:
             np.cumsum([0, *counts], dtype=np.int64),
             np.array([i for a in alternatives for i in a.ids], dtype=np.int32),
             np.array([v for a in alternatives for v in a.values], dtype=np.float32),
+            entropy,
         )
 
 

@@ -176,7 +176,9 @@ class Scheduler:
             budget -= take
         if not work:
             return None
-        plan = StepPlan(self.submission, tuple(work))
+        entropy = any(r.spec.wants_entropy for r, w in zip(carried, work, strict=True)
+                      if w.samples)
+        plan = StepPlan(self.submission, tuple(work), entropy=entropy)
         self.submission += 1
         return plan, carried
 
@@ -281,6 +283,7 @@ def request_spec(
         wants_logprobs=params.wants_logprobs,
         stop_entry=params.stop_token_entry and params.wants_logprobs,
         logprob_token_ids=tuple(params.logprob_token_ids or ()),
+        wants_entropy=params.return_entropy,
         scores_prompt=scored,
         **thinking,
     )

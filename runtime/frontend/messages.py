@@ -143,7 +143,7 @@ class Ended:
     reason: str
     stop_token_id: int | None = None
     entry: tuple | None = None
-    """Finished.entry as (index, token_id, logprob, alt_ids, alt_values, last)."""
+    """Finished.entry as (index, token_id, logprob, alt_ids, alt_values, last, entropy)."""
     error: str | None = None
 
 
@@ -181,9 +181,14 @@ class StepOutputs:
     prompts: tuple[PromptRows, ...]
     ends: tuple[Ended, ...]
     stats: CoreStats
+    entropy: np.ndarray | None = None
+    """float32 per token (exact FP32; NaN: none), or None when no token of the step has one
+    (return_entropy)."""
 
     def __post_init__(self) -> None:
         n = len(self.request_ids)
+        if self.entropy is not None and len(self.entropy) != n:
+            raise ValueError(f"entropy: {len(self.entropy)} rows, expected {n}")
         for name in ("indexes", "token_ids", "values", "last", "alt_counts"):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"{name}: {len(getattr(self, name))} rows, expected {n}")

@@ -8,7 +8,12 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from helios_logprobs.runtime.engine.frame_tokens import LAST_CODES, FrameTokens, TokenColumns
+from helios_logprobs.runtime.engine.frame_tokens import (
+    LAST_CODES,
+    FrameTokens,
+    TokenColumns,
+    concat_columns,
+)
 from helios_logprobs.runtime.engine.prompt_reader import PromptArrays
 from helios_logprobs.runtime.frontend.messages import CoreStats, Ended, PromptRows, StepOutputs
 from helios_logprobs.runtime.outputs import (
@@ -65,7 +70,7 @@ class StepPacker:
                 e = event.entry
                 alternatives = TokenLogprobs.of(e.alternatives)
                 entry = (e.index, e.token_id, e.logprob, tuple(alternatives.ids),
-                         tuple(alternatives.values), LAST_CODES[e.last])
+                         tuple(alternatives.values), LAST_CODES[e.last], e.entropy)
             self.ends.append(Ended(request_id, event.reason, event.stop_token_id, entry))
         elif isinstance(event, EngineError):
             self.ends.append(Ended(request_id, "", error=str(event)))
@@ -89,11 +94,11 @@ class StepPacker:
             request_ids, columns = self._chunks[0]
         elif self._chunks:
             request_ids = np.concatenate([ids for ids, _ in self._chunks])
-            columns = TokenColumns(*(np.concatenate(parts) for parts in
-                                     zip(*(c for _, c in self._chunks), strict=True)))
+            columns = concat_columns([c for _, c in self._chunks])
         else:
             request_ids, columns = np.zeros(0, dtype=np.int64), _NO_TOKENS
-        out = StepOutputs(request_ids, *columns, tuple(self.prompts), tuple(self.ends), stats)
+        out = StepOutputs(request_ids, *columns[:7], tuple(self.prompts), tuple(self.ends),
+                          stats, entropy=columns.entropy)
         self._reset()
         return out
 
@@ -114,7 +119,8 @@ def unpack(outputs: StepOutputs) -> Iterator[tuple[int, Event]]:
     for rows in outputs.prompts:
         yield rows.request_id, _unpack_prompt(rows)
     tokens = TokenColumns(outputs.indexes, outputs.token_ids, outputs.values, outputs.last,
-                          outputs.alt_counts, outputs.alt_ids, outputs.alt_values).tokens()
+                          outputs.alt_counts, outputs.alt_ids, outputs.alt_values,
+                          outputs.entropy).tokens()
     yield from zip(outputs.request_ids.tolist(), tokens, strict=True)
     for ended in outputs.ends:
         yield ended.request_id, _unpack_end(ended)
@@ -125,8 +131,8 @@ def _unpack_end(ended: Ended) -> Finished | EngineError:
         return EngineError(ended.error)
     entry = None
     if ended.entry is not None:
-        index, token_id, logprob, alt_ids, alt_values, last = ended.entry
+        index, token_id, logprob, alt_ids, alt_values, last, *entropy = ended.entry
         entry = GeneratedToken(index, token_id, logprob,
                                TokenLogprobs(list(alt_ids), list(alt_values)),
-                               None if last < 0 else bool(last))
+                               None if last < 0 else bool(last), *entropy)
     return Finished(ended.reason, ended.stop_token_id, entry)

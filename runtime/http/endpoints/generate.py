@@ -32,7 +32,11 @@ from helios_logprobs.runtime.http.endpoints.generate_request import (
     GenerateRequest,
     GenerateSampling,
 )
-from helios_logprobs.runtime.http.output.wire import prompt_logprobs_list, wire_logprob
+from helios_logprobs.runtime.http.output.wire import (
+    prompt_logprobs_list,
+    wire_entropy,
+    wire_logprob,
+)
 from helios_logprobs.runtime.http.protocol.models import MAX_CHOICES
 from helios_logprobs.runtime.http.protocol.params import (
     bad_word_ids,
@@ -142,24 +146,31 @@ def prepare_generate(req: GenerateRequest, engine: EngineClient, assets: ModelAs
                 min_tokens=sp.min_tokens, bad_words=bad_words, logprobs=sp.logprobs,
                 prompt_logprobs=sp.prompt_logprobs,
                 thinking_token_budget=sp.thinking_token_budget, stop_token_entry=True,
+                return_entropy=sp.return_entropy,
             )
             engine.check(ids, params)  # the one validation path, for every choice
         except RequestError as exc:
             raise _sampling_error(exc) from None
         jobs.append(GenerateJob(index, ids, params))
     request_id = req.request_id or uuid.uuid4().hex
-    mode = WireMode(False, True) if sp.logprobs is not None else None
+    mode = WireMode(False, True, sp.return_entropy) if sp.logprobs is not None else None
     return PreparedGenerate(req, jobs, request_id, mode, Usage(len(ids)))
 
 
-def _entry(token_id: int, logprob: float | None, alternatives, top_n: int) -> dict[str, Any]:
+def _entry(token: GeneratedToken, top_n: int, mode: WireMode) -> dict[str, Any]:
+    """One entry; with return_entropy, its ``entropy`` (null for a forced token)."""
+    token_id, logprob = token.token_id, token.logprob
     if logprob is None:  # (a forced token: no logprob, as vLLM leaves an entry bare)
-        return {"token": f"token_id:{token_id}", "logprob": -9999.0, "bytes": None,
-                "top_logprobs": []}
-    top = [{"token": f"token_id:{alt.token_id}", "logprob": wire_logprob(alt.logprob),
-            "bytes": None} for alt in alternatives[:top_n]]
-    return {"token": f"token_id:{token_id}", "logprob": wire_logprob(logprob), "bytes": None,
-            "top_logprobs": top}
+        entry = {"token": f"token_id:{token_id}", "logprob": -9999.0, "bytes": None,
+                 "top_logprobs": []}
+    else:
+        top = [{"token": f"token_id:{alt.token_id}", "logprob": wire_logprob(alt.logprob),
+                "bytes": None} for alt in token.alternatives[:top_n]]
+        entry = {"token": f"token_id:{token_id}", "logprob": wire_logprob(logprob),
+                 "bytes": None, "top_logprobs": top}
+    if mode.entropy:
+        entry["entropy"] = None if logprob is None else wire_entropy(token.entropy)
+    return entry
 
 
 @dataclass
@@ -196,13 +207,12 @@ async def _events(prep: PreparedGenerate, job: GenerateJob, engine: EngineClient
             if isinstance(event, PromptScores):
                 yield Item(job.index, prompt=tuple(event.entries))
             elif isinstance(event, GeneratedToken):
-                entry = _entry(event.token_id, event.logprob, event.alternatives, top_n) \
-                    if wants else None
+                entry = _entry(event, top_n, prep.mode) if wants else None
                 yield Item(job.index, event.token_id, entry, last=event.last)
             elif isinstance(event, Finished):
                 stop, entry = event.stop_token_id, None
                 if stop is not None and wants and event.entry is not None:
-                    entry = _entry(stop, event.entry.logprob, event.entry.alternatives, top_n)
+                    entry = _entry(event.entry, top_n, prep.mode)
                 yield Item(job.index, stop, entry, event.reason)
                 return
     raise EngineError("the engine ended a request without finishing it")

@@ -47,6 +47,8 @@ class GenerateSampling(OpenAIModel):
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     thinking_token_budget: int | None = None
+    return_entropy: bool = False
+    """SGLang's name: each entry's entropy (needs logprobs)."""
     # Accepted; nothing is detokenized here whatever they say.
     detokenize: bool = True
     skip_special_tokens: bool = True

@@ -98,11 +98,23 @@ class Position:
     context: tuple[int, ...] = ()
     """The up to 4 tokens sampled before this one, oldest first: what a partial character's
     text is decoded after."""
+    entropy: float | None = None
+    """GeneratedToken.entropy (return_entropy); None for prompt positions."""
 
     @classmethod
     def generated(cls, token: GeneratedToken, text_offset: int,
                   context: tuple[int, ...] = ()) -> Position:
-        return cls(token.token_id, token.logprob, token.alternatives, text_offset, context)
+        return cls(token.token_id, token.logprob, token.alternatives, text_offset, context,
+                   token.entropy)
+
+
+def wire_entropy(value: float | None) -> float | None:
+    """An entropy as sent (exact FP32 as a JSON number); None stays null (no entry)."""
+    if value is None:
+        return None
+    if not math.isfinite(value):
+        raise NonFiniteLogprob(f"entropy {value!r} cannot be sent as JSON")
+    return float(value)
 
 
 def positions(
@@ -171,6 +183,8 @@ def completion_logprobs(
         "top_logprobs": [],
         "text_offset": [],
     }
+    if mode.entropy:
+        out["entropy"] = []
     for position in items:
         value = position.logprob
         context = None if value is None else position.context
@@ -178,6 +192,8 @@ def completion_logprobs(
         out["token_logprobs"].append(None if value is None else wire_logprob(value))
         out["top_logprobs"].append(top_logprobs_dict(position, tb, mode))
         out["text_offset"].append(position.text_offset)
+        if mode.entropy:
+            out["entropy"].append(None if value is None else wire_entropy(position.entropy))
     return out
 
 
@@ -198,6 +214,8 @@ def chat_token_logprob(
     ]
     item = items[0]
     item["top_logprobs"] = items[1:]
+    if mode.entropy:
+        item["entropy"] = wire_entropy(position.entropy)
     return item
 
 

@@ -128,6 +128,8 @@ class SamplingFields(OpenAIModel):
     string is forced (needs --reasoning-parser or --reasoning-config)."""
     speculative: bool = True
     """False opts this request out of history proposals (--speculative-tokens)."""
+    return_entropy: bool = False
+    """SGLang's name: each generated position's entropy beside its logprob (needs logprobs)."""
     # Refused when set (REFUSED); typed where vLLM types them.
     use_beam_search: bool = False
     length_penalty: float | None = None

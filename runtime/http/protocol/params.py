@@ -102,6 +102,7 @@ def build_params(
         thinking_token_budget=req.thinking_token_budget,
         speculative=req.speculative,
         stop_token_entry=stop_token_entry,
+        return_entropy=req.return_entropy,
         structured=output_constraint(req.response_format, req.structured_outputs, structured),
     )
 
@@ -242,4 +243,5 @@ def wire_mode(req: SamplingFields, enabled: bool) -> WireMode | None:
     """None: no logprobs requested."""
     if not enabled:
         return None
-    return WireMode(req.logprob_token_ids is not None, bool(req.return_tokens_as_token_ids))
+    return WireMode(req.logprob_token_ids is not None, bool(req.return_tokens_as_token_ids),
+                    req.return_entropy)

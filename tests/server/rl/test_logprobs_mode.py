@@ -173,3 +173,28 @@ def test_an_unknown_mode_is_refused_at_start_up():
     lines = [line for line in done.stderr.splitlines() + done.stdout.splitlines() if line]
     assert len(lines) == 1 and lines[0].startswith("helios: error:"), lines
     assert "--logprobs-mode" in lines[0]
+
+
+def float64_entropy(row: torch.Tensor) -> float:
+    """-sum p log p of a processed row in float64; its -inf lanes weigh 0."""
+    logp = row.to(torch.float64) - torch.logsumexp(row.to(torch.float64), 0)
+    terms = torch.where(torch.isfinite(logp), logp.exp() * logp, torch.zeros_like(logp))
+    return float(-terms.sum())
+
+
+@pytest.mark.parametrize("name", ["p1", "p2"])
+@pytest.mark.parametrize("case", ["filtered", "greedy"])
+def test_return_entropy_is_the_processed_distributions(servers, name: str, case: str):
+    server = ready(servers, name)
+    body = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "logprobs": 1, "ignore_eos": True,
+            "return_tokens_as_token_ids": True, "return_entropy": True, **SAMPLING[case]}
+    response = post(server, "/v1/completions", body)
+    assert response.status_code == 200, response.text
+    logprobs = strict_json(response.content)["choices"][0]["logprobs"]
+    ids = [token_id_of(t) for t in logprobs["tokens"]]
+    rows = processed_rows(server.model_dir, ids, SAMPLING[case])
+    for got, row in zip(logprobs["entropy"], rows, strict=True):
+        assert abs(got - float64_entropy(row)) <= TOLERANCE, (got, float64_entropy(row))
+    if case == "filtered":  # (top-k 6 keeps at most 6 tokens: the entropy is at most log 6)
+        assert all(h <= math.log(SAMPLING[case]["top_k"]) + TOLERANCE
+                   for h in logprobs["entropy"])

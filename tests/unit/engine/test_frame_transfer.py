@@ -52,9 +52,9 @@ def test_served_frames_copy_the_eager_prefixes_into_pooled_storage(model_dir):
     storage = pool.payload.untyped_storage()
     low, high = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
 
-    def checked(submission, requesting, width):
+    def checked(submission, requesting, width, entropy=False):
         assert pool.leased() == []  # the previous frame went back to the pool once decoded
-        host, allocated = allocated_bytes(lambda: copy(submission, requesting, width))
+        host, allocated = allocated_bytes(lambda: copy(submission, requesting, width, entropy))
         frame, words = host.frame, FIRST_PAIR + 2 * width
         assert host.lease.submission == submission and not host.lease.released
         assert np.array_equal(host.records, outputs.completion_records[frame].numpy())
