@@ -8,6 +8,9 @@ FP32 values); absent when not asked for; a non-boolean value, or one without log
 
 from __future__ import annotations
 
+import time
+
+import httpx
 import pytest
 import torch
 
@@ -31,15 +34,17 @@ MESSAGES = [{"role": "user", "content": "entropy, please"}]
 SAMPLING = {"temperature": 0.9, "top_k": 40, "seed": 3, "ignore_eos": True}
 MAX_TOKENS = 6
 SERVERS = {"t1": 1, "t2": 2}
+COMPILED = ["--compile"]
 
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     root = tmp_path_factory.mktemp("entropy")
     model = write_model(root / "model", "byte_level")
-    started = {name: launch(f"entropy_{name}", model, tp,
-                            ["--capacity", "4", "--generation-config", "vllm"], root)
+    common = ["--capacity", "4", "--generation-config", "vllm"]
+    started = {name: launch(f"entropy_{name}", model, tp, common, root)
                for name, tp in SERVERS.items() if missing_gpus(tp) is None}
+    started["c1"] = launch("entropy_c1", model, 1, [*common, *COMPILED], root)
     try:
         yield started
     finally:
@@ -166,3 +171,34 @@ def test_without_logprobs_is_refused(servers):
         assert response.status_code == 400, (path, response.text)
         assert "return_entropy" in strict_json(response.content)["error"]["param"], \
             response.text
+
+
+def test_a_stop_entry_has_its_entropy(server):
+    """generate reports the terminating stop token's entry (vLLM's stop entry): with
+    return_entropy it has the entropy of its position, the first of a greedy run here."""
+    greedy = {"temperature": 0.0, "ignore_eos": True}
+    first = generate(server, return_entropy=True, **greedy)["choices"][0]
+    stop = first["token_ids"][0]
+    choice = generate(server, return_entropy=True, stop_token_ids=[stop], **greedy)["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["token_ids"] == [stop]
+    [entry] = choice["logprobs"]["content"]
+    assert entry["entropy"] == first["logprobs"]["content"][0]["entropy"]
+
+
+def test_compiled_server_reduces_entropy_eagerly_and_compiles_nothing(servers):
+    """--compile: a submission with entropy runs the eager reduction (the compiled region
+    has no entropy word), the others the compiled one, and nothing compiles while serving."""
+    server = servers["c1"]
+    server.wait_healthy()
+    for _ in range(2):
+        logprobs = completions(server, return_entropy=True)["choices"][0]["logprobs"]
+        ids = [token_id_of(t) for t in logprobs["tokens"]]
+        check_against_reference(server, PROMPT, ids, logprobs["entropy"])
+        plain = completions(server)["choices"][0]["logprobs"]
+        assert plain["token_logprobs"] == logprobs["token_logprobs"]
+    time.sleep(1.5)  # (the core reports its counters at least every 0.5 s)
+    text = httpx.get(f"http://127.0.0.1:{server.port}/metrics", timeout=30).text
+    seen = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+            if line.startswith("helios:compile_")}
+    assert seen["helios:compile_recompilations_total"] == 0, seen
+    assert seen["helios:compile_graphs_total"] >= 1, seen
