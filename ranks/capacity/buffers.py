@@ -358,8 +358,8 @@ def scoring_buffers(step: StepConfig, layout: ShardLayout, dtype: str) -> tuple[
 def host_buffers(step: StepConfig) -> tuple[Buffer, ...]:
     """The coordinator's host frames (pinned on CUDA), paths from the Engine:
     runtime/engine/executor.py FrameExecutor (records, and the payload's full width with
-    logprob outputs or only the chosen pair without) and runtime/engine/prompt_reader.py
-    PromptReader (the largest scored capacity's rows)."""
+    logprob outputs or only the chosen pair without; with them the entropy frames too) and
+    runtime/engine/prompt_reader.py PromptReader (the largest scored capacity's rows)."""
     cap, t = step.capacity, resolve_completion_token_capacity(step.token_capacity)
     payload = [b for b in completion_buffers(step) if b.name == COMPLETION_LOGPROBS][0]
     words = payload.shape[-1] if step.logprobs else FIRST_PAIR
@@ -368,6 +368,9 @@ def host_buffers(step: StepConfig) -> tuple[Buffer, ...]:
                "int64"),
         Buffer("host", "host payload", "executor.host_payload", (FRAMES, cap, t, words),
                "int32"),
+        # (return_entropy: the reduction's entropy frame, copied for plans that ask for it)
+        *((Buffer("host", "host entropy", "executor.host_entropy", (FRAMES, cap, t),
+                  "float32"),) if step.logprobs else ()),
     ]
     if step.prompt_logprobs:
         out.append(Buffer("host", "host prompt rows", "prompts.host",

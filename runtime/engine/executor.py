@@ -120,7 +120,8 @@ class FrameExecutor:
         pin = records.is_cuda
         words = payload.shape[-1] if logprobs else FIRST_PAIR
         capacity, tokens = payload.shape[1:3]
-        self.pool = FramePool(frames, capacity, tokens, records.shape[-1], words, pin=pin)
+        self.pool = FramePool(frames, capacity, tokens, records.shape[-1], words, pin=pin,
+                              entropy=entropy is not None)
         self.stream = torch.cuda.Stream(records.device) if pin else None
         self.staging = None
         """CUDA: the device staging frame (flat; viewed [capacity, T, 2+2W] per copy)."""
@@ -130,9 +131,6 @@ class FrameExecutor:
             self.produced = [torch.cuda.Event() for _ in range(records.shape[0])]
             self.transferred = [torch.cuda.Event() for _ in range(frames)]
         self.entropy_source = entropy
-        self.host_entropy = None if entropy is None else torch.empty(
-            (frames, *entropy.shape[1:]), dtype=torch.float32, pin_memory=pin)
-        """One host entropy frame per pool frame (indexed by the lease)."""
         self.counters = ExecutorCounters()
         self._staging_views: dict[int, torch.Tensor] = {}
         self._host_source = None if pin else (records.numpy(), payload.numpy())
@@ -142,6 +140,11 @@ class FrameExecutor:
     def host_records(self) -> torch.Tensor:
         """The pool's records, int64 [frames, capacity, 16+T]."""
         return self.pool.records
+
+    @property
+    def host_entropy(self) -> torch.Tensor | None:
+        """The pool's entropy rows, FP32 [frames, capacity, T] (None without a reduction)."""
+        return self.pool.entropy
 
     @property
     def host_payload(self) -> torch.Tensor:

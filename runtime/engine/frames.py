@@ -1,7 +1,8 @@
 """The coordinator's host frame pool: preallocated frames that a copy leases and decoding returns.
 
 Every host frame is allocated once, at start-up (pinned on CUDA): records int64
-[capacity, 16+T] and payload int32 storage of [capacity, T, 2+2K] words. A copy of W pairs
+[capacity, 16+T] and payload int32 storage of [capacity, T, 2+2K] words (and with a reduction
+an FP32 [capacity, T] entropy row). A copy of W pairs
 views the first capacity*T*(2+2W) words of its frame's payload as one contiguous
 [capacity, T, 2+2W] array, so a run of requesting slots is one contiguous transfer. Views are
 made once per (frame, W) and reused: after warm-up no copy creates tensor storage.
@@ -73,10 +74,11 @@ class FrameLease:
 
 class FramePool:
     def __init__(self, frames: int, capacity: int, tokens: int, record_width: int, words: int,
-                 *, pin: bool = False) -> None:
+                 *, pin: bool = False, entropy: bool = False) -> None:
         """``frames`` host frames of ``capacity`` slots, ``tokens`` positions, records of
         ``record_width`` words and payload rows of ``words`` words (the widest copy: 2+2K, or
-        the chosen pair alone when the core declares no logprob outputs)."""
+        the chosen pair alone when the core declares no logprob outputs); ``entropy``: each
+        frame also holds an FP32 [capacity, T] entropy row (return_entropy)."""
         if frames < 1:
             raise ValueError(f"frames: expected >= 1, got {frames}")
         if capacity < 1 or tokens < 1:
@@ -87,6 +89,8 @@ class FramePool:
                                    pin_memory=pin)
         self.payload = torch.empty((frames, capacity, tokens, words), dtype=torch.int32,
                                    pin_memory=pin)
+        self.entropy = torch.empty((frames, capacity, tokens), dtype=torch.float32,
+                                   pin_memory=pin) if entropy else None
         self.pinned = pin
         self._free: deque[int] = deque(range(frames))
         self._leases: dict[int, FrameLease] = {}
@@ -148,6 +152,7 @@ class FramePool:
     def stats(self) -> FramePoolStats:
         with self._lock:
             frame_bytes = (self.records[0].numel() * self.records.element_size()
-                           + self.payload[0].numel() * self.payload.element_size())
+                           + self.payload[0].numel() * self.payload.element_size()
+                           + (0 if self.entropy is None else self.entropy[0].numel() * 4))
             return FramePoolStats(self.frames, len(self._leases), self._acquired,
                                   self._released, self._exhausted, frame_bytes)
