@@ -493,9 +493,11 @@ def hf_tokenizer(model_dir: Path):
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-def chat_prompt_ids(model_dir: Path, messages: list[dict]) -> list[int]:
+def chat_prompt_ids(model_dir: Path, messages: list[dict], tools: list | None = None
+                    ) -> list[int]:
     tok = hf_tokenizer(model_dir)
-    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                   tokenize=False)
     return tok.encode(text, add_special_tokens=False)
 
 

@@ -26,6 +26,7 @@ from helios_logprobs.runtime.http.protocol.models import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from helios_logprobs.runtime.http.protocol.tools import check_tools
 from helios_logprobs.runtime.text.detokenizer import detokenize
 
 
@@ -42,6 +43,8 @@ def tokenize(
     if refused is not None:
         raise refused
     if isinstance(req, TokenizeChatRequest):
+        if req.tools is not None:  # (rendered into the template as chat renders them)
+            check_tools(req.tools)
         text = render(req, parse_messages(req.messages), assets)
         ids = assets.encode(text, add_special_tokens=req.add_special_tokens, param="messages")
     else:

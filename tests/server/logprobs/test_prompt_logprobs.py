@@ -340,6 +340,11 @@ def test_tokenize_and_detokenize(scoring_server):
     chat = strict_json(post(server, "/tokenize", {"messages": messages}).content)
     assert chat["tokens"] == chat_prompt_ids(server.model_dir, messages)
     assert chat["token_strs"] is None
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    with_tools = strict_json(post(server, "/tokenize", {"messages": messages,
+                                                        "tools": tools}).content)
+    assert with_tools["tokens"] == chat_prompt_ids(server.model_dir, messages, tools=tools)
     special = [1, *ids[:3], 2]
     text = strict_json(post(server, "/detokenize", {"tokens": special}).content)["prompt"]
     assert text == hf_tokenizer(server.model_dir).decode(special, skip_special_tokens=False)
