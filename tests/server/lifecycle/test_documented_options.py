@@ -55,9 +55,9 @@ def refused(response: httpx.Response, param: str) -> None:
     ("/v1/chat/completions", {"truncation_side": "middle"}, "truncation_side"),
     ("/v1/completions", {"spaces_between_special_tokens": False},
      "spaces_between_special_tokens"),
-    ("/v1/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/completions", {"response_format": {"type": "xml"}}, "response_format"),
     ("/v1/completions", {"stop": [f"s{i}" for i in range(65)]}, "stop"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"response_format": {"type": "xml"}}, "response_format"),
     ("/v1/chat/completions", {"stop": [f"s{i}" for i in range(65)]}, "stop"),
 ])
 def test_documented_refusals(server, path, fields, param):
