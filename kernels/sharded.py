@@ -44,7 +44,7 @@ from helios_logprobs.kernels.backends import (
     whole_native_call,
     whole_reduction,
 )
-from helios_logprobs.kernels.entropy import combine_entropy, whole_entropy, write_entropy_word
+from helios_logprobs.kernels.entropy import combine_flagged, whole_flagged, write_entropy_word
 from helios_logprobs.kernels.layout import EXCHANGE1_WORDS, EXCHANGE2_WORDS
 from helios_logprobs.kernels.rows import RowRequest
 
@@ -149,21 +149,18 @@ class PreparedShardedReduction:
         [rows]) also their entropy (other rows of it untouched)."""
         if logits.shape != (self.rows, self.width):
             raise ValueError(f"logits: expected {(self.rows, self.width)}, got {logits.shape}")
-        entropy_rows = None
-        if entropy_out is not None:
-            entropy_rows = torch.nonzero(request.requested).squeeze(1)
+        flags = request.requested
         if self.whole is not None:
-            if entropy_rows is not None:
-                entropy_out[entropy_rows] = whole_entropy(logits, entropy_rows,
-                                                          self.local_valid)
+            if entropy_out is not None:
+                whole_flagged(logits, flags, self.local_valid, entropy_out)
             return self.whole(logits, request, self.vocab_size, out)
         steps = self.steps
         steps.shard_stats(logits, request, self.local_valid, self.exchange1.send)
-        if entropy_rows is not None:
-            write_entropy_word(logits, entropy_rows, self.local_valid, self.exchange1.send)
+        if entropy_out is not None:
+            write_entropy_word(logits, flags, self.local_valid, self.exchange1.send)
         e1_all = self.exchange1.gather()
-        if entropy_rows is not None:
-            entropy_out[entropy_rows] = combine_entropy(e1_all[:, entropy_rows])
+        if entropy_out is not None:
+            combine_flagged(e1_all, flags, entropy_out)
         steps.shard_candidates(
             logits, request, e1_all if self.unit_e1 is None else self.unit_e1,
             self.vocab_start, self.local_valid, self.lse, self.exchange2.send,

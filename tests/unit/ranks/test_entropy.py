@@ -9,6 +9,7 @@ import torch
 from helios_logprobs.kernels.layout import MAX_TOKEN_IDS, PAYLOAD_WORDS
 from helios_logprobs.kernels.rows import RowRequest
 from helios_logprobs.kernels.sharded import PreparedShardedReduction
+from tests.capture_guard import HostSync, HostSyncGuard
 from tests.entropy_cases import NEG_INF, TOLERANCE, VOCAB, entropy_rows, reference_entropy
 
 
@@ -75,3 +76,54 @@ def test_unnormalized_payload_reports_the_values_themselves():
         assert ids[1:].tolist() == order
         assert torch.equal(values[1:], x[r, order])
     assert out[2, 1::2][1:21].view(torch.float32)[2:].eq(NEG_INF).all()
+
+
+ENTROPY_STEPS = ("whole_flagged", "write_entropy_word", "combine_flagged")
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_entropy_path_reads_no_value_on_the_host(monkeypatch, normalize: bool):
+    """The entropy steps (the whole-row one at TP1, the word and the combine on the shard
+    path, which normalize=False takes at TP1 too) run under a strict host-sync guard: no
+    nonzero, item, tensor from host data or boolean-mask index (a captured graph could not
+    replay them); and a row's entropy is bit for bit the same whichever rows are flagged."""
+    from helios_logprobs.kernels import sharded
+
+    guard = HostSyncGuard(strict=("entropy",))
+    for name in ENTROPY_STEPS:
+        monkeypatch.setattr(sharded, name, getattr(sharded, name))
+        guard.wrap(sharded, name, "entropy")
+    x = entropy_rows()
+    rows = x.shape[0]
+    driver = PreparedShardedReduction(None, rows, VOCAB, 0, VOCAB, VOCAB, "torch", "cpu",
+                                      normalize=normalize)
+    out = torch.full((rows, PAYLOAD_WORDS), -1, dtype=torch.int32)
+    every = torch.full((rows,), 123.0)
+    driver(x, request_for(x, [1] * rows), out, entropy_out=every)
+    some = torch.full((rows,), 123.0)
+    flags = [r % 3 == 1 for r in range(rows)]
+    driver(x, request_for(x, [int(f) for f in flags]), out, entropy_out=some)
+    assert guard.guarded["entropy"] == (2 if normalize else 4)
+    for r in range(rows):
+        assert torch.equal(some[r], every[r] if flags[r] else torch.tensor(123.0)) or (
+            flags[r] and every[r].isnan() and some[r].isnan()), r
+
+
+def test_the_guard_sees_a_host_read_in_the_entropy_path(monkeypatch):
+    """(The guard above is live: a nonzero planted in the entropy step raises.)"""
+    from helios_logprobs.kernels import sharded
+
+    real = sharded.whole_flagged
+
+    def with_nonzero(logits, flags, local_valid, entropy_out):
+        torch.nonzero(flags)
+        real(logits, flags, local_valid, entropy_out)
+
+    monkeypatch.setattr(sharded, "whole_flagged", with_nonzero)
+    guard = HostSyncGuard(strict=("entropy",))
+    guard.wrap(sharded, "whole_flagged", "entropy")
+    x = entropy_rows()
+    driver = PreparedShardedReduction(None, x.shape[0], VOCAB, 0, VOCAB, VOCAB, "torch", "cpu")
+    out = torch.full((x.shape[0], PAYLOAD_WORDS), -1, dtype=torch.int32)
+    with pytest.raises(HostSync, match="nonzero"):
+        driver(x, request_for(x, [1] * x.shape[0]), out, entropy_out=torch.zeros(x.shape[0]))
