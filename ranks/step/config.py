@@ -34,6 +34,10 @@ class StepConfig:
     """--compile: the reduce phase runs as one ``torch.compile(fullgraph=True)`` graph
     (ranks/step/reduce_graph.py), compiled at start-up; the torch backend only."""
 
+    cuda_graphs: bool = False
+    """On CUDA: capture the decode step's variants after warm-up and replay them for decode
+    submissions (ranks/step/cuda_graphs.py); ignored on the CPU. Off: every phase eager."""
+
     logprobs_mode: str = LOGPROBS_MODES[0]
     """--logprobs-mode: what generated positions report. raw_*: the logits the sampler
     receives; processed_*: after every processor, temperature and the top-k/top-p/min-p mask

@@ -35,6 +35,7 @@ from helios_logprobs.ranks.plan import StepPlan
 from helios_logprobs.ranks.sampler.sampler import ShardedSampler
 from helios_logprobs.ranks.speculative import sampler_rows, split_rows
 from helios_logprobs.ranks.step.config import StepConfig
+from helios_logprobs.ranks.step.cuda_graphs import decode_graphs
 from helios_logprobs.ranks.step.device_memory import device_memory
 from helios_logprobs.ranks.step.inputs import StepBuffers, StepInputs, prepare_inputs
 from helios_logprobs.ranks.step.reduce import StepReduction
@@ -104,6 +105,8 @@ class RankStep:
         if config.compile and self.reduction is not None:
             self.graph = ReductionGraph(self.reduction, group, compile=True)
             self.graph(self.buffers.row_tensors, self.buffers.frame_index)
+        self.cuda_graphs = decode_graphs(self)
+        """CUDA with config.cuda_graphs: the captured decode variants (None: all eager)."""
         self.compiled_at_start = compile_counters()
         """Dynamo's counters once the step is built (its compiles done): serve_stats'
         recompilations are the graphs compiled since."""
@@ -174,6 +177,8 @@ class RankStep:
         # Whether any lane requests is the same on every rank (the same plan and upload).
         if self.reduction is None or not self.upload.requesting_slots or not inputs.rows:
             return
+        if self.cuda_graphs is not None and self.cuda_graphs.reduce(inputs):
+            return  # (a decode submission: the frame's captured reduce phase replayed)
         entropy = inputs.plan.entropy
         if self.graph is not None and not entropy:  # (the compiled region has no entropy)
             self.graph(inputs.row_tensors, inputs.frame_index)
