@@ -34,7 +34,7 @@ backend that replays the captured callables (tests/unit/ranks/test_cuda_graphs.p
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -298,6 +298,14 @@ def _bind(fn, *args) -> Callable[[], None]:
         fn(*args)
 
     return variant
+
+
+def enable_decode_graphs(step) -> DecodeGraphs | None:
+    """Turn capture on for a built step (what ``cuda_graphs=True`` at construction does):
+    for benchmarks and tests that build the step through the runtime's config."""
+    step.config = replace(step.config, cuda_graphs=True)
+    step.cuda_graphs = decode_graphs(step)
+    return step.cuda_graphs
 
 
 def decode_graphs(step) -> DecodeGraphs | None:
