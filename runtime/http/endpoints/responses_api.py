@@ -10,7 +10,8 @@ and folded into output items (runtime/http/output/response_items.py): `reasoning
 and `function_call` items, in output order, the same whole or streamed. The `output_text`
 part carries the logprob entries ({token, logprob, bytes, top_logprobs}, chat's) of exactly
 the tokens whose first text byte lies in a content source range, when `include` asks for
-"message.output_text.logprobs" or `top_logprobs` > 0 asks for alternatives.
+"message.output_text.logprobs" or `top_logprobs` > 0 asks for alternatives; with
+`return_entropy` (chat's, SGLang's name) each entry also has its position's `entropy`.
 """
 
 from __future__ import annotations
@@ -161,6 +162,10 @@ def _refusals(req: ResponsesRequest) -> None:
         raise RequestError("reasoning", f"reasoning: expected an object whose effort is one of "
                                         f"{', '.join(EFFORTS)} and whose summary is one of "
                                         f"{', '.join(SUMMARIES)} (or null), got {reasoning!r}")
+    if req.return_entropy and not wants_entries(req):
+        raise RequestError("return_entropy", f"return_entropy: the entropy is reported beside "
+                                             f"each logprob entry: include "
+                                             f"{LOGPROBS_INCLUDE!r} or set top_logprobs > 0")
     text_format_spec(req.text)  # (text.format: a 400 naming it, before the chat request)
 
 
@@ -206,7 +211,8 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
             "reasoning_effort": (req.reasoning or {}).get("effort"),
             "tools": _chat_tools(req.tools), "tool_choice": _chat_tool_choice(req.tool_choice),
             "parallel_tool_calls": req.parallel_tool_calls,
-            "response_format": chat_response_format(req.text)}
+            "response_format": chat_response_format(req.text),
+            "return_entropy": req.return_entropy}
     try:
         return ChatCompletionRequest.model_validate(
             {k: v for k, v in body.items() if v is not None})

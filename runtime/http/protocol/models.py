@@ -223,6 +223,9 @@ class ResponsesRequest(OpenAIModel):
     reasoning: Any = None
     truncation: str | None = None
     background: bool | None = None
+    return_entropy: bool = False
+    """SGLang's name, as on chat: each output_text logprob entry's entropy (needs the
+    logprobs include or top_logprobs > 0)."""
 
 
 TOKENIZE_CHAT_REFUSED = ("tools", "chat_template", "mm_processor_kwargs")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 
 import httpx
+import openai
 import pytest
 import torch
 
@@ -202,3 +203,38 @@ def test_compiled_server_reduces_entropy_eagerly_and_compiles_nothing(servers):
             if line.startswith("helios:compile_")}
     assert seen["helios:compile_recompilations_total"] == 0, seen
     assert seen["helios:compile_graphs_total"] >= 1, seen
+
+
+def test_responses_entropy_with_the_openai_client(server):
+    """/v1/responses takes return_entropy as chat does (the official client's extra_body):
+    each output_text entry carries its position's entropy, equal to the chat entry of the
+    same seeded request (its tokens' entropy against transformers), streamed as whole; absent
+    when not asked; without the logprobs include, or not a boolean, a 400 naming it."""
+    body = chat(server, return_entropy=True, **{"ignore_eos": False})
+    content = body["choices"][0]["logprobs"]["content"]
+    assert len(content) > 2, body  # (no early end: the comparisons below are not vacuous)
+    ids = [token_id_of(e["token"]) for e in content]
+    want = reference_entropy(server.model_dir, chat_prompt_ids(server.model_dir, MESSAGES), ids)
+    for entry, expected in zip(content, want, strict=True):
+        assert abs(entry["entropy"] - expected) <= TOLERANCE, (entry, expected)
+    client = server.client()
+    seeded = {"top_k": SAMPLING["top_k"], "seed": SAMPLING["seed"]}
+    asked = dict(model=client.models.list().data[0].id, input=MESSAGES[0]["content"],
+                 max_output_tokens=MAX_TOKENS, top_logprobs=2, temperature=0.9,
+                 extra_body={**seeded, "return_entropy": True})
+    response = client.responses.create(**asked, include=["message.output_text.logprobs"])
+    entries = [e.model_dump() for e in response.output[0].content[0].logprobs]
+    assert [(e["logprob"], e["entropy"]) for e in entries] == [
+        (e["logprob"], e["entropy"]) for e in content]
+    assert all("entropy" not in top for e in entries for top in e["top_logprobs"])
+    with client.responses.stream(**asked) as events:
+        streamed = [e.model_dump()["entropy"] for event in events
+                    if event.type == "response.output_text.delta" for e in event.logprobs]
+    assert streamed == [e["entropy"] for e in content]
+    plain = client.responses.create(**{**asked, "extra_body": seeded})
+    assert all("entropy" not in e.model_dump() for e in plain.output[0].content[0].logprobs)
+    for extra, fields in (({"return_entropy": True}, {"top_logprobs": 0}),
+                          ({"return_entropy": "yes"}, {})):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.responses.create(**{**asked, **fields, "extra_body": extra})
+        assert refused.value.body["param"] == "return_entropy", refused.value.body
