@@ -71,11 +71,11 @@ class Plan:
         # On CPU the Triton reduction runs in the interpreter (its tile geometry), and the
         # coordinator's host frames live in the same memory as the rank's tensors.
         return job_sizing(self.model, step, self.tp, self.dtype, self.usable,
-                          interpreted=self.cpu, host_in_budget=self.cpu)
+                          interpreted=self.cpu, host_in_budget=self.cpu, cuda=not self.cpu)
 
     def largest_capacity(self, step) -> int:
         return max_capacity(self.model, step, self.tp, self.dtype, self.usable,
-                            interpreted=self.cpu, host_in_budget=self.cpu)
+                            interpreted=self.cpu, host_in_budget=self.cpu, cuda=not self.cpu)
 
 
 def kv_summary(plan: Plan, job: JobSizing) -> dict:
@@ -120,7 +120,8 @@ def rank_report(plan: Plan, sizing: RankSizing, job: JobSizing) -> dict:
     if sizing.host:
         out["host"] = {"pinned": not plan.cpu, "in_budget": plan.cpu,
                        "buffers": [b.as_dict() for b in sizing.host],
-                       "bytes": sizing.host_bytes}
+                       "bytes": sizing.host_bytes,
+                       "device_staging_bytes": sizing.staging_bytes}
     return out
 
 

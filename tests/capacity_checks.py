@@ -114,7 +114,9 @@ def check_rank(step, sizing: RankSizing) -> None:
     missing = {k: v for k, v in reachable.items() if k not in covered}
     assert not missing, f"tensors the report does not list: {missing}"
     assert covered == reachable.keys()
-    assert sum(reachable.values()) == sizing.device_bytes
+    # (the step's pinned upload twin is host memory; the staging frame is the executor's)
+    assert sum(reachable.values()) == (sizing.device_bytes - sizing.staging_bytes
+                                       + sizing.pinned_bytes)
     for name, section in (("completion", "completion"), ("scoring", "scoring")):
         assert sizing.section_bytes(section) == sum(
             b.nbytes for b in sizing.buffers if b.section == name)
@@ -133,7 +135,7 @@ def check_host(engine, step, sizing: RankSizing) -> None:
         step).keys()
     assert covered == host
     assert sum(t for k, t in reachable_storages(engine.executor, engine.prompts).items()
-               if k in host) == sizing.host_bytes
+               if k in host) == sizing.host_bytes + sizing.staging_bytes
 
 
 # ------------------------------------------------------------------------------------------
@@ -154,4 +156,5 @@ def build(model_dir: Path, speculative_tokens: int = 0, group: object = None, **
 
 
 def sizing_of(step, interpreted: bool = False) -> RankSizing:
-    return rank_sizing(step.model.config, step.config, 1, 0, step.model.dtype, interpreted)
+    return rank_sizing(step.model.config, step.config, 1, 0, step.model.dtype, interpreted,
+                       cuda=step.device.type == "cuda")

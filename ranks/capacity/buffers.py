@@ -91,6 +91,14 @@ class Buffer:
     """The weight kind (WEIGHT_KINDS) of a weights buffer."""
     shares: str | None = None
     """The path whose storage this one reuses (a tied LM head): it adds no bytes."""
+    memory: str = ""
+    """Where it lives when that is not its section's memory: "pinned" (page-locked host
+    memory listed beside a device section: CUDA's upload twin) or "device" (a device buffer
+    of the coordinator's host section: CUDA's copy staging frame)."""
+
+    def __post_init__(self) -> None:
+        if self.memory not in ("", "pinned", "device"):
+            raise ValueError(f"memory must be '', 'pinned' or 'device', got {self.memory!r}")
 
     @property
     def nbytes(self) -> int:
@@ -111,6 +119,8 @@ class Buffer:
             out["kind"] = self.kind
         if self.shares is not None:
             out["shares"] = self.shares
+        if self.memory:
+            out["memory"] = self.memory
         return out
 
 
@@ -219,13 +229,17 @@ def exchange_buffers(
     )
 
 
-def input_buffers(step: StepConfig) -> tuple[Buffer, ...]:
+def input_buffers(step: StepConfig, cuda: bool = False) -> tuple[Buffer, ...]:
     """ranks/step/inputs.py StepBuffers: one int64 vector holding token ids, positions and
     slots [token budget each], forward rows [max_rows + chunk_limit] and the rows' slots,
-    epochs and positions [3 x max_rows], the frame index [1] (on CUDA a pinned host twin of
-    it, not counted here)."""
+    epochs and positions [3 x max_rows], the frame index [1]; on CUDA its pinned host twin
+    (prepare writes there and uploads it whole), host memory outside the device bytes."""
     n = 3 * step.token_budget + step.max_rows + step.chunk_limit + 3 * step.max_rows + 1
-    return (Buffer("inputs", "step inputs", "buffers.values", (n,), "int64"),)
+    out = [Buffer("inputs", "step inputs", "buffers.values", (n,), "int64")]
+    if cuda:
+        out.append(Buffer("inputs", "step inputs (pinned upload twin)", "buffers.host", (n,),
+                          "int64", memory="pinned"))
+    return tuple(out)
 
 
 def sampler_buffers(step: StepConfig, layout: ShardLayout) -> tuple[Buffer, ...]:
@@ -355,11 +369,13 @@ def scoring_buffers(step: StepConfig, layout: ShardLayout, dtype: str) -> tuple[
     )
 
 
-def host_buffers(step: StepConfig) -> tuple[Buffer, ...]:
+def host_buffers(step: StepConfig, cuda: bool = False) -> tuple[Buffer, ...]:
     """The coordinator's host frames (pinned on CUDA), paths from the Engine:
     runtime/engine/executor.py FrameExecutor (records, and the payload's full width with
-    logprob outputs or only the chosen pair without; with them the entropy frames too) and
-    runtime/engine/prompt_reader.py PromptReader (the largest scored capacity's rows)."""
+    logprob outputs or only the chosen pair without; with them the entropy frames too; on
+    CUDA also its device staging frame, where the requesting runs are packed before their
+    transfer: device memory of rank 0) and runtime/engine/prompt_reader.py PromptReader (the
+    largest scored capacity's rows)."""
     cap, t = step.capacity, resolve_completion_token_capacity(step.token_capacity)
     payload = [b for b in completion_buffers(step) if b.name == COMPLETION_LOGPROBS][0]
     words = payload.shape[-1] if step.logprobs else FIRST_PAIR
@@ -372,6 +388,9 @@ def host_buffers(step: StepConfig) -> tuple[Buffer, ...]:
         *((Buffer("host", "host entropy", "executor.host_entropy", (FRAMES, cap, t),
                   "float32"),) if step.logprobs else ()),
     ]
+    if cuda:
+        out.append(Buffer("host", "copy staging frame", "executor.staging",
+                          (cap * t * words,), "int32", memory="device"))
     if step.prompt_logprobs:
         out.append(Buffer("host", "host prompt rows", "prompts.host",
                           (step.chunk_limit, PROMPT_ROW_WORDS), "int32"))

@@ -62,7 +62,9 @@ class RankSizing:
         return tuple(b for b in self.buffers if b.section == name)
 
     def section_bytes(self, name: str) -> int:
-        return sum(b.nbytes for b in self.section(name))
+        """The section's bytes in its own memory (a buffer with ``memory`` set is elsewhere:
+        pinned_bytes, staging_bytes)."""
+        return sum(b.nbytes for b in self.section(name) if not b.memory)
 
     @property
     def weight_bytes(self) -> int:
@@ -74,17 +76,29 @@ class RankSizing:
         return sum(self.section_bytes(s) for s in FIXED_SECTIONS)
 
     @property
+    def pinned_bytes(self) -> int:
+        """The rank's page-locked host buffers (CUDA: the step inputs' upload twin)."""
+        return sum(b.nbytes for b in self.buffers if b.memory == "pinned")
+
+    @property
+    def staging_bytes(self) -> int:
+        """Device buffers of the coordinator's host section (CUDA: the copy staging frame),
+        rank 0 only; counted in ``device_bytes``, not in ``host_bytes``."""
+        return sum(b.nbytes for b in self.host if b.memory == "device")
+
+    @property
     def kv_cache_bytes(self) -> int:
         return sum(b.nbytes for b in self.kv_cache)
 
     @property
     def device_bytes(self) -> int:
-        """Everything the constructed RankStep holds on its device."""
-        return self.weight_bytes + self.fixed_bytes + self.kv_cache_bytes
+        """Everything the constructed RankStep (and on rank 0 the coordinator's executor)
+        holds on its device."""
+        return self.weight_bytes + self.fixed_bytes + self.kv_cache_bytes + self.staging_bytes
 
     @property
     def host_bytes(self) -> int:
-        return sum(b.nbytes for b in self.host)
+        return self.section_bytes("host")
 
     def weight_kind_bytes(self) -> dict[str, int]:
         out = dict.fromkeys(WEIGHT_KINDS, 0)
@@ -100,14 +114,16 @@ def rank_sizing(
     rank: int,
     dtype: object,
     interpreted: bool = False,
+    cuda: bool = False,
 ) -> RankSizing:
     """What rank ``rank`` of a ``world``-rank job built with ``step`` holds; ``dtype`` is the
-    model's (logit) dtype, ``interpreted`` the Triton interpreter's tile geometry (CPU)."""
+    model's (logit) dtype, ``interpreted`` the Triton interpreter's tile geometry (CPU),
+    ``cuda`` adds CUDA's own buffers (the inputs' pinned twin, the copy staging frame)."""
     dt = dtype_name(dtype)
     layout = shard_layout(config, world, rank)
     buffers = (
         *weight_buffers(config, layout, dt),
-        *input_buffers(step),
+        *input_buffers(step, cuda),
         *completion_buffers(step),
         *sampler_buffers(step, layout),
         *reduction_buffers(step, config, layout, dt, interpreted),
@@ -119,7 +135,7 @@ def rank_sizing(
         buffers=buffers,
         kv_cache=kv_cache_buffers(config, layout, dt, step.capacity, step.max_seq_len),
         kv_bytes_per_token=kv_bytes_per_token(config, layout, dt),
-        host=host_buffers(step) if rank == 0 else (),
+        host=host_buffers(step, cuda) if rank == 0 else (),
     )
 
 
@@ -153,7 +169,8 @@ class JobSizing:
     def __post_init__(self) -> None:
         budgets = []
         for r in self.ranks:
-            host = r.host_bytes if self.host_in_budget else 0
+            # (CUDA's staging frame is device memory of rank 0 whatever the host frames are)
+            host = (r.host_bytes if self.host_in_budget else 0) + r.staging_bytes
             remaining = self.usable - r.weight_bytes - r.fixed_bytes - host
             tokens = max(remaining, 0) // r.kv_bytes_per_token
             budgets.append(RankBudget(r.rank, self.usable, r.weight_bytes, r.fixed_bytes, host,
@@ -195,8 +212,10 @@ def job_sizing(
     usable: int,
     interpreted: bool = False,
     host_in_budget: bool = False,
+    cuda: bool = False,
 ) -> JobSizing:
-    ranks = tuple(rank_sizing(config, step, world, r, dtype, interpreted) for r in range(world))
+    ranks = tuple(rank_sizing(config, step, world, r, dtype, interpreted, cuda)
+                  for r in range(world))
     return JobSizing(step, ranks, usable, host_in_budget)
 
 
@@ -208,13 +227,14 @@ def max_capacity(
     usable: int,
     interpreted: bool = False,
     host_in_budget: bool = False,
+    cuda: bool = False,
 ) -> int:
     """The largest capacity whose buffers and full-length KV cache fit every rank (0: none).
     Every capacity-dependent buffer (bundle, sampler, reduction, host frames) is recounted."""
 
     def fits(capacity: int) -> bool:
         job = job_sizing(config, replace(step, capacity=capacity), world, dtype, usable,
-                         interpreted, host_in_budget)
+                         interpreted, host_in_budget, cuda)
         return job.shortfall == 0 and job.configured_fits
 
     if not fits(1):

@@ -128,6 +128,31 @@ def test_cuda_rank_bf16_triton_and_pinned_host_frames(qwen2, monkeypatch):
     engine = build_engine(config, step)
     assert engine.executor.host_records.is_pinned()
     check_host(engine, step, sizing)
+    # CUDA's own buffers: the inputs' pinned twin (host) and the copy staging frame (device)
+    assert step.buffers.host.is_pinned()
+    assert sizing.pinned_bytes == step.buffers.host.untyped_storage().nbytes()
+    assert sizing.staging_bytes == engine.executor.staging.untyped_storage().nbytes() > 0
+    assert engine.executor.staging.is_cuda
+
+
+def test_a_cuda_plan_lists_the_pinned_twin_and_the_staging_frame(llama):
+    """CUDA's buffers from the configuration alone: the pinned upload twin beside the step
+    inputs (host memory: not in the device bytes), the copy staging frame on rank 0 (device
+    memory: in the device bytes, not in the host bytes); the CPU plan has neither."""
+    _, step = build(llama)
+    config = step.model.config
+    cpu = rank_sizing(config, step.config, 2, 0, "fp32")
+    cuda = rank_sizing(config, step.config, 2, 0, "fp32", cuda=True)
+    other = rank_sizing(config, step.config, 2, 1, "fp32", cuda=True)
+    values = step.buffers.values
+    assert cpu.pinned_bytes == cpu.staging_bytes == 0
+    assert cuda.pinned_bytes == other.pinned_bytes == values.numel() * 8
+    payload = step.outputs.completion_logprobs
+    assert cuda.staging_bytes == payload[0].numel() * 4 and other.staging_bytes == 0
+    assert cuda.fixed_bytes == cpu.fixed_bytes and cuda.host_bytes == cpu.host_bytes
+    assert cuda.device_bytes == cpu.device_bytes + cuda.staging_bytes
+    paths = {b.path: b.memory for b in (*cuda.buffers, *cuda.host)}
+    assert paths["buffers.host"] == "pinned" and paths["executor.staging"] == "device"
 
 
 def test_budget_kv_capacity_and_largest_capacity(llama):

@@ -55,8 +55,16 @@ def test_a_cuda_plan_reports_the_device_totals_and_a_graph_pool_of_zero(llama, c
     device = report["memory"]["device"]
     ranks = report["ranks"]
     assert device["allocated"] == max(r["device_bytes_at_configured_capacity"] for r in ranks)
+    # (rank 0 also holds the executor's device staging frame: one frame's payload words)
+    staging = ranks[0]["host"]["device_staging_bytes"]
+    payload = next(b for b in ranks[0]["buffers"] if b["path"].endswith("completion_logprobs"))
+    assert staging == payload["bytes"] // 2 > 0
     assert device["allocated"] == max(r["weights"]["bytes"] + r["fixed"]["bytes"]
-                                      + r["kv"]["configured_bytes"] for r in ranks)
+                                      + r["kv"]["configured_bytes"]
+                                      + r.get("host", {}).get("device_staging_bytes", 0)
+                                      for r in ranks)
+    pinned = [b for b in ranks[1]["buffers"] if b.get("memory") == "pinned"]
+    assert [b["path"] for b in pinned] == ["buffers.host"]
     assert device["reserved_limit"] == report["budget"]["usable"] == int(2**30 * 0.9)
     assert device["graph_pool"] == 0 and "0 until CUDA graphs are captured" in \
         device["graph_pool_note"]
