@@ -1,6 +1,7 @@
 """Weight updates broadcast by a trainer (collectives/weight_transfer.py): every rank joins the
-trainer's group once (``JoinWeightTransfer``), then for each update receives every tensor
-in full, stages its own slices of them through the start-up loader (``TensorReader``), and
+trainer's group once (``JoinWeightTransfer``; NCCL into its GPU on CUDA, gloo on the CPU),
+then for each update receives every tensor in full, stages its own slices of them in host
+memory through the start-up loader (``TensorReader``; a GPU keeps no second copy), and
 commits only if every rank staged its shard (ranks/model/weight_update.py: agree, commit).
 The coordinator has checked the names, dtypes and shapes against the served checkpoint
 before any rank receives anything."""
@@ -29,8 +30,13 @@ class JoinWeightTransfer:
     master_port: int
     rank_offset: int
     world_size: int
+    backend: str = "gloo"
+    """NCCL or gloo, picked once by the coordinator (collectives/weight_transfer.py)."""
 
     def __post_init__(self) -> None:
+        if self.backend not in weight_transfer.BACKENDS:
+            raise ValueError(f"backend: one of {', '.join(weight_transfer.BACKENDS)}, got "
+                             f"{self.backend!r}")
         if not isinstance(self.master_address, str) or not self.master_address:
             raise ValueError(f"master_address: a host, got {self.master_address!r}")
         if type(self.master_port) is not int or not 0 < self.master_port < 65536:
@@ -96,7 +102,8 @@ def join_transfer(model, msg: JoinWeightTransfer) -> str | None:
     model.weight_transfer, error = None, None
     try:
         member = weight_transfer.join(msg.master_address, msg.master_port,
-                                      msg.rank_offset + rank, msg.world_size)
+                                      msg.rank_offset + rank, msg.world_size,
+                                      backend=msg.backend, device=model.device)
     except Exception as exc:  # noqa: BLE001 - reported to every rank below
         member, error = None, f"rank {rank}: {exc}"
     failed = agree(model, error)

@@ -10,7 +10,8 @@ plane (after every plan already sent, so in order), and every rank loads its sha
 commits only if all ranks staged theirs (ranks/model/weight_update.py). From a trainer
 (``update_info`` with vLLM's names, dtype_names and shapes) the same happens with the
 tensors the trainer broadcasts to every rank over the group it opened
-(ranks/model/weight_transfer.py), after the names and shapes were checked here.
+(ranks/model/weight_transfer.py), after the names and shapes were checked here; the group's
+backend is NCCL when the ranks are on CUDA, else gloo (``init_info.backend`` may name it).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import threading
 import time
 from typing import Any
 
+from helios_logprobs.collectives import weight_transfer
 from helios_logprobs.collectives.groups import group_size
 from helios_logprobs.ranks.model.weight_transfer import (
     DTYPES,
@@ -114,12 +116,18 @@ class WeightControl:
         """Join the trainer's group on every rank (blocks the steps until it is formed)."""
         engine = self.engine
         model = engine.step.model
+        if not isinstance(info, dict):
+            return error_answer(400, "init_info: an object with master_address, master_port, "
+                                     "rank_offset and world_size is required", "init_info")
+        backend = info.get("backend") or weight_transfer.backend_for(model.device)
         try:
-            if not isinstance(info, dict):
-                raise ValueError("an object with master_address, master_port, rank_offset and "
-                                 "world_size is required")
+            weight_transfer.check_backend(backend, model.device)
+        except ValueError as exc:
+            return error_answer(400, f"init_info.backend: {exc}", "init_info.backend")
+        try:
             msg = JoinWeightTransfer(info.get("master_address"), info.get("master_port"),
-                                     info.get("rank_offset", 1), info.get("world_size"))
+                                     info.get("rank_offset", 1), info.get("world_size"),
+                                     backend)
         except ValueError as exc:
             return error_answer(400, f"init_info: {exc}", "init_info")
         ranks = group_size(model.group)

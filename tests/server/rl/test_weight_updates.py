@@ -134,6 +134,11 @@ def _trainer_group(server, port: int, world: int):
 def test_update_broadcast_by_a_trainer_equals_a_fresh_server(request, rl_models, tp):
     served, fresh = (request.getfixturevalue(name) for name in PAIRS[tp])
     before, on_b = outputs(served), outputs(fresh)
+    refused = post(served, "/init_weight_transfer_engine", {"init_info": {  # (CPU ranks)
+        "master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1,
+        "world_size": 1 + tp, "backend": "nccl"}})
+    assert refused.status_code == 400, refused.text
+    assert strict_json(refused.content)["error"]["param"] == "init_info.backend"
     group = _trainer_group(served, free_port(), 1 + tp)
     tensors = load_file(str(rl_models["b"] / "model.safetensors"))
     names = sorted(tensors, reverse=True)  # (any order: the one update_info gives)
