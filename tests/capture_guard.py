@@ -3,7 +3,7 @@ tensor value (``.item()``, ``.tolist()``, ``.cpu()``, ``nonzero()``, ``bool(t)``
 ``float(t)``) raises while it is armed; in strict phases so do tensors built from host data
 (``torch.tensor``, ``torch.as_tensor``), value-sized outputs (``masked_select``, ``unique``)
 and boolean-mask indexing (a nonzero inside ``x[mask]``). ``torch.from_numpy`` is not seen by
-a torch-function mode. Also an allocation probe for the profiler's memory events. Used by
+a torch-function mode. Also allocation probes for the profiler's memory events. Used by
 tests/unit/ranks/test_capture_safe_step.py and test_capture_sample.py."""
 
 from __future__ import annotations
@@ -123,3 +123,13 @@ def allocated_bytes(call) -> tuple[object, int]:
         result = call()
     allocated = sum(max(e.self_cpu_memory_usage, 0) for e in prof.events())
     return result, allocated
+
+
+def retained_bytes(call) -> tuple[object, int]:
+    """(call's result, bytes of CPU tensor storage allocated during the call and not freed
+    by its end: the profiler's allocations net of its frees)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = call()
+    return result, sum(e.self_cpu_memory_usage for e in prof.events())

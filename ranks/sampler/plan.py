@@ -19,8 +19,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from helios_logprobs.ranks.sampler.buffers import PlanBuffers
 from helios_logprobs.ranks.sampler.filters import TOPK_WIDTH
 from helios_logprobs.ranks.sampler.params import SEED_MAX, RowSampling
 from helios_logprobs.ranks.sampler.processors import (
@@ -40,18 +42,20 @@ class PlanShape:
     world: int
     native: bool
     """Whether compiled CPU code may take rows (False on the capture-safe path)."""
+    buffers: PlanBuffers
+    """The static storage every tensor of the plan is a view of (ranks/sampler/buffers.py)."""
 
     @property
     def device(self) -> torch.device:
         return self.lanes.device
 
 
-def index_tensor(values: Sequence[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(list(values), dtype=torch.int64, device=device)
+def index_tensor(values: Sequence[int], buffers: PlanBuffers) -> torch.Tensor:
+    return buffers.int64.take(values)
 
 
-def float64_tensor(values: Sequence[float], device: torch.device) -> torch.Tensor:
-    return torch.tensor([float(t) for t in values], dtype=torch.float64, device=device)
+def float64_tensor(values: Sequence[float], buffers: PlanBuffers) -> torch.Tensor:
+    return buffers.float64.take([float(t) for t in values])
 
 
 @dataclass(frozen=True)
@@ -85,19 +89,19 @@ class FilterPlan:
 
 
 def _filter_rows(which: list[int], filtered: list[int], n: int, values: list[float],
-                 device: torch.device, maxima: bool) -> FilterRows | None:
+                 buffers: PlanBuffers, maxima: bool) -> FilterRows | None:
     if not which:
         return None
     position = {row: k for k, row in enumerate(filtered)}
     spots = [position[i] for i in which]
     return FilterRows(
-        which, None if len(which) == n else index_tensor(which, device),
-        index_tensor(spots, device) if maxima and spots != list(range(len(filtered))) else None,
-        float64_tensor(values, device))
+        which, None if len(which) == n else index_tensor(which, buffers),
+        index_tensor(spots, buffers) if maxima and spots != list(range(len(filtered))) else None,
+        float64_tensor(values, buffers))
 
 
 def plan_filters(rows: Sequence[RowSampling], vocab_size: int, local_valid: int,
-                 device: torch.device) -> FilterPlan | None:
+                 buffers: PlanBuffers) -> FilterPlan | None:
     n, v = len(rows), vocab_size
     filtered = [i for i, r in enumerate(rows) if r.filtered(v)]
     if not filtered:
@@ -108,14 +112,14 @@ def plan_filters(rows: Sequence[RowSampling], vocab_size: int, local_valid: int,
     large = [i for i in filtered if rows[i].top_k_active(v) and rows[i].top_k > TOPK_WIDTH]
     top_p = [i for i in filtered if rows[i].top_p < 1]
     return FilterPlan(
-        index=None if len(filtered) == n else index_tensor(filtered, device),
-        ks=index_tensor(ks, device),
+        index=None if len(filtered) == n else index_tensor(filtered, buffers),
+        ks=index_tensor(ks, buffers),
         take=min(max(ks), local_valid),
-        small=torch.tensor(small, device=device) if any(small) else None,
+        small=buffers.bool.take(small) if any(small) else None,
         filtered=len(filtered),
-        min_p=_filter_rows(min_p, filtered, n, [rows[i].min_p for i in min_p], device, True),
-        large=_filter_rows(large, filtered, n, [rows[i].top_k for i in large], device, False),
-        top_p=_filter_rows(top_p, filtered, n, [rows[i].top_p for i in top_p], device, True),
+        min_p=_filter_rows(min_p, filtered, n, [rows[i].min_p for i in min_p], buffers, True),
+        large=_filter_rows(large, filtered, n, [rows[i].top_k for i in large], buffers, False),
+        top_p=_filter_rows(top_p, filtered, n, [rows[i].top_p for i in top_p], buffers, True),
     )
 
 
@@ -147,26 +151,25 @@ class ScratchPlan:
 def plan_scratch(shape: PlanShape, rows: Sequence[RowSampling],
                  prompt_ids: Sequence[Sequence[int]], output_ids: Sequence[Sequence[int]],
                  which: list[int] | None) -> ScratchPlan:
-    device = shape.device
+    buffers = shape.buffers
     temps = [1.0 if r.greedy else r.temperature for r in rows]
-    scale = torch.tensor(temps, dtype=torch.float32, device=device)
-    scale.clamp_(max=FLOAT32_MAX)  # (+inf / +inf would be NaN)
+    scale = float32_tensor(temps, buffers)  # (clamped: +inf / +inf would be NaN)
     greedy = [i for i, r in enumerate(rows) if r.greedy]
     seeded = [i for i, r in enumerate(rows) if not r.greedy]
     lanes = shape.lanes
     return ScratchPlan(
         rows=tuple(rows),
-        which=None if which is None else index_tensor(which, device),
+        which=None if which is None else index_tensor(which, buffers),
         scale=scale,
         scaled=any(t != 1.0 for t in temps),
         unprocessed=all(r.unprocessed for r in rows),
-        processors=plan_processors(rows, prompt_ids, output_ids, lanes),
-        filters=plan_filters(rows, lanes.vocab_size, lanes.local_valid, device),
-        greedy=index_tensor(greedy, device) if greedy and seeded else None,
-        seeded=index_tensor(seeded, device) if seeded else None,
-        seeds=index_tensor([signed_seed(rows[i].seed) for i in seeded], device)
+        processors=plan_processors(rows, prompt_ids, output_ids, lanes, buffers),
+        filters=plan_filters(rows, lanes.vocab_size, lanes.local_valid, buffers),
+        greedy=index_tensor(greedy, buffers) if greedy and seeded else None,
+        seeded=index_tensor(seeded, buffers) if seeded else None,
+        seeds=index_tensor([signed_seed(rows[i].seed) for i in seeded], buffers)
         if seeded else None,
-        positions=index_tensor([rows[i].position for i in seeded], device) if seeded else None,
+        positions=index_tensor([rows[i].position for i in seeded], buffers) if seeded else None,
     )
 
 
@@ -186,6 +189,7 @@ class SamplePlan:
             if r.max_token_id() >= vocab_size:
                 raise ValueError(f"rows[{i}]: token id {r.max_token_id()} outside vocabulary")
         self.shape = shape
+        shape.buffers.reset()
         self.rows = tuple(rows)
         self.prompt_ids, self.output_ids = prompt_ids, output_ids
         self.native = shape.native
@@ -203,8 +207,8 @@ class SamplePlan:
         self._scratch: dict[tuple[tuple[int, ...], bool], ScratchPlan] = {}
         self.plain_temperatures = self.plain_seeds = self.plain_positions = None
         if self.plain:
-            temps = torch.tensor([rows[i].temperature for i in self.plain], dtype=torch.float32)
-            self.plain_temperatures = temps.clamp_(max=FLOAT32_MAX)
+            self.plain_temperatures = float32_tensor([rows[i].temperature for i in self.plain],
+                                                     shape.buffers)
             self.plain_seeds = [signed_seed(rows[i].seed) for i in self.plain]
             self.plain_positions = [rows[i].position for i in self.plain]
         for which in (self.plain_greedy, self.plain):
@@ -215,6 +219,7 @@ class SamplePlan:
         if rest and not self.greedy_only:
             self.index(rest)
             self.scratch(rest, bool(taken))
+        shape.buffers.upload()
 
     @property
     def n(self) -> int:
@@ -225,7 +230,7 @@ class SamplePlan:
         key = tuple(which)
         found = self._indices.get(key)
         if found is None:
-            found = self._indices[key] = index_tensor(key, self.shape.device)
+            found = self._indices[key] = index_tensor(key, self.shape.buffers)
         return found
 
     def scratch(self, rest: Sequence[int], taken: bool) -> ScratchPlan:
@@ -237,7 +242,15 @@ class SamplePlan:
             found = self._scratch[key] = plan_scratch(
                 self.shape, [self.rows[i] for i in rest], [self.prompt_ids[i] for i in rest],
                 [self.output_ids[i] for i in rest], list(rest) if taken else None)
+            self.shape.buffers.upload()  # (on the CPU's run-time fallback: a no-op)
         return found
+
+
+def float32_tensor(values: Sequence[float], buffers: PlanBuffers) -> torch.Tensor:
+    """float32 values (rounded as torch.tensor rounds them), clamped to float32's max."""
+    with np.errstate(over="ignore"):
+        host = np.asarray(values, dtype=np.float64).astype(np.float32)
+    return buffers.float32.take(np.minimum(host, FLOAT32_MAX))
 
 
 def signed_seed(seed: int) -> int:

@@ -17,7 +17,8 @@ from itertools import chain
 import numpy as np
 import torch
 
-from helios_logprobs.ranks.grammar_mask import shard_blocked
+from helios_logprobs.ranks.grammar_mask import bitmask_words
+from helios_logprobs.ranks.sampler.buffers import PlanBuffers
 from helios_logprobs.ranks.sampler.params import GREEDY_EPS, RowSampling
 
 NEG_INF = float("-inf")
@@ -39,18 +40,26 @@ class ShardLanes:
     vocab_size: int
     device: torch.device
 
-    def local(self, token_ids: Sequence[int], values: Sequence[float] | None = None
+    def local(self, token_ids: Sequence[int], buffers: PlanBuffers,
+              values: Sequence[float] | None = None
               ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Lanes of this shard among global ids (and the matching float32 values)."""
-        ids = torch.tensor(list(token_ids), dtype=torch.int64, device=self.device)
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
+        """Lanes of this shard among global ids (and the matching float32 values, clamped to
+        float32's range), as views of the plan's buffers."""
+        lanes, mine = self.local_lanes(token_ids)
+        if values is None:
+            return buffers.int64.take(lanes[mine]), None
+        with np.errstate(over="ignore"):  # (past float32's range: inf, then clamped)
+            vals = np.asarray(values, dtype=np.float64).astype(np.float32)[mine]
+        np.clip(vals, -FLOAT32_MAX, FLOAT32_MAX, out=vals)
+        return buffers.int64.take(lanes[mine]), buffers.float32.take(vals)
+
+    def local_lanes(self, token_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """(lane of each id, whether it is on this shard); ValueError outside the vocabulary."""
+        ids = np.asarray(token_ids, dtype=np.int64)
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
             raise ValueError(f"token ids outside vocabulary [0, {self.vocab_size})")
         lanes = ids - self.vocab_start
-        mine = (lanes >= 0) & (lanes < self.local_valid)
-        if values is None:
-            return lanes[mine], None
-        vals = torch.tensor(list(values), dtype=torch.float32, device=self.device)
-        return lanes[mine], vals[mine]
+        return lanes, (lanes >= 0) & (lanes < self.local_valid)
 
 
 @dataclass(frozen=True)
@@ -107,39 +116,33 @@ class ProcessorPlan:
             x[change.row, change.lane] = saturated(new, vals)
 
 
-def apply_processors(x: torch.Tensor, rows: Sequence[RowSampling],
-                     prompt_ids: Sequence[Sequence[int]], output_ids: Sequence[Sequence[int]],
-                     shard: ShardLanes) -> None:
-    """Each row's processors on its scratch row x[i] (float32 [local_valid]), in place."""
-    plan_processors(rows, prompt_ids, output_ids, shard).apply(x)
-
-
 def plan_processors(rows: Sequence[RowSampling], prompt_ids: Sequence[Sequence[int]],
-                    output_ids: Sequence[Sequence[int]], shard: ShardLanes) -> ProcessorPlan:
+                    output_ids: Sequence[Sequence[int]], shard: ShardLanes,
+                    buffers: PlanBuffers) -> ProcessorPlan:
     """The processors of scratch rows ``rows``: per row, allowed ids, blocked ids (min_tokens,
     bad_words) and logit_bias, in that order; then the penalties, last on every row (after
     logit_bias, as in vLLM: the repetition penalty scales the biased logit), batched over the
-    rows."""
+    rows. Every tensor is a view of ``buffers`` (ranks/sampler/buffers.py)."""
     masks = []
     for i, r in enumerate(rows):
         blocked = masked = bias_lanes = bias = None
-        if r.allowed_token_ids is not None:
-            lanes, _ = shard.local(r.allowed_token_ids)
-            blocked = torch.ones(shard.local_valid, dtype=torch.bool, device=shard.device)
-            blocked[lanes] = False
-        if r.grammar_bitmask is not None:  # (vLLM masks first; -inf fills commute)
-            grammar = shard_blocked([r.grammar_bitmask], shard.vocab_start, shard.local_valid,
-                                    shard.vocab_size, shard.device)[0]
-            blocked = grammar if blocked is None else blocked | grammar
+        if r.allowed_token_ids is not None or r.grammar_bitmask is not None:
+            host, device_rows = buffers.rows(1, shard.local_valid)
+            host[0] = r.allowed_token_ids is not None
+            if r.allowed_token_ids is not None:
+                lanes, mine = shard.local_lanes(r.allowed_token_ids)
+                host[0, lanes[mine]] = False
+            if r.grammar_bitmask is not None:  # (vLLM masks first; -inf fills commute)
+                host[0] |= grammar_blocked(r.grammar_bitmask, shard)
+            blocked = device_rows[0]
         ids = list(r.blocked_ids)
         if r.bad_words:
             ids += r.banned_ids(output_ids[i])
         if ids:
-            masked, _ = shard.local(ids)
+            masked, _ = shard.local(ids, buffers)
         if r.logit_bias:
-            bias_lanes, bias = shard.local([t for t, _ in r.logit_bias],
+            bias_lanes, bias = shard.local([t for t, _ in r.logit_bias], buffers,
                                            [b for _, b in r.logit_bias])
-            bias = bias.clamp_(-FLOAT32_MAX, FLOAT32_MAX)
         if any(t is not None for t in (blocked, masked, bias_lanes)):
             masks.append(RowMasks(i, blocked, masked, bias_lanes, bias))
     penalized = [i for i, r in enumerate(rows) if r.penalized]
@@ -147,13 +150,28 @@ def plan_processors(rows: Sequence[RowSampling], prompt_ids: Sequence[Sequence[i
     if penalized:
         penalties = _penalties(x_rows=len(rows), rows=[rows[i] for i in penalized],
                                which=penalized, prompts=[prompt_ids[i] for i in penalized],
-                               outputs=[output_ids[i] for i in penalized], shard=shard)
+                               outputs=[output_ids[i] for i in penalized], shard=shard,
+                               buffers=buffers)
     return ProcessorPlan(tuple(masks), penalties)
+
+
+def grammar_blocked(row: bytes, shard: ShardLanes) -> np.ndarray:
+    """bool [local_valid]: the lanes the grammar bitmask row forbids (the shard's slice, as
+    ranks/grammar_mask.py shard_blocked cuts it; numpy, no tensor storage)."""
+    words = bitmask_words(shard.vocab_size)
+    if len(row) != 4 * words:
+        raise ValueError(f"a grammar bitmask row over {shard.vocab_size} ids has "
+                         f"{4 * words} bytes, got {len(row)}")
+    first, last = shard.vocab_start // 32, -(-(shard.vocab_start + shard.local_valid) // 32)
+    skip = shard.vocab_start - 32 * first  # (the shard's first id within its first word)
+    bits = np.unpackbits(np.frombuffer(row, dtype=np.uint8)[4 * first:4 * last],
+                         bitorder="little").view(bool)
+    return ~bits[skip:skip + shard.local_valid]
 
 
 def _penalties(x_rows: int, rows: Sequence[RowSampling], which: list[int],
                prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]],
-               shard: ShardLanes) -> tuple[CellChange, ...]:
+               shard: ShardLanes, buffers: PlanBuffers) -> tuple[CellChange, ...]:
     """The repetition, frequency and presence penalties of rows x[which] (rows[k] is row
     which[k]), one after the other, each over the (row, lane) cells it changes in all rows
     at once: per cell the same float32 operations as one row at a time. A row whose penalty
@@ -173,8 +191,10 @@ def _penalties(x_rows: int, rows: Sequence[RowSampling], which: list[int],
             _cells(shard, rows_of, [prompts[k] for k in repeated]),
             cells[_of_rows(cells, rows_of, n_rows, shard)])))
         rep = _per_cell(seen, rows_of, [rows[k].repetition_penalty for k in repeated], n_rows,
-                        shard).clamp_(FLOAT32_TINY, FLOAT32_MAX)
-        changes.append(CellChange(True, *_indices(seen, shard), rep))
+                        shard)
+        np.clip(rep, FLOAT32_TINY, FLOAT32_MAX, out=rep)
+        changes.append(CellChange(True, *_indices(seen, shard, buffers),
+                                  buffers.float32.take(rep)))
     # Then frequency (-= f * count) and presence (-= p) over the output's cells.
     for name, per_count in (("frequency_penalty", True), ("presence_penalty", False)):
         active = [k for k, r in enumerate(rows) if getattr(r, name) != 0]
@@ -183,11 +203,14 @@ def _penalties(x_rows: int, rows: Sequence[RowSampling], which: list[int],
         rows_of = [which[k] for k in active]
         mine = _of_rows(cells, rows_of, n_rows, shard)
         term = _per_cell(cells[mine], rows_of, [getattr(rows[k], name) for k in active],
-                         n_rows, shard).clamp_(-FLOAT32_MAX, FLOAT32_MAX)
+                         n_rows, shard)
+        np.clip(term, -FLOAT32_MAX, FLOAT32_MAX, out=term)
         if per_count:
-            times = torch.from_numpy(counts[mine]).to(device=shard.device, dtype=torch.float32)
-            term = (term * times).clamp_(-FLOAT32_MAX, FLOAT32_MAX)
-        changes.append(CellChange(False, *_indices(cells[mine], shard), term))
+            with np.errstate(over="ignore"):  # (float32 products past the range: clamped)
+                term = term * counts[mine].astype(np.float32)
+            np.clip(term, -FLOAT32_MAX, FLOAT32_MAX, out=term)
+        changes.append(CellChange(False, *_indices(cells[mine], shard, buffers),
+                                  buffers.float32.take(term)))
     return tuple(changes)
 
 
@@ -213,26 +236,22 @@ def _of_rows(cells: np.ndarray, which: Sequence[int], n_rows: int,
 
 
 def _per_cell(cells: np.ndarray, which: Sequence[int], values: Sequence[float], n_rows: int,
-              shard: ShardLanes) -> torch.Tensor:
+              shard: ShardLanes) -> np.ndarray:
     """float32 per cell: values[k], rounded to float32, for the cells of row which[k]; one
     float32 when every row has the same value (the same operations, broadcast)."""
-    if all(value == values[0] for value in values):
-        return torch.tensor(values[0], dtype=torch.float32, device=shard.device)
-    table = np.ones(n_rows, dtype=np.float32)
     with np.errstate(over="ignore"):  # (past float32's range: inf, as torch.tensor rounds it)
+        if all(value == values[0] for value in values):
+            return np.asarray([values[0]], dtype=np.float64).astype(np.float32)
+        table = np.ones(n_rows, dtype=np.float32)
         table[list(which)] = np.asarray(values, dtype=np.float64).astype(np.float32)
-    return torch.from_numpy(table[cells // max(shard.local_valid, 1)]).to(shard.device)
+    return table[cells // max(shard.local_valid, 1)]
 
 
-def _indices(cells: np.ndarray, shard: ShardLanes) -> tuple[torch.Tensor, torch.Tensor]:
+def _indices(cells: np.ndarray, shard: ShardLanes, buffers: PlanBuffers
+             ) -> tuple[torch.Tensor, torch.Tensor]:
     """(row, lane) int64 tensors of the cells, for x[row, lane]."""
     width = max(shard.local_valid, 1)
-    return (torch.from_numpy(cells // width).to(shard.device),
-            torch.from_numpy(cells % width).to(shard.device))
-
-
-def _float32(value: float, shard: ShardLanes) -> torch.Tensor:
-    return torch.tensor(value, dtype=torch.float32, device=shard.device)
+    return buffers.int64.take(cells // width), buffers.int64.take(cells % width)
 
 
 def saturated(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:

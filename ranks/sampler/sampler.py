@@ -36,6 +36,7 @@ from helios_logprobs.kernels.greedy import native as greedy_native
 from helios_logprobs.kernels.greedy.native import native_argmax
 from helios_logprobs.kernels.noise import philox_native
 from helios_logprobs.kernels.noise.philox_native import native_scaled_rows
+from helios_logprobs.ranks.sampler.buffers import PlanBuffers
 from helios_logprobs.ranks.sampler.filters import (
     FILTER_WORDS,
     PICK_WORDS,
@@ -98,6 +99,10 @@ class ShardedSampler:
                                      dtype=torch.int64, device=self.device)
         """Each lane's global id (the capture-safe Gumbel-max keys its noise with them)."""
         self.scratch = torch.empty(max_rows, local_width, dtype=torch.float32, device=self.device)
+        self.buffers = PlanBuffers(max_rows, local_valid, self.device)
+        """The plan's static storage (ranks/sampler/buffers.py): prepare allocates nothing."""
+        self.tokens = torch.zeros(max_rows, dtype=torch.int64, device=self.device)
+        """The capture-safe path's output: run returns a view of it (valid until the next)."""
         self.filter_exchange = WordExchange(group, max_rows, FILTER_WORDS, self.device)
         self.pick_exchange = WordExchange(group, max_rows, PICK_WORDS, self.device)
         if self.device.type == "cpu":  # compiled (or found in their cache) now, not mid-serving
@@ -109,7 +114,7 @@ class ShardedSampler:
         """Every host decision of sampling ``rows`` (ranks/sampler/plan.py): the step's prepare
         phase makes it, so that ``run`` only applies tensors."""
         shape = PlanShape(self.lanes, self.max_rows, self.pick_exchange.world,
-                          not self.capture_safe)
+                          not self.capture_safe, self.buffers)
         return SamplePlan(shape, rows, prompt_ids, output_ids)
 
     def sample(
@@ -119,11 +124,23 @@ class ShardedSampler:
         prompt_ids: Sequence[Sequence[int]],
         output_ids: Sequence[Sequence[int]],
     ) -> torch.Tensor:
-        """Global token ids int64 [rows], identical on every rank of the group."""
-        return self.run(logits, self.plan(rows, prompt_ids, output_ids))
+        """Global token ids int64 [rows], identical on every rank of the group (a tensor of
+        its own)."""
+        tokens = self.run(logits, self.plan(rows, prompt_ids, output_ids))
+        return tokens.clone() if self.capture_safe else tokens
 
     def run(self, logits: torch.Tensor, plan: SamplePlan) -> torch.Tensor:
-        """``sample`` of a plan made before the logits (int64 [rows], on every rank)."""
+        """``sample`` of a plan made before the logits (int64 [rows], on every rank). The
+        capture-safe path writes them into ``self.tokens`` (a fixed address) and returns that
+        view, valid until the next run."""
+        tokens = self._run(logits, plan)
+        if not self.capture_safe:
+            return tokens
+        out = self.tokens[: plan.n]
+        out.copy_(tokens)
+        return out
+
+    def _run(self, logits: torch.Tensor, plan: SamplePlan) -> torch.Tensor:
         self._check(logits, plan.n)
         n = plan.n
         if plan.greedy_only:

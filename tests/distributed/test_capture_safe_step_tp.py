@@ -2,8 +2,10 @@
 tests/unit/ranks/test_capture_safe_step.py with forward (its all-reduces included), sample
 (the capture-safe sampler with its filter and pick exchanges, under the strict guard),
 commit, reduce (the tensor gate; the CPU launches and their exchanges exempt, as at TP1) and
-score under the host-read guard, prepare allocating nothing (the sampler's plan aside), and
-serves what a TP1 engine serves."""
+score under the host-read guard, prepare allocating nothing (the sampler's plan included),
+the sample phase's tokens in the sampler's static buffer, and serves what a TP1 engine
+serves. (The sample phase's net bytes are checked at TP1 only: gloo's all-gather leaves
+blocks whose frees the profiler does not see.)"""
 
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ def rank_main(model_dir: str) -> dict:
         PlanLog,
         guard_exempt,
         measure_prepare,
+        measure_sample,
     )
 
     config = RuntimeConfig(model_dir=model_dir, capacity=4, max_model_len=96, chunk_size=8,
@@ -34,7 +37,8 @@ def rank_main(model_dir: str) -> dict:
                            prompt_logprobs=True)
     engine = build_engine(config, load_rank(config, world_group()))
     step = engine.step
-    guard = HostSyncGuard()
+    step.sampler.capture_safe = True  # (CUDA's sampler, its exchanges inside the phase)
+    guard = HostSyncGuard(strict=("sample",))
     for phase in GUARDED:
         guard.wrap(step, phase)
     reduction = step.reduction
@@ -42,15 +46,14 @@ def rank_main(model_dir: str) -> dict:
     driver = reduction.driver
     reduction.driver = lambda *args: guard_exempt(guard, driver, *args)
     guard.exempt(step.scorer, "scoring")
-    step.sampler.capture_safe = True  # (CUDA's sampler, its exchanges inside the phase)
-    guard.strict = {"sample"}
-    guard.wrap(step, "sample")
-    allocations = []
+    allocations, sampled = [], []
     measure_prepare(step, allocations)
+    measure_sample(step, sampled)
     log = PlanLog(step)
     events = engine.run_offline(SERVING)
     return {"events": events, "guarded": guard.guarded, "kinds": log.kinds(),
-            "plans": len(log.plans), "allocations": allocations}
+            "plans": len(log.plans), "allocations": allocations,
+            "sampled": sampled, "tokens": step.sampler.tokens.untyped_storage().data_ptr()}
 
 
 def test_tp2_phases_read_nothing_back_and_serve_the_tp1_results(tmp_path):
@@ -64,4 +67,5 @@ def test_tp2_phases_read_nothing_back_and_serve_the_tp1_results(tmp_path):
         assert all(rank["guarded"][phase] > 0 for phase in ("sample", "commit", "reduce",
                                                              "score"))
         assert rank["allocations"] == [0] * rank["plans"]
+        assert [ptr for _, ptr in rank["sampled"]] == [rank["tokens"]] * rank["guarded"]["sample"]
         assert_same_results(tp1["events"], rank["events"])

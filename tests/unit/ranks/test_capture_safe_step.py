@@ -1,25 +1,27 @@
 """The step's capture-safe phases at TP1 on CPU (issue 36): prepare makes every host decision
-and writes the step's static input buffers; forward, commit, reduce and score then run real
-serving steps (decode, chunked prefill, mixed submissions, selected IDs, scored prefill,
-speculative rounds, logprobs on and off) under a guard that raises on any host read of a
-tensor (tests/capture_guard.py), and the buffers the phases read and write keep their storage.
+and writes the step's static input buffers and the sampler's plan buffers; forward, sample
+(the capture-safe sampler, the one a compiled or captured step runs), commit, reduce and score
+then run real serving steps (decode, chunked prefill, mixed submissions, selected IDs, scored
+prefill, speculative rounds, logprobs on and off) under a guard that raises on any host read
+of a tensor (tests/capture_guard.py; strict in the sample phase: no tensor built from host
+data either), prepare allocates no tensor storage, the sample phase keeps none (every
+intermediate freed; its tokens in the sampler's static buffer), and the buffers the phases read
+and write keep their storage.
 
 What the guard leaves out, and why:
 - the reduction's and prompt scoring's CPU launches (kernels/cpu, kernels/scoring: compiled C
   over numpy pointers, the CPU-only path) are exempt: on CUDA the same six launches are the
   prepared Triton kernels, which read no value on the host. Likewise the TP1 CPU gate in C
   (gate.c) is switched off here so the tensor gate, the one CUDA runs, is what is guarded.
-- the sample phase is guarded in test_capture_sample.py, on the capture-safe sampler (CUDA's
-  path); the CPU's compiled sampler here prunes its Gumbel candidates with host reads. After
-  it, ``readback`` is the step's one deliberate read (the commit writer runs on the host
-  with the sampled tokens).
-- prepare's allocations are measured without the sampler's plan, which builds its small
-  per-row tensors each step (ranks/sampler/plan.py; static buffers for them are still to do).
+- the sample phase runs the capture-safe sampler (``capture_safe=True``: CUDA's default and
+  the compiled step's); the CPU's default sampler prunes its Gumbel candidates with host
+  reads (test_capture_sample.py compares the two). After it, ``readback`` is the step's one
+  deliberate read (the commit writer runs on the host with the sampled tokens).
+- the sample phase's eager CPU intermediates are allocated and freed inside it (what a
+  captured graph holds in its pool): the test asserts that none outlives the phase.
 """
 
 from __future__ import annotations
-
-from dataclasses import replace
 
 import pytest
 import torch
@@ -28,11 +30,11 @@ from helios_logprobs.ranks.plan import StepPlan
 from helios_logprobs.runtime.engine.bootstrap import build_engine, load_rank
 from helios_logprobs.runtime.engine.client import SamplingParams
 from helios_logprobs.runtime.engine.config import RuntimeConfig
-from tests.capture_guard import HostSync, HostSyncGuard, allocated_bytes
+from tests.capture_guard import HostSync, HostSyncGuard, allocated_bytes, retained_bytes
 from tests.checkpoints import write_qwen2
 from tests.spec_helpers import JOBS, assert_same_results
 
-GUARDED = ("forward", "commit", "reduce", "score")
+GUARDED = ("forward", "sample", "commit", "reduce", "score")
 SCORED = ([4, 8, 15, 16, 23, 42] * 4, SamplingParams(max_tokens=6, temperature=0.0,
                                                      prompt_logprobs=2, logprobs=3,
                                                      ignore_eos=True))
@@ -84,7 +86,8 @@ class PlanLog:
 def guarded_engine(model_dir):
     engine = engine_for(model_dir)
     step = engine.step
-    guard = HostSyncGuard()
+    step.sampler.capture_safe = True  # (the compiled / captured step's sampler)
+    guard = HostSyncGuard(strict=("sample",))
     for phase in GUARDED:
         guard.wrap(step, phase)
     reduction = step.reduction
@@ -109,7 +112,9 @@ def test_serving_steps_read_no_tensor_on_the_host_outside_prepare(qwen2):
     assert {phase: guard.guarded.get(phase, 0) > 0 for phase in GUARDED} == dict.fromkeys(
         GUARDED, True)
     assert guard.guarded["forward"] == len(log.plans)
-    # The guarded run serves exactly what an unguarded engine serves.
+    assert guard.guarded["sample"] == sum(any(w.samples for w in p.work) for p in log.plans)
+    # The guarded run serves exactly what an unguarded engine (the CPU's default sampler)
+    # serves.
     assert_same_results(engine_for(qwen2).run_offline(SERVING), results)
 
 
@@ -130,11 +135,13 @@ def test_the_guard_catches_a_host_read_inside_a_phase(qwen2):
         step.reduction.requested.sum().item()
 
 
-def test_prepare_allocates_nothing_and_the_phase_buffers_keep_their_storage(qwen2):
+def test_prepare_and_sample_allocate_nothing_and_the_buffers_keep_their_storage(qwen2):
     engine = engine_for(qwen2)
     step = engine.step
+    step.sampler.capture_safe = True
     allocations: list[int] = []
     storages: list[set[int]] = []
+    sampled: list[tuple[int, int]] = []
     reduce = step.reduce
 
     def recorded_reduce(inputs, logits):
@@ -143,36 +150,35 @@ def test_prepare_allocates_nothing_and_the_phase_buffers_keep_their_storage(qwen
         return reduce(inputs, logits)
 
     measure_prepare(step, allocations, storages)
+    measure_sample(step, sampled)
     step.reduce = recorded_reduce
     bundle = step.outputs
+    plan_pools = [pool.values for pool in step.sampler.buffers.pools]
     fixed = [bundle.completion_records, bundle.completion_logprobs, bundle.logprob_requested,
-             bundle.logprob_token_ids, step.reduction.out, step.reduction.requested]
+             bundle.logprob_token_ids, step.reduction.out, step.reduction.requested,
+             step.sampler.tokens, step.sampler.scratch, *plan_pools]
     before = [t.untyped_storage().data_ptr() for t in fixed]
-    engine.run_offline(SERVING)
-    assert len(allocations) > 20
+    results = engine.run_offline(SERVING)
+    assert len(allocations) > 20 and len(sampled) > 20
     assert allocations == [0] * len(allocations)
+    tokens = step.sampler.tokens.untyped_storage().data_ptr()
+    assert sampled == [(0, tokens)] * len(sampled)
+    assert step.sampler.buffers.grown == 0
     every = set().union(*storages)
     assert every == {step.buffers.values.untyped_storage().data_ptr(),
                      step.reduction.logits.untyped_storage().data_ptr()}
     assert [t.untyped_storage().data_ptr() for t in fixed] == before
+    assert_same_results(engine_for(qwen2).run_offline(SERVING), results)
 
 
 def measure_prepare(step, allocations: list[int], storages: list[set[int]] | None = None):
-    """Wrap step.prepare: the bytes each call allocates (the profiler's memory events) go to
-    allocations, the storages of the inputs it hands on to storages. The sampler's plan (its
-    per-row index, parameter and processor tensors, ranks/sampler/plan.py) is built after
-    the measurement: it allocates them each step (static buffers for them are still to do)."""
+    """Wrap step.prepare (the sampler's plan included): the bytes each call allocates (the
+    profiler's memory events) go to allocations, the storages of the inputs it hands on to
+    storages."""
     prepare = step.prepare
 
     def measured(plan):
-        sampler_plan, asked = step.sampler.plan, []
-        step.sampler.plan = lambda *args: asked.append(args)
-        try:
-            inputs, allocated = allocated_bytes(lambda: prepare(plan))
-        finally:
-            step.sampler.plan = sampler_plan
-        if asked:
-            inputs = replace(inputs, sampling=sampler_plan(*asked[0]))
+        inputs, allocated = allocated_bytes(lambda: prepare(plan))
         allocations.append(allocated)
         if storages is not None:
             storages.append({t.untyped_storage().data_ptr() for t in (
@@ -181,3 +187,16 @@ def measure_prepare(step, allocations: list[int], storages: list[set[int]] | Non
         return inputs
 
     step.prepare = measured
+
+
+def measure_sample(step, sampled: list[tuple[int, int]]):
+    """Wrap step.sample: (bytes still held when it returns, the tokens' storage) per call."""
+    sample = step.sample
+
+    def measured(inputs, logits):
+        tokens, held = retained_bytes(lambda: sample(inputs, logits))
+        if tokens is not None:
+            sampled.append((held, tokens.untyped_storage().data_ptr()))
+        return tokens
+
+    step.sample = measured
