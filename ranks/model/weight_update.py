@@ -1,11 +1,16 @@
-"""In-place weight updates from a checkpoint folder, on every rank of the group at once.
+"""In-place weight updates from a checkpoint, on every rank of the group at once.
 
-The coordinator first checks the new folder's safetensors headers against the served one's
-(``check_same_tensors``: the same tensor names with the same shapes; dtypes may differ, the
-values are cast to the serving dtype as at start-up). Then every rank gets ``UpdateWeights``
-(the coordinator's own step thread runs it too) and ``apply_update``:
+A checkpoint is a safetensors folder (Hugging Face's names), a GGUF file, or a folder that
+links one (what a server started from a GGUF file serves: launch/gguf_folder.py); either
+kind may update a server started from either, since the GGUF reader (ranks/model/gguf.py)
+renames its tensors to Hugging Face's names, dequantizes them and undoes llama.cpp's q/k
+permutation. The coordinator first checks the new checkpoint's headers against the served
+one's (``check_same_tensors``: the same tensor names with the same shapes; dtypes and
+quantization may differ, the values are cast to the serving dtype as at start-up). Then every
+rank gets ``UpdateWeights`` (the coordinator's own step thread runs it too) and
+``apply_update``:
 
-1. stage: read only this rank's slices of the new folder into host memory (the same reader
+1. stage: read only this rank's slices of the new checkpoint into host memory (the same reader
    and slicing as start-up, so a tensor whose shape differs is refused there too);
 2. agree: every rank's outcome is gathered over the group, so either all ranks commit or none;
 3. commit: copy the staged values into the serving tensors in place (the tensors keep their
@@ -25,7 +30,7 @@ from safetensors import safe_open
 
 from helios_logprobs.collectives.codec import message
 from helios_logprobs.collectives.groups import all_gather_object, group_rank
-from helios_logprobs.ranks.model.errors import WeightLoadError
+from helios_logprobs.ranks.model.errors import ModelConfigError, WeightLoadError
 from helios_logprobs.ranks.model.gguf import GGUF_FILE
 from helios_logprobs.ranks.model.weights import (
     INDEX_FILE,
@@ -60,13 +65,43 @@ class UpdateWeights:
             raise ValueError(f"UpdateWeights: bad number {self.number!r}")
 
 
+def gguf_file(path: str | Path) -> Path | None:
+    """The GGUF file an update path names: a ``.gguf`` file, or a folder that links one
+    (a prepared folder, launch/gguf_folder.py); None for anything else."""
+    path = Path(path)
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if path.is_dir() and (path / GGUF_FILE).is_file():
+        return path / GGUF_FILE
+    return None
+
+
+def _gguf_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Hugging Face names and shapes of a GGUF file's tensors (the reader's renaming; tensors
+    it does not read are left out)."""
+    from helios_logprobs.ranks.model.gguf import hf_name, open_gguf
+
+    try:
+        tensors = open_gguf(path).tensors
+    except ModelConfigError as exc:
+        raise WeightUpdateError(f"unreadable GGUF file {path}: {exc}") from exc
+    shapes = {}
+    for tensor in tensors:
+        name = hf_name(tensor.name)
+        if name is not None:
+            shapes[name] = tuple(int(n) for n in reversed(tensor.shape.tolist()))
+    return shapes
+
+
 def tensor_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
-    """Every tensor's name and shape from a folder's safetensors headers (no data read)."""
+    """Every tensor's name and shape (Hugging Face's names) from a safetensors folder's
+    headers or a GGUF file's tensor infos (no data read)."""
     folder = Path(model_dir)
+    gguf = gguf_file(folder)
+    if gguf is not None:
+        return _gguf_shapes(gguf)
     if not folder.is_dir():
-        raise WeightUpdateError(f"{folder} is not a folder")
-    if (folder / GGUF_FILE).is_file():
-        raise WeightUpdateError(f"{folder} holds a GGUF file: weight updates read safetensors")
+        raise WeightUpdateError(f"{folder} is not a folder or a .gguf file")
     index = folder / INDEX_FILE
     if index.is_file():
         try:
@@ -77,7 +112,7 @@ def tensor_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
     elif (folder / SINGLE_FILE).is_file():
         files = [SINGLE_FILE]
     else:
-        raise WeightUpdateError(f"no {SINGLE_FILE} or {INDEX_FILE} in {folder}")
+        raise WeightUpdateError(f"no {SINGLE_FILE}, {INDEX_FILE} or {GGUF_FILE} in {folder}")
     shapes: dict[str, tuple[int, ...]] = {}
     for name in files:
         try:
@@ -116,8 +151,12 @@ def _pairs(serving: ShardWeights, staged: ShardWeights):
 
 
 def stage(model, model_path: str | Path | None, reader=None) -> ShardWeights:
-    """This rank's slices of ``model_path`` (or of ``reader``'s tensors), in host memory, in
-    the serving dtype."""
+    """This rank's slices of ``model_path`` (a safetensors folder, a GGUF file or a folder
+    linking one; or ``reader``'s tensors), in host memory, in the serving dtype."""
+    if reader is None and model_path is not None and gguf_file(model_path) is not None:
+        from helios_logprobs.ranks.model.gguf import GGUFCheckpointReader
+
+        reader = GGUFCheckpointReader(gguf_file(model_path))
     staged = load_shard_weights(model_path, model.config, model.layout, torch.device("cpu"),
                                 model.dtype, reader=reader)
     for old, new in _pairs(model.weights, staged):
