@@ -1,7 +1,9 @@
-"""The fixed-width word exchange as a custom op (``helios::word_exchange``), so a compiled
-step keeps each all-gather as one node that reads the send words and writes the receive
-words (declared), in program order with the launches around it. The group travels by its
-registered name (``ProcessGroup.group_name``); one rank copies the words through."""
+"""The step's collectives as custom ops, so a compiled step keeps each one as a single node
+with its mutation declared, in program order with the launches around it:
+``helios::word_exchange`` (the reduction's fixed-width all-gather: reads the send words,
+writes the receive words) and ``helios::all_reduce_sum`` (the forward's row-parallel sums:
+mutates its tensor in place). The group travels by its registered name
+(``ProcessGroup.group_name``); an empty name is one rank (copy through / no-op)."""
 
 from __future__ import annotations
 
@@ -24,6 +26,19 @@ def word_exchange(send: torch.Tensor, recv: torch.Tensor, group_name: str) -> No
 
 @word_exchange.register_fake
 def _(send, recv, group_name) -> None:
+    return None
+
+
+@torch.library.custom_op("helios::all_reduce_sum", mutates_args=("tensor",))
+def all_reduce_sum(tensor: torch.Tensor, group_name: str) -> None:
+    """Sum ``tensor`` over the group in place (the forward's embedding, attention output and
+    MLP down projection at TP > 1); nothing for one rank."""
+    if group_name:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=_resolve_process_group(group_name))
+
+
+@all_reduce_sum.register_fake
+def _(tensor, group_name) -> None:
     return None
 
 

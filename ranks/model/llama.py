@@ -19,6 +19,8 @@ from helios_logprobs.collectives.groups import (
     group_rank,
     group_size,
 )
+from helios_logprobs.collectives.ops import all_reduce_sum as all_reduce_sum_op
+from helios_logprobs.collectives.ops import group_name
 from helios_logprobs.ranks.model.config import ModelConfig
 from helios_logprobs.ranks.model.errors import UnsupportedModelError
 from helios_logprobs.ranks.model.invariant import attention as invariant_attention
@@ -92,6 +94,7 @@ class ShardedCausalLM:
         self.batch_invariant = batch_invariant
         self._linear = choose_linear(self._linears()) if batch_invariant else F.linear
         self._reduce = all_reduce_sum_ordered if batch_invariant else all_reduce_sum
+        self._group_name = group_name(group)
 
     @classmethod
     def load(
@@ -134,15 +137,18 @@ class ShardedCausalLM:
     def padded_vocab(self) -> int:
         return self.layout.padded_vocab
 
-    def allocate_cache(self, capacity: int, max_seq_len: int) -> KVCache:
-        """Per layer K and V of shape ``[capacity, max_seq_len, local_kv_heads, head_dim]``."""
+    def allocate_cache(self, capacity: int, max_seq_len: int, spare_slots: int = 0) -> KVCache:
+        """Per layer K and V of shape ``[capacity + spare_slots, max_seq_len, local_kv_heads,
+        head_dim]``; the cache serves slots [0, capacity); a spare slot takes the writes of a
+        compiled forward's padding tokens (ranks/step/forward_graph.py)."""
         window = self.config.sliding_window
         if window is not None and max_seq_len > window:
             raise UnsupportedModelError(
                 f"sliding-window attention is not implemented: this checkpoint's "
                 f"sliding_window={window} would bind beyond {window} tokens, so max_model_len "
                 f"must be <= {window}, got {max_seq_len}")
-        shape = (capacity, max_seq_len, self.layout.local_kv_heads, self.config.head_dim)
+        shape = (capacity + spare_slots, max_seq_len, self.layout.local_kv_heads,
+                 self.config.head_dim)
         layers = range(self.config.num_hidden_layers)
         keys = tuple(torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in layers)
         values = tuple(torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in layers)
@@ -277,7 +283,7 @@ class ShardedCausalLM:
             cos, sin = cos * self.rotary_scale, sin * self.rotary_scale
         return cos.to(self.dtype), sin.to(self.dtype)
 
-    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def _embed(self, input_ids: torch.Tensor, reduce=None) -> torch.Tensor:
         layout = self.layout
         if layout.tp_size == 1:
             return self.weights.embed[input_ids]
@@ -285,7 +291,7 @@ class ShardedCausalLM:
         inside = (local >= 0) & (local < layout.local_valid)
         h = self.weights.embed[torch.where(inside, local, 0)]
         h = h * inside.unsqueeze(-1).to(h.dtype)
-        return self._reduce(h, self.group)
+        return (reduce or self._reduce_group)(h)
 
     def _attention(
         self,
@@ -298,6 +304,20 @@ class ShardedCausalLM:
         slots: torch.Tensor,
         plan: _AttentionPlan,
     ) -> torch.Tensor:
+        q, k, v = self._qkv(x, layer, cos, sin)
+        cache_k, cache_v = self.cache.keys[index], self.cache.values[index]
+        cache_k[slots, positions] = k
+        cache_v[slots, positions] = v
+        groups = self.layout.local_heads // self.layout.local_kv_heads
+        if self.batch_invariant:
+            out = invariant_attention(q, positions, slots, cache_k, cache_v, groups)
+        else:
+            out = self._planned_attention(q, cache_k, cache_v, plan, groups)
+        return self._attention_output(out, layer, self._reduce_group)
+
+    def _qkv(self, x, layer: LayerWeights, cos, sin):
+        """This rank's heads: q ``[n, local_heads, hd]``, k and v ``[n, local_kv_heads, hd]``,
+        q and k rotated."""
         layout, hd = self.layout, self.config.head_dim
         qkv = self._linear(x, layer.qkv, layer.qkv_bias)
         q, k, v = qkv.split((self._q_width, self._kv_width, self._kv_width), dim=-1)
@@ -309,17 +329,60 @@ class ShardedCausalLM:
             k = rms_norm(k, layer.k_norm, self.config.rms_norm_eps)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        cache_k, cache_v = self.cache.keys[index], self.cache.values[index]
-        cache_k[slots, positions] = k
-        cache_v[slots, positions] = v
-        groups = layout.local_heads // layout.local_kv_heads
-        if self.batch_invariant:
-            out = invariant_attention(q, positions, slots, cache_k, cache_v, groups)
-        else:
-            out = self._planned_attention(q, cache_k, cache_v, plan, groups)
-        o = self._linear(out.view(-1, self._q_width), layer.o_proj)
-        o = self._reduce(o, self.group)
+        return q, k, v
+
+    def _attention_output(self, out, layer: LayerWeights, reduce) -> torch.Tensor:
+        o = reduce(self._linear(out.view(-1, self._q_width), layer.o_proj))
         return o if layer.o_bias is None else o + layer.o_bias
+
+    def _reduce_group(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self._reduce(tensor, self.group)
+
+    def _reduce_traced(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The row-parallel sum as ``helios::all_reduce_sum`` (one traceable node; none at
+        TP1)."""
+        if self._group_name:
+            all_reduce_sum_op(tensor, self._group_name)
+        return tensor
+
+    def forward_tokens(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        key_positions: torch.Tensor,
+    ) -> torch.Tensor:
+        """The compiled forward's function (ranks/step/forward_graph.py): advance the cache by
+        every token and return the final-normed hidden state of every token ``[n, hidden]``.
+        Each token attends to its own slot's keys at ``key_positions`` (0..L-1, L covering the
+        batch's longest context) that are <= its position, so one traced function serves
+        decode rows, speculative rounds and prefill chunks alike: no host plan, no shape that
+        depends on values. The caller checks the batch (``check_batch``); padding tokens go to
+        a spare cache slot at position 0. The sums are custom ops (collectives/ops.py)."""
+        cfg = self.config
+        groups = self.layout.local_heads // self.layout.local_kv_heads
+        cos, sin = self._rotary(positions)
+        h = self._embed(input_ids, self._reduce_traced)
+        mask = (key_positions.unsqueeze(0) <= positions.unsqueeze(1))[:, None, None, :]
+        key_index = (slots.unsqueeze(1), key_positions.unsqueeze(0))
+        for index, layer in enumerate(self.weights.layers):
+            x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
+            q, k, v = self._qkv(x, layer, cos, sin)
+            cache_k, cache_v = self.cache.keys[index], self.cache.values[index]
+            cache_k[slots, positions] = k
+            cache_v[slots, positions] = v
+            out = self._sdpa(q.unsqueeze(1), cache_k[key_index], cache_v[key_index], mask,
+                             groups).squeeze(1)
+            h = h + self._attention_output(out, layer, self._reduce_traced)
+            x = rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
+            h = h + self._mlp(x, layer, self._reduce_traced)
+        return rms_norm(h, self.weights.final_norm, cfg.rms_norm_eps)
+
+    def check_batch(self, input_ids, positions, slots, row_indices, host) -> None:
+        """The eager forward's checks of a batch, on prepare's host lists (no tensor read)."""
+        if self.cache is None:
+            raise RuntimeError("allocate_cache must be called before forward")
+        self._validate(input_ids, positions, slots, row_indices, host)
 
     def _planned_attention(self, q, cache_k, cache_v, plan: _AttentionPlan, groups: int):
         """Decode rows batched (padded to the longest context), one call per prefill chunk."""
@@ -349,8 +412,8 @@ class ShardedCausalLM:
         )
         return out.transpose(1, 2)
 
-    def _mlp(self, x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
+    def _mlp(self, x: torch.Tensor, layer: LayerWeights, reduce=None) -> torch.Tensor:
         gate, up = self._linear(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
         down = self._linear(F.silu(gate) * up, layer.down)
-        down = self._reduce(down, self.group)
+        down = (reduce or self._reduce_group)(down)
         return down if layer.down_bias is None else down + layer.down_bias

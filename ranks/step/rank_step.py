@@ -37,6 +37,7 @@ from helios_logprobs.ranks.speculative import sampler_rows, split_rows
 from helios_logprobs.ranks.step.config import StepConfig
 from helios_logprobs.ranks.step.cuda_graphs import decode_graphs
 from helios_logprobs.ranks.step.device_memory import device_memory
+from helios_logprobs.ranks.step.forward_graph import ForwardGraph, ForwardVariant
 from helios_logprobs.ranks.step.inputs import StepBuffers, StepInputs, prepare_inputs
 from helios_logprobs.ranks.step.reduce import StepReduction
 from helios_logprobs.ranks.step.reduce_graph import ReductionGraph, compile_counters
@@ -65,7 +66,9 @@ class RankStep:
         """Physical slot -> SlotState of the request occupying it."""
         self.upload = NO_UPLOAD
         """The last submission's upload: requesting slots and the copy width W."""
-        model.allocate_cache(config.capacity, config.max_seq_len)
+        compiles_forward = config.compile and not getattr(model, "batch_invariant", False)
+        model.allocate_cache(config.capacity, config.max_seq_len,
+                             spare_slots=1 if compiles_forward else 0)
         self.buffers = StepBuffers(config, self.device)
         """The step's static inputs, written by prepare."""
         self.outputs = completion_outputs(config, self.device)
@@ -107,6 +110,15 @@ class RankStep:
             self.graph(self.buffers.row_tensors, self.buffers.frame_index)
         self.cuda_graphs = decode_graphs(self)
         """CUDA with config.cuda_graphs: the captured decode variants (None: all eager)."""
+        self.forward_graph: ForwardGraph | None = None
+        """--compile: the forward as one compiled graph over padded token buckets
+        (ranks/step/forward_graph.py), every bucket run here on the spare slot only."""
+        if compiles_forward:
+            self.forward_graph = ForwardGraph(model, config.capacity, config.max_seq_len,
+                                              config.max_rows, config.token_budget,
+                                              self.device)
+        self.variant: ForwardVariant | None = None
+        """The compiled variant prepare chose for this submission (None: eager forward)."""
         self.compiled_at_start = compile_counters()
         """Dynamo's counters once the step is built (its compiles done): serve_stats'
         recompilations are the graphs compiled since."""
@@ -139,6 +151,8 @@ class RankStep:
             masks = {w.slot: w.grammar_masks for w in plan.work if w.grammar_masks}
             inputs = replace(inputs, sampling=self.sampler.plan(
                 *sampler_rows(inputs.rows, masks)))
+        if self.forward_graph is not None:
+            self.variant = self.forward_graph.select(inputs.host)
         # A submission without sampling rows runs no graph with logprob outputs: no transfers.
         sampling = self.uploader is not None and bool(inputs.rows)
         self.upload = self.uploader.upload(inputs.lanes) if sampling else NO_UPLOAD
@@ -149,8 +163,15 @@ class RankStep:
         if not inputs.token_ids.numel():
             return None, None
         sampling = inputs.logit_index.numel()
-        hidden = self.model.forward_hidden(inputs.token_ids, inputs.positions, inputs.slots,
-                                           inputs.row_index, inputs.host)
+        if self.variant is not None:
+            self.model.check_batch(inputs.token_ids, inputs.positions, inputs.slots,
+                                   inputs.row_index, inputs.host)
+            self.forward_graph.load(self.variant, inputs.token_ids, inputs.positions,
+                                    inputs.slots)
+            hidden = self.variant.run().index_select(0, inputs.row_index)
+        else:
+            hidden = self.model.forward_hidden(inputs.token_ids, inputs.positions,
+                                               inputs.slots, inputs.row_index, inputs.host)
         # The logits go straight into the buffer the reduction reads (no copy of them).
         reads_raw = self.reduction is not None and self.reduction.reads_raw
         out = self.reduction.logits[:sampling] if reads_raw else None

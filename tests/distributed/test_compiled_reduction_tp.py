@@ -1,8 +1,12 @@
-"""--compile at TP2 over gloo (issue 36): on every rank the reduce phase is one
-torch.compile(fullgraph=True) graph whose launches and both exchanges are custom ops
+"""--compile at TP2 over gloo (issue 36): on every rank the step runs two
+torch.compile(fullgraph=True) graphs, both compiled at start-up. The forward's graph sums its
+row-parallel outputs through ``helios::all_reduce_sum`` (the embedding, then attention and
+MLP per layer); the reduce phase's launches and both exchanges are custom ops
 (helios::shard_stats, word_exchange, shard_candidates, word_exchange, final_merge, in that
-order); a mixed serving run compiles nothing more and serves exactly the eager run's tokens
-and logprobs, the same on both ranks."""
+order). A mixed serving run (decode at several batch sizes, chunked and scored prefill,
+selected IDs, logprobs on and off, speculative rounds) compiles nothing more, runs every
+submission through the compiled forward, and serves the eager run's tokens with logprobs
+within 2e-5, the same on both ranks."""
 
 from __future__ import annotations
 
@@ -30,9 +34,21 @@ def rank_main(model_dir: str) -> dict:
                                prompt_logprobs=True, compile=compile)
         engine = build_engine(config, load_rank(config, world_group()))
         before = counters["stats"]["unique_graphs"]
+        buckets = []
+        if compile:
+            graph = engine.step.forward_graph
+            select = graph.select
+
+            def selecting(host, select=select, buckets=buckets):
+                variant = select(host)
+                buckets.append(None if variant is None else variant.tokens)
+                return variant
+
+            graph.select = selecting
         with torch._dynamo.config.patch(error_on_recompile=True):
             out[compile] = engine.run_offline(SERVING)
         out[f"graphs {compile}"] = (before, counters["stats"]["unique_graphs"])
+        out[f"buckets {compile}"] = buckets
     out["breaks"] = sum(counters["graph_break"].values())
     step = engine.step
     from helios_logprobs.ranks.step.reduce_graph import ReductionGraph
@@ -47,19 +63,37 @@ def rank_main(model_dir: str) -> dict:
     out["ops"] = [str(n.target) for n in fx.graph.nodes
                   if n.op == "call_function" and "helios" in str(n.target)]
     out["explained"] = (explained.graph_count, explained.graph_break_count)
+    model = step.model
+    model.allocate_cache(4, 96, spare_slots=1)  # (the eager step's cache has no spare slot)
+    tokens = torch.tensor([5, 6, 7, 4], dtype=torch.int64)
+    explained = torch._dynamo.explain(model.forward_tokens)(
+        tokens, torch.tensor([0, 1, 2, 0]), torch.tensor([0, 0, 0, 4]), torch.arange(3))
+    (fx,) = explained.graphs
+    out["forward ops"] = [str(n.target) for n in fx.graph.nodes
+                          if n.op == "call_function" and "helios" in str(n.target)]
+    out["forward explained"] = (explained.graph_count, explained.graph_break_count)
+    out["layers"] = len(model.weights.layers)
     return out
 
 
-def test_tp2_compiled_reduction_is_one_graph_and_serves_the_eager_results(tmp_path):
+def test_tp2_compiled_step_is_two_graphs_and_serves_the_eager_results(tmp_path):
+    from tests.spec_helpers import assert_same_results
+
     model_dir = write_qwen2(tmp_path / "qwen2")
     ranks = run_ranks(rank_main, 2, str(model_dir), timeout_s=900)
     for rank in ranks:
-        assert rank["graphs True"] == (1, 1)  # compiled at start-up, nothing while serving
-        assert rank["graphs False"] == (1, 1)
+        assert rank["graphs True"] == (2, 2)  # compiled at start-up, nothing while serving
+        assert rank["graphs False"] == (2, 2)
         assert rank["breaks"] == 0
         assert rank["explained"] == (1, 0)
         assert rank["ops"] == ["helios.shard_stats.default", "helios.word_exchange.default",
                                "helios.shard_candidates.default",
                                "helios.word_exchange.default", "helios.final_merge.default"]
-        assert rank[True] == rank[False]
+        assert rank["forward explained"] == (1, 0)
+        assert rank["forward ops"] == ["helios.all_reduce_sum.default"] * (
+            1 + 2 * rank["layers"])
+        sizes = rank["buckets True"]
+        assert None not in sizes and len(set(sizes)) >= 3, sizes  # several decode buckets
+        assert rank["buckets False"] == []
+        assert_same_results(rank[True], rank[False])
         assert rank[True] == ranks[0][True]

@@ -1,9 +1,13 @@
-"""--compile at TP1 on CPU (issue 36): the reduce phase (gate, launches as custom ops, payload
-write: ranks/step/reduce_graph.py) is one torch.compile(fullgraph=True) graph compiled at
-start-up; a serving run that mixes decode, chunked prefill, scored prefill, selected IDs,
-logprobs on and off and speculative rounds compiles nothing more (dynamo's counters, and
-error_on_recompile) and serves exactly the eager engine's tokens and logprobs (the same
-launches: bit-equal). The TP2 run is tests/distributed/test_compiled_reduction_tp.py."""
+"""--compile at TP1 on CPU (issue 36): the step runs two torch.compile(fullgraph=True) graphs
+compiled at start-up, the forward over padded token buckets (ranks/step/forward_graph.py)
+and the reduce phase (gate, launches as custom ops, payload write: ranks/step/reduce_graph.py);
+a serving run that mixes decode at several batch sizes, chunked prefill, scored prefill,
+selected IDs, logprobs on and off and speculative rounds runs every submission through both,
+compiles nothing more (dynamo's counters, and error_on_recompile) and serves the eager
+engine's tokens with logprobs within 2e-5 (Inductor's fused norms and padded attention round
+differently from the eager forward). The TP2 run is
+tests/distributed/test_compiled_reduction_tp.py; the forward's padding and buckets are
+tests/unit/ranks/test_compiled_forward.py."""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from torch._dynamo.utils import counters
 from helios_logprobs.runtime.engine.bootstrap import build_engine, load_rank
 from helios_logprobs.runtime.engine.config import RuntimeConfig
 from tests.checkpoints import write_qwen2
+from tests.spec_helpers import assert_same_results
 from tests.unit.ranks.test_capture_safe_step import SERVING, PlanLog
 
 
@@ -43,7 +48,16 @@ def test_compiled_serving_compiles_nothing_more_and_equals_eager(qwen2):
     counters.clear()
     engine = engine_for(qwen2, compile=True)
     graph = engine.step.graph
-    assert graph is not None and graph_counts() == {"graphs": 1, "breaks": 0}
+    assert graph is not None and graph_counts() == {"graphs": 2, "breaks": 0}
+    forward = engine.step.forward_graph
+    select, buckets = forward.select, []
+
+    def selecting(host):
+        variant = select(host)
+        buckets.append(None if variant is None else variant.tokens)
+        return variant
+
+    forward.select = selecting
     calls = []
     compiled = graph.fn
 
@@ -55,11 +69,14 @@ def test_compiled_serving_compiles_nothing_more_and_equals_eager(qwen2):
     log = PlanLog(engine.step)
     with torch._dynamo.config.patch(error_on_recompile=True):
         served = engine.run_offline(SERVING)
-    assert graph_counts() == {"graphs": 1, "breaks": 0}
+    assert graph_counts() == {"graphs": 2, "breaks": 0}
+    assert None not in buckets and len(set(buckets)) >= 3, buckets
     assert log.kinds() == {"decode", "chunked prefill", "mixed", "speculative round",
                            "scored prefill"}
     assert len(calls) > 20
-    assert served == engine_for(qwen2, compile=False).run_offline(SERVING)
+    eager = engine_for(qwen2, compile=False)
+    assert eager.step.forward_graph is None
+    assert_same_results(served, eager.run_offline(SERVING))
 
 
 def test_the_graph_takes_only_its_arguments_and_the_workspaces_are_local(qwen2):

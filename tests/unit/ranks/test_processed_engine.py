@@ -117,9 +117,18 @@ def test_raw_engine_samples_the_same_tokens_and_reports_raw_entries(runs, qwen2)
 
 
 def test_compiled_reduce_phase_reads_the_processed_rows(runs, qwen2):
-    """--compile: the reduce phase's graph reads the same scratch rows (bit-equal entries)."""
+    """--compile: the reduce phase's graph reads the same scratch rows: the same tokens and
+    entries (within 2e-5: the compiled forward's logits round differently from eager's)."""
     compiled, _ = serve(qwen2, "processed_logprobs", 0, compile=True)
-    assert compiled == runs[("processed_logprobs", 0)][0]
+    eager = runs[("processed_logprobs", 0)][0]
+    for a, b in zip(compiled, eager, strict=True):
+        assert [t.token_id for t in a] == [t.token_id for t in b]
+        for x, y in zip(a, b, strict=True):
+            assert [p.token_id for p in x.alternatives] == [p.token_id for p in y.alternatives]
+            pairs = [(p.logprob, q.logprob) for p, q in zip(x.alternatives, y.alternatives,
+                                                            strict=True)]
+            for p, q in [(x.logprob, y.logprob), *pairs]:
+                assert p == q or math.isclose(p, q, abs_tol=2e-5), (p, q)
 
 
 class EntropyRecorder:
