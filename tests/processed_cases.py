@@ -26,10 +26,12 @@ K = 20
 NEG_INF = float("-inf")
 
 
-def scenario() -> tuple[torch.Tensor, list[RowSampling], list[list[int]], list[list[int]]]:
+def scenario(base: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, list[RowSampling], list[list[int]], list[list[int]]]:
     """Greedy and sampled rows: temperatures, top-k (small, tied at the cut-off, radix),
     top-p (tied at the cut-off), min-p, their combinations, penalties, logit_bias, a grammar
-    mask and a row whose kept set is smaller than K."""
+    mask and a row whose kept set is smaller than K. ``base``: FP32 [14, VOCAB] rows to use
+    instead of the random ones (transformers' logits), with the same ties planted."""
     gen = torch.Generator().manual_seed(381)
     params = [
         dict(temperature=0.0),
@@ -51,6 +53,8 @@ def scenario() -> tuple[torch.Tensor, list[RowSampling], list[list[int]], list[l
     rows = [RowSampling(**({"seed": 7 * i + 1, "position": 3} | p))
             for i, p in enumerate(params)]
     logits = torch.randn(len(rows), VOCAB, generator=gen) * 3
+    if base is not None:
+        logits = base.to(torch.float32).clone()
     logits[5, [10, 160, 230, 299]] = 12.0
     logits[8, [70, 151, 152, 300]] = 6.0
     logits[11] = logits[11].round()
@@ -65,9 +69,9 @@ def shard(world: int, rank: int) -> tuple[int, int, int]:
     return start, width, max(0, min(width, VOCAB - start))
 
 
-def run_modes(group: object, world: int, rank: int) -> dict:
+def run_modes(group: object, world: int, rank: int, base: torch.Tensor | None = None) -> dict:
     """On one rank: {mode: (payload int32 [rows, 258], entropy FP32 [rows])} and the tokens."""
-    full, rows, prompt, output = scenario()
+    full, rows, prompt, output = scenario(base)
     start, width, valid = shard(world, rank)
     n = len(rows)
     sampler = ShardedSampler(group, start, valid, width, VOCAB, max_rows=n, capture_safe=True)
@@ -89,23 +93,23 @@ def run_modes(group: object, world: int, rank: int) -> dict:
     return result
 
 
-def reported_rows(mode: str) -> torch.Tensor:
+def reported_rows(mode: str, base: torch.Tensor | None = None) -> torch.Tensor:
     """The full rows whose values (or renormalized values) each mode reports: vLLM's."""
-    full, rows, prompt, output = scenario()
+    full, rows, prompt, output = scenario(base)
     if mode.startswith("raw_"):
         return full
     return torch.stack([oracle.final(full[i], r, prompt[i], output[i])
                         for i, r in enumerate(rows)])
 
 
-def check_modes(result: dict) -> None:
-    full, rows, prompt, output = scenario()
+def check_modes(result: dict, base: torch.Tensor | None = None) -> None:
+    full, rows, prompt, output = scenario(base)
     tokens = result["tokens"].tolist()
     for i, r in enumerate(rows):
         assert tokens[i] == oracle.sample(full[i], r, prompt[i], output[i]), i
     for mode in LOGPROBS_MODES:
         out, entropy = result[mode]
-        x = reported_rows(mode)
+        x = reported_rows(mode, base)
         want_entropy = reference_entropy(x)
         for i in range(len(rows)):
             if mode.endswith("_logprobs"):
@@ -138,3 +142,13 @@ def processed_logprob(i: int) -> float:
     token = oracle.sample(full[i], rows[i], prompt[i], output[i])
     return float(y[token] - torch.logsumexp(y, 0))
 
+
+
+def transformers_rows(model_dir) -> torch.Tensor:
+    """FP32 [14, VOCAB]: transformers' logits of a checkpoint with VOCAB lanes
+    (tests/checkpoints.py write_qwen2) at the 14 positions of a fixed prompt (``base``)."""
+    from tests.checkpoints import _hf_model
+
+    prompt = [(37 * j + 11) % VOCAB for j in range(len(scenario()[1]))]
+    with torch.no_grad():
+        return _hf_model(str(model_dir))(torch.tensor([prompt])).logits[0].float()

@@ -1,5 +1,7 @@
 """--logprobs-mode and entropy over real gloo groups (TP2, TP4): every rank's payload and
-entropy equal the float64 oracle on the full row (vLLM's processor order, renormalized), the
+entropy equal the float64 oracle on the full row (vLLM's processor order, renormalized), on
+random rows and on transformers' logits of the tiny Qwen2 (vocabulary 301: the last shard is
+padded; the filters' masks give -inf lanes), the
 *_logits modes report the values bit for bit, the ranks agree bit for bit, and the reduction
 still makes exactly two exchanges per call, exchange 1 one word wider (tests/processed_cases.py;
 TP1 in tests/unit/ranks/test_processed_logprobs.py)."""
@@ -10,15 +12,16 @@ import pytest
 import torch
 
 from helios_logprobs.kernels.layout import EXCHANGE1_WORDS, EXCHANGE2_WORDS, LOGPROBS_MODES
+from tests.checkpoints import write_qwen2
 from tests.distributed.harness import run_ranks
 from tests.entropy_cases import TOLERANCE, entropy_rows, reference_entropy, shard_of
-from tests.processed_cases import check_modes
+from tests.processed_cases import check_modes, transformers_rows
 
 pytestmark = pytest.mark.slow
 TIMEOUT_S = 180.0
 
 
-def _rank_main() -> dict:
+def _rank_main(base: torch.Tensor) -> dict:
     from helios_logprobs.collectives.groups import group_rank, group_size, world_group
     from helios_logprobs.kernels.sharded import PreparedShardedReduction
     from tests.distributed.collective_log import record_collectives
@@ -28,6 +31,7 @@ def _rank_main() -> dict:
     group = world_group()
     world, rank = group_size(group), group_rank(group)
     result = run_modes(group, world, rank)
+    result["transformers"] = run_modes(group, world, rank, base)
     x = entropy_rows()
     local, start, valid = shard_of(x, world, rank)
     rows = x.shape[0]
@@ -42,11 +46,17 @@ def _rank_main() -> dict:
     return result
 
 
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> torch.Tensor:
+    return transformers_rows(write_qwen2(tmp_path_factory.mktemp("processed") / "qwen2"))
+
+
 @pytest.mark.parametrize("world", [2, 4])
-def test_modes_and_entropy_on_shards(world: int):
-    results = run_ranks(_rank_main, world, timeout_s=TIMEOUT_S)
+def test_modes_and_entropy_on_shards(world: int, base: torch.Tensor):
+    results = run_ranks(_rank_main, world, base, timeout_s=TIMEOUT_S)
     for result in results:
         check_modes(result)
+        check_modes(result["transformers"], base)
     first = results[0]
     want = reference_entropy(entropy_rows())
     got = first["entropy_rows"]
@@ -57,6 +67,7 @@ def test_modes_and_entropy_on_shards(world: int):
             assert abs(float(got[i]) - float(want[i])) <= TOLERANCE, (i, got[i], want[i])
     for other in results[1:]:
         assert torch.equal(other["tokens"], first["tokens"])
+        assert torch.equal(other["transformers"]["tokens"], first["transformers"]["tokens"])
         for mode in LOGPROBS_MODES:
             assert torch.equal(other[mode][0], first[mode][0]), mode
             assert torch.equal(other[mode][1], first[mode][1]), mode

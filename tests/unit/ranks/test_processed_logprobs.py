@@ -12,6 +12,7 @@ import torch
 
 from helios_logprobs.kernels.layout import LOGPROBS_MODES
 from helios_logprobs.ranks.step.config import StepConfig
+from tests.checkpoints import write_qwen2
 from tests.processed_cases import (
     VOCAB,
     check_modes,
@@ -19,6 +20,7 @@ from tests.processed_cases import (
     processed_logprob,
     run_modes,
     scenario,
+    transformers_rows,
 )
 
 
@@ -35,6 +37,12 @@ def test_scenario_is_not_trivial(tp1: dict):
 
 def test_tp1_modes_equal_the_oracle(tp1: dict):
     check_modes(tp1)
+
+
+def test_tp1_modes_on_transformers_rows(tmp_path):
+    """The same processors on transformers' logits of the tiny Qwen2 (its full rows)."""
+    base = transformers_rows(write_qwen2(tmp_path / "qwen2"))
+    check_modes(run_modes(None, 1, 0, base), base)
 
 
 def test_sampled_token_reports_its_processed_logprob(tp1: dict):
