@@ -5,9 +5,9 @@ included, as vLLM's outputs hold it) and logprobs out; nothing is tokenized or d
 
 Logprobs are chat-shaped (`{"content": [{"token": "token_id:N", "logprob", "bytes": null,
 "top_logprobs": [...]}]}`), one entry per generated id, the terminating stop token included
-(the engine scores it: SamplingParams.stop_token_entry); `top_logprobs` holds the request's
-`logprobs` most likely alternatives in rank order, as /v1/chat/completions does (vLLM's
-generate lists the sampled token there first instead). The values are the engine's, as every
+(the engine scores it: SamplingParams.stop_token_entry); `top_logprobs` lists, as vLLM's
+generate does, the sampled token first, then the most likely other ids in rank order,
+max(logprobs, 1) entries in all. The values are the engine's, as every
 endpoint reports them: equal, bit for bit, to /v1/completions' for the same prompt and
 sampling. Streamed (`"stream": true`), one SSE chunk per generated id (a choice's last id
 carries its finish reason), then a usage chunk with stream_options.include_usage, then
@@ -164,10 +164,14 @@ def _entry(token: GeneratedToken, top_n: int, mode: WireMode) -> dict[str, Any]:
         entry = {"token": f"token_id:{token_id}", "logprob": -9999.0, "bytes": None,
                  "top_logprobs": []}
     else:
-        top = [{"token": f"token_id:{alt.token_id}", "logprob": wire_logprob(alt.logprob),
-                "bytes": None} for alt in token.alternatives[:top_n]]
-        entry = {"token": f"token_id:{token_id}", "logprob": wire_logprob(logprob),
-                 "bytes": None, "top_logprobs": top}
+        # vLLM's order: the sampled token first, then the most likely others, max(N, 1) in
+        # all (its dict of the sampled id then the top N, cut to N: a sampled id outside the
+        # top N pushes the N-th out; logprobs=0 lists the sampled token alone).
+        chosen = {"token": f"token_id:{token_id}", "logprob": wire_logprob(logprob),
+                  "bytes": None}
+        others = [{"token": f"token_id:{alt.token_id}", "logprob": wire_logprob(alt.logprob),
+                   "bytes": None} for alt in token.alternatives if alt.token_id != token_id]
+        entry = {**chosen, "top_logprobs": [dict(chosen), *others][: max(top_n, 1)]}
     if mode.entropy:
         entry["entropy"] = None if logprob is None else wire_entropy(token.entropy)
     return entry

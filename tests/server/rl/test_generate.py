@@ -94,6 +94,24 @@ def test_seeded_choices_equal_completions(rl_a1):
     assert got["choices"][0]["token_ids"] != got["choices"][1]["token_ids"]
 
 
+def test_top_logprobs_list_the_sampled_token_first_as_vllm(rl_a1):
+    """vLLM's generate (_create_tokens_logprobs): the first max(N, 1) items of {sampled id,
+    then the top N}: the sampled token, then the most likely others (a sampled id outside
+    the top N leaves out the N-th); logprobs=0 lists the sampled token alone."""
+    sampling = {"temperature": 1.5, "seed": 4, "max_tokens": 12, "ignore_eos": True}
+    outside = 0
+    for n in (2, 0):
+        got = generate(rl_a1, logprobs=n, **sampling)["choices"][0]
+        reference = completion(rl_a1, logprobs=max(n, 1), **sampling)["choices"][0]
+        assert got["token_ids"] == reference["token_ids"]
+        for (tid, value, top), (_, _, natural) in zip(
+                entries(got), completion_entries(reference, max(n, 1)), strict=True):
+            ranked = sorted(natural, key=lambda p: (-p[1], p[0]))
+            assert top == [(tid, value), *[p for p in ranked if p[0] != tid]][: max(n, 1)]
+            outside += n > 0 and tid not in [t for t, _ in ranked]
+    assert outside > 0  # (a sampled id outside the top 2 was seen: its case is covered)
+
+
 def test_a_stop_token_is_returned_with_its_logprob(rl_a1):
     first = generate(rl_a1, temperature=0.0, max_tokens=6, logprobs=1,
                      ignore_eos=True)["choices"][0]
