@@ -182,7 +182,7 @@ def kept_bytes(backend: str) -> int:
 
 def run(
     backend: str, repeat: int, device: torch.device, rows_list, vocab_list, clock
-) -> None:
+) -> str:
     g = torch.Generator().manual_seed(0)
     head = "| rows | vocab | baseline ms | ours ms | speedup | prepared ms | speedup "
     head += "| baseline peak MiB | ours peak MiB | ours kept MiB | memory ratio |"
@@ -196,7 +196,19 @@ def run(
                 from helios_logprobs.kernels.cpu.lean_stats import release_plans
 
                 release_plans()  # "kept" then reports this configuration's buffers alone
-            print(measure(backend, repeat, device, rows, vocab, g, clock), flush=True)
+            line = measure(backend, repeat, device, rows, vocab, g, clock)
+            print(line, flush=True)
+    return line
+
+
+def figure(line: str) -> str:
+    """The last table line in one phrase (scripts/device-check.sh's summary): rows x vocab,
+    speedup of ours over the baseline, and on CUDA ours/copy achieved bandwidth."""
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    text = f"{cells[0]} x {cells[1]}: speedup {cells[4]} over the baseline"
+    if len(cells) > 12:
+        text += f", {cells[11]} GB/s (a device copy: {cells[13]} GB/s)"
+    return text
 
 
 def main() -> None:
@@ -212,6 +224,8 @@ def main() -> None:
         help="CPU device: wall time, or CPU time of the whole process (all threads; steadier "
         "on a shared machine)",
     )
+    parser.add_argument("--figures", default=None,
+                        help="write the last line's figure (one phrase) to this file")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -223,7 +237,10 @@ def main() -> None:
         f"backend={args.backend} device={device} threads={torch.get_num_threads()} "
         f"torch={torch.__version__} repeat={args.repeat} clock={args.clock}"
     )
-    run(args.backend, args.repeat, device, args.rows, args.vocab, clock)
+    last = run(args.backend, args.repeat, device, args.rows, args.vocab, clock)
+    if args.figures:
+        with open(args.figures, "w") as f:
+            f.write(figure(last) + "\n")
 
 
 if __name__ == "__main__":
