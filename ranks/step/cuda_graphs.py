@@ -3,32 +3,36 @@
 What is captured, and when it replays:
 
 - Decode submissions only (vLLM's "uniform decode": every work item feeds one token and
-  samples, no speculative proposals, no scored chunk, no grammar masks, no entropy). Prefill,
-  mixed, scored and speculative submissions stay eager.
-- The reduce phase: one variant per device frame (0, 1), over all ``max_rows`` rows of the
-  static row buffers (ranks/step/inputs.py StepBuffers). Rows past the submission's last hold
-  slot -1 and fail the gate inside the tensors (no host branch decides which rows run), and
-  the payload write goes through a row map (``captured_reduce``), so a padded row never
-  writes and two rows never race for one position. The gate, the driver's launches and
-  exchanges, and the write all read fixed addresses: the graph replays them as captured.
-- The decode forward (and, once the sampler's plan tensors are static, the sample phase):
-  one variant per batch bucket (``capture_sizes``: vLLM's 1, 2, 4, then multiples of 8) over
-  the same static buffers, rows past the batch padded (``pad_decode_inputs``: slot
-  ``PAD_SLOT``, position 0, token 0, as vLLM's _PAD_SLOT_ID). This needs a forward whose
-  attention reads no host list (the eager one sizes its mask from the longest context on the
-  host and builds index tensors from host data, which a graph cannot replay): the hook is
-  ``DecodeGraphs(decode_forward=...)``, a factory ``bucket -> callable`` that the compiled
-  decode forward (ranks/step/forward_graph.py, in progress) provides. Without it only the
-  reduce phase is captured and the forward and sample stay eager.
+  samples, no speculative proposals, no scored chunk, no grammar masks, no entropy;
+  ``decode_rows``). Prefill, mixed, scored and speculative submissions stay eager (or
+  compiled, uncaptured).
+- The reduce phase over all ``max_rows`` rows of the static row buffers (ranks/step/inputs.py
+  StepBuffers). Rows past the submission's last hold slot -1 and fail the gate inside the
+  tensors (no host branch decides which rows run). With --compile it is the compiled region
+  (ranks/step/reduce_graph.py: the frame is a tensor, one variant); otherwise the step
+  reduction's gate and launches with a payload write through a row map
+  (``captured_reduce``: a padded row never writes, two rows never race for a position), one
+  variant per device frame.
+- With --compile, the decode forward and the projection into the reduction's logit rows, one
+  variant per decode bucket of the compiled forward's ladder (ranks/step/forward_graph.py:
+  its static buffers, its padding to the spare cache slot, ``load`` before the replay), the
+  key length pinned at max_seq_len (the mask alone bounds each row's context).
+  ``CapturedForward``.
+
+The sample phase is not captured yet (the readback and the host commit sit between it and
+the reduction; a captured sampler needs its plan tensors written in place, which
+ranks/sampler's static pools now do: the next variant to add).
 
 Every variant is captured into one pool (``torch.cuda.graph_pool_handle()``), largest first
 as vLLM does, so a smaller variant reuses the larger one's blocks; each is warmed up on a
-side stream before its capture (first launches compile, allocate workspaces and pick
-cuBLAS/Triton configurations outside the graph). Capture is CUDA-only and off unless the
-step's config asks for it (``StepConfig.cuda_graphs``); the CPU never builds a
-``DecodeGraphs``. The bookkeeping (buckets, padding, eligibility, capture order and pool
-sharing) is device-independent and takes a ``GraphBackend``, so the CPU tests drive it with a
-backend that replays the captured callables (tests/unit/ranks/test_cuda_graphs.py).
+side stream before its capture (first launches allocate workspaces and pick cuBLAS/Triton
+configurations outside the graph). Capture is CUDA-only and off unless the step's config
+asks for it (``StepConfig.cuda_graphs``); the CPU never builds one by itself. The
+bookkeeping (eligibility, capture order, pool sharing, which variant replays) is
+device-independent and takes a ``GraphBackend``, so the CPU tests drive it with a backend
+that replays the captured callables under a strict host-sync guard
+(tests/unit/ranks/test_cuda_graphs.py); tests/gpu/test_cuda_graphs_gpu.py replays real
+graphs.
 """
 
 from __future__ import annotations
@@ -42,40 +46,11 @@ import torch
 from helios_logprobs.ranks.contract.abi6 import HEADER
 from helios_logprobs.ranks.plan import StepPlan
 
-PAD_SLOT = -1
-"""The slot of a padding row (vLLM's _PAD_SLOT_ID): its cache write is skipped, and its
-sampling row fails the reduction's gate."""
-DEFAULT_MAX_CAPTURE = 512
-"""vLLM's ceiling on captured batch sizes."""
 WARMUP_CALLS = 2
 """Eager calls of each variant on the capture stream before its capture."""
 
 REDUCE = "reduce"
 DECODE = "decode"
-
-
-def capture_sizes(max_rows: int, limit: int = DEFAULT_MAX_CAPTURE) -> tuple[int, ...]:
-    """vLLM's decode buckets up to ``max_rows`` (1, 2, 4, multiples of 8 below 256, then of
-    16), with ``max_rows`` itself last when it is not one of them (the largest decode batch
-    must have a bucket). Ascending."""
-    if max_rows < 1:
-        raise ValueError(f"max_rows must be >= 1, got {max_rows}")
-    top = min(max_rows, limit)
-    sizes = [1, 2, 4, *range(8, 256, 8), *range(256, limit + 1, 16)]
-    out = [s for s in sizes if s <= top]
-    if out[-1] != top:
-        out.append(top)
-    return tuple(out)
-
-
-def bucket_for(rows: int, sizes: tuple[int, ...]) -> int | None:
-    """The smallest bucket holding ``rows`` rows; None when none does (the step runs eager)."""
-    if rows < 1:
-        return None
-    for size in sizes:
-        if size >= rows:
-            return size
-    return None
 
 
 def decode_rows(plan: StepPlan) -> int:
@@ -89,38 +64,6 @@ def decode_rows(plan: StepPlan) -> int:
                 or work.grammar_masks):
             return 0
     return len(plan.work)
-
-
-@dataclass(frozen=True)
-class PaddedBatch:
-    """A decode batch of ``rows`` rows run as bucket ``bucket``: buffer entries
-    [rows, bucket) of the token, position, slot and forward-row inputs are padding."""
-
-    rows: int
-    bucket: int
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.rows <= self.bucket:
-            raise ValueError(f"rows must be in [1, bucket={self.bucket}], got {self.rows}")
-
-    @property
-    def padding(self) -> slice:
-        return slice(self.rows, self.bucket)
-
-
-def pad_decode_inputs(buffers, batch: PaddedBatch, rows: torch.Tensor) -> None:
-    """Write the padding rows of a decode batch into the step's static inputs (device
-    fills and one copy from ``rows``, a static arange: no allocation): token 0, position 0,
-    slot PAD_SLOT, forward row = the row itself (token r is row r's last token in a decode
-    batch, so each padding row projects its own hidden state). prepare uploaded the real
-    rows."""
-    pad = batch.padding
-    if pad.start == pad.stop:
-        return
-    buffers.token_ids[pad].fill_(0)
-    buffers.positions[pad].fill_(0)
-    buffers.slots[pad].fill_(PAD_SLOT)
-    buffers.row_index[pad].copy_(rows[pad])
 
 
 @dataclass(frozen=True)
@@ -187,7 +130,7 @@ class GraphCounters:
     captured: int = 0
     replays: dict[str, int] = field(default_factory=lambda: {REDUCE: 0, DECODE: 0})
     eager: int = 0
-    """Submissions with sampling rows that ran every phase eager."""
+    """Submissions whose reduce phase ran uncaptured (not a decode submission)."""
 
 
 class GraphSet:
@@ -235,61 +178,101 @@ def captured_reduce(reduction, frame: int, row_tensors: torch.Tensor) -> None:
     target_rows.copy_(torch.where((row_of >= 0).unsqueeze(1), packed, target_rows))
 
 
-class DecodeGraphs:
-    """The captured decode step of one RankStep: the reduce phase per frame, and with a
-    ``decode_forward`` factory the forward per bucket. ``reduce(inputs)`` and
-    ``forward(inputs)`` replay for decode submissions and return True, or return False and
-    the step runs that phase eagerly."""
+class CapturedForward:
+    """The compiled decode forward (``step.forward_graph``) and the projection of its rows,
+    per decode bucket of its ladder (the buckets up to the first that holds ``capacity``
+    rows). Each variant projects into the reduction's logit buffer (the raw modes) or into a
+    tensor of the graph's pool, kept in ``logits``."""
 
-    def __init__(self, step, backend: GraphBackend,
-                 decode_forward: Callable[[int], Callable[[], None]] | None = None,
-                 max_capture: int = DEFAULT_MAX_CAPTURE) -> None:
-        if step.reduction is None and decode_forward is None:
-            raise ValueError("nothing to capture: no reduction and no decode forward")
+    def __init__(self, step) -> None:
+        graph = step.forward_graph
+        if graph is None:
+            raise ValueError("the captured forward needs the compiled forward (--compile)")
+        self.step, self.graph = step, graph
+        capacity = step.config.capacity
+        top = next(b for b in graph.buckets if b >= capacity)
+        self.sizes = tuple(b for b in graph.buckets if b <= top)
+        self.logits: dict[int, torch.Tensor] = {}
+        """Bucket -> its projected rows [min(bucket, max_rows), local_width] (static)."""
+
+    def variant(self, size: int) -> Callable[[], None]:
+        step, graph = self.step, self.graph
+        variant = graph.variants[size]
+        rows = min(size, step.config.max_rows)
+        reduction = step.reduction
+        out = reduction.logits[:rows] if reduction is not None and reduction.reads_raw \
+            else None
+
+        def run() -> None:
+            variant.key_length = graph.max_seq_len  # (what the capture pins)
+            hidden = variant.run()
+            self.logits[size] = step.model.project(hidden[:rows], out=out)
+
+        return run
+
+    def load(self, inputs, size: int) -> None:
+        """The host checks of the batch and the copy of its inputs into the variant's
+        buffers, padding to the spare slot (ForwardGraph.load): before the replay."""
+        self.step.model.check_batch(inputs.token_ids, inputs.positions, inputs.slots,
+                                    inputs.row_index, inputs.host)
+        self.graph.load(self.graph.variants[size], inputs.token_ids, inputs.positions,
+                        inputs.slots)
+
+
+class DecodeGraphs:
+    """The captured decode step of one RankStep: the reduce phase, and with the compiled
+    forward the forward per bucket. ``forward(inputs)`` returns the logit rows of a replayed
+    decode forward (else None) and ``reduce(inputs)`` True once it replayed the reduce phase
+    (else False): the step runs that phase as it would without graphs."""
+
+    def __init__(self, step, backend: GraphBackend) -> None:
         self.step = step
         self.buffers = step.buffers
         self.max_rows = step.config.max_rows
-        self.sizes = capture_sizes(step.config.capacity, max_capture)
-        self.rows = None if decode_forward is None else torch.arange(
-            self.sizes[-1], dtype=torch.int64, device=step.device)
-        """Static 0..largest bucket: the forward rows of padding (pad_decode_inputs)."""
         self.graphs = GraphSet(backend)
+        self.reduce_frames: tuple[int, ...] = ()
+        """The frames with their own reduce variant ((0,) with --compile: the frame is a
+        tensor of the compiled region)."""
+        self.forward_capture = None if step.forward_graph is None else CapturedForward(step)
         variants: dict[GraphKey, Callable[[], None]] = {}
         if step.reduction is not None:
-            for frame in (0, 1):
+            compiled = step.graph
+            self.reduce_frames = (0,) if compiled is not None else (0, 1)
+            for frame in self.reduce_frames:
                 variants[GraphKey(REDUCE, self.max_rows, frame)] = _bind(
+                    compiled, self.buffers.row_tensors, self.buffers.frame_index
+                ) if compiled is not None else _bind(
                     captured_reduce, step.reduction, frame, self.buffers.row_tensors)
-        self.captures_forward = decode_forward is not None
-        if decode_forward is not None:
-            for size in self.sizes:
-                variants[GraphKey(DECODE, size)] = decode_forward(size)
+        if self.forward_capture is not None:
+            for size in self.forward_capture.sizes:
+                variants[GraphKey(DECODE, size)] = self.forward_capture.variant(size)
+        if not variants:
+            raise ValueError("nothing to capture: no reduction and no compiled forward")
         self.graphs.capture(variants)
 
     @property
     def counters(self) -> GraphCounters:
         return self.graphs.counters
 
-    def batch(self, inputs) -> PaddedBatch | None:
-        """The padded decode batch of a submission, or None (it runs eager)."""
+    def forward(self, inputs, variant) -> torch.Tensor | None:
+        """Replay the bucket of prepare's compiled ``variant`` for a decode submission: its
+        sampling rows' logits; None (the step's own forward) otherwise."""
+        capture = self.forward_capture
         rows = decode_rows(inputs.plan)
-        bucket = bucket_for(rows, self.sizes)
-        return None if bucket is None else PaddedBatch(rows, bucket)
-
-    def forward(self, inputs) -> bool:
-        """Replay the bucket's forward (the hook's variant) for a decode submission."""
-        batch = self.batch(inputs) if self.captures_forward else None
-        if batch is None:
-            return False
-        pad_decode_inputs(self.buffers, batch, self.rows)
-        self.graphs.replay(GraphKey(DECODE, batch.bucket))
-        return True
+        if capture is None or variant is None or not rows or variant.tokens not in \
+                capture.sizes:
+            return None
+        capture.load(inputs, variant.tokens)
+        self.graphs.replay(GraphKey(DECODE, variant.tokens))
+        return capture.logits[variant.tokens][:rows]
 
     def reduce(self, inputs) -> bool:
-        """Replay the frame's reduce variant for a decode submission."""
-        if self.step.reduction is None or self.batch(inputs) is None:
+        """Replay the reduce variant for a decode submission."""
+        if not self.reduce_frames or not decode_rows(inputs.plan):
             self.counters.eager += 1
             return False
-        self.graphs.replay(GraphKey(REDUCE, self.max_rows, inputs.frame))
+        frame = inputs.frame if len(self.reduce_frames) == 2 else 0
+        self.graphs.replay(GraphKey(REDUCE, self.max_rows, frame))
         return True
 
 
@@ -313,6 +296,6 @@ def decode_graphs(step) -> DecodeGraphs | None:
     None (the CPU, or --enforce-eager: every phase eager)."""
     if not getattr(step.config, "cuda_graphs", False) or step.device.type != "cuda":
         return None
-    if step.reduction is None:
-        return None  # (no forward variant yet: nothing to capture without a reduction)
+    if step.reduction is None and step.forward_graph is None:
+        return None  # (nothing to capture)
     return DecodeGraphs(step, CudaGraphBackend(step.device))

@@ -108,8 +108,6 @@ class RankStep:
         if config.compile and self.reduction is not None:
             self.graph = ReductionGraph(self.reduction, group, compile=True)
             self.graph(self.buffers.row_tensors, self.buffers.frame_index)
-        self.cuda_graphs = decode_graphs(self)
-        """CUDA with config.cuda_graphs: the captured decode variants (None: all eager)."""
         self.forward_graph: ForwardGraph | None = None
         """--compile: the forward as one compiled graph over padded token buckets
         (ranks/step/forward_graph.py), every bucket run here on the spare slot only."""
@@ -119,6 +117,8 @@ class RankStep:
                                               self.device)
         self.variant: ForwardVariant | None = None
         """The compiled variant prepare chose for this submission (None: eager forward)."""
+        self.cuda_graphs = decode_graphs(self)
+        """CUDA with config.cuda_graphs: the captured decode variants (None: all eager)."""
         self.compiled_at_start = compile_counters()
         """Dynamo's counters once the step is built (its compiles done): serve_stats'
         recompilations are the graphs compiled since."""
@@ -163,6 +163,10 @@ class RankStep:
         if not inputs.token_ids.numel():
             return None, None
         sampling = inputs.logit_index.numel()
+        graphs = self.cuda_graphs
+        captured = None if graphs is None else graphs.forward(inputs, self.variant)
+        if captured is not None:  # (a decode submission: its bucket's graph replayed)
+            return captured, None
         if self.variant is not None:
             self.model.check_batch(inputs.token_ids, inputs.positions, inputs.slots,
                                    inputs.row_index, inputs.host)

@@ -1,66 +1,35 @@
 """The captured decode step's bookkeeping on the CPU (ranks/step/cuda_graphs.py, issue 36):
-vLLM's buckets and the bucket a batch takes, which submissions replay, the padding rows
-written into the static inputs, one pool shared by every variant captured largest first,
-and a served run whose decode submissions replay the captured reduce phase (through a
-backend that keeps the captured callables and replays them under a strict host-sync guard)
-answering exactly what the eager engine answers. tests/gpu/test_cuda_graphs_gpu.py replays
-real CUDA graphs."""
+which submissions replay, one pool shared by every variant captured largest first, and served
+runs whose decode submissions replay the captured variants (through a backend that keeps the
+captured callables and replays them under a strict host-sync guard): the reduce phase alone
+answers exactly what the eager engine answers; with the compiled forward's decode buckets
+(ranks/step/forward_graph.py, uncompiled here) the same tokens, logprobs within 1e-5.
+tests/gpu/test_cuda_graphs_gpu.py replays real CUDA graphs."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
 import pytest
-import torch
 
 from helios_logprobs.ranks.plan import RequestSpec, SlotWork, StepPlan
 from helios_logprobs.ranks.sampler.params import RowSampling
-from helios_logprobs.ranks.step.config import StepConfig
 from helios_logprobs.ranks.step.cuda_graphs import (
     DECODE,
-    PAD_SLOT,
     REDUCE,
     DecodeGraphs,
     GraphKey,
     GraphSet,
-    PaddedBatch,
-    bucket_for,
-    capture_sizes,
     decode_graphs,
     decode_rows,
-    pad_decode_inputs,
 )
-from helios_logprobs.ranks.step.inputs import StepBuffers
+from helios_logprobs.ranks.step.forward_graph import ForwardGraph
 from helios_logprobs.runtime.engine.bootstrap import build_engine, load_rank
 from helios_logprobs.runtime.engine.client import SamplingParams
 from helios_logprobs.runtime.engine.config import RuntimeConfig
 from helios_logprobs.runtime.outputs import GeneratedToken
 from tests.capture_guard import HostSyncGuard
 from tests.checkpoints import write_llama
-
-
-def test_buckets_are_vllms_capture_sizes_up_to_the_largest_batch():
-    assert capture_sizes(1) == (1,)
-    assert capture_sizes(3) == (1, 2, 3)
-    assert capture_sizes(16) == (1, 2, 4, 8, 16)
-    assert capture_sizes(20) == (1, 2, 4, 8, 16, 20)
-    # vLLM: [1, 2, 4] + range(8, 256, 8) + range(256, 513, 16)
-    big = capture_sizes(1000)
-    assert big[:5] == (1, 2, 4, 8, 16) and big[-3:] == (480, 496, 512)
-    assert 248 in big and 256 in big and 264 not in big and 272 in big
-    assert len(big) == 3 + 31 + 17
-    with pytest.raises(ValueError, match="max_rows"):
-        capture_sizes(0)
-
-
-@pytest.mark.parametrize("max_rows", [1, 3, 16, 37, 300])
-def test_a_batch_takes_the_smallest_bucket_that_holds_it(max_rows):
-    sizes = capture_sizes(max_rows)
-    for rows in range(1, max_rows + 1):
-        bucket = bucket_for(rows, sizes)
-        assert bucket in sizes and bucket >= rows
-        assert all(s < rows for s in sizes if s < bucket)
-    assert bucket_for(max_rows + 1, sizes) is None and bucket_for(0, sizes) is None
 
 
 def work(slot: int, tokens: tuple[int, ...], start: int = 4, samples: bool = True, **extra):
@@ -85,25 +54,6 @@ def test_only_uniform_decode_submissions_replay():
     first = work(3, (9,), start=0, 
                  request=RequestSpec(0, 4, RowSampling(seed=1, position=0)))
     assert decode_rows(StepPlan(3, (*decode, first))) == 4
-
-
-def test_padding_rows_are_written_and_the_real_rows_kept():
-    config = StepConfig(capacity=8, max_seq_len=32)
-    buffers = StepBuffers(config, torch.device("cpu"))
-    buffers.write([11, 12, 13], [3, 4, 5], [2, 0, 5], [0, 1, 2], [-1] * 24, 1)
-    buffers.token_ids[3:8].fill_(77)  # (stale values of an earlier, larger submission)
-    buffers.slots[3:8].fill_(6)
-    rows = torch.arange(8)
-    pad_decode_inputs(buffers, PaddedBatch(3, 8), rows)
-    assert buffers.token_ids[:8].tolist() == [11, 12, 13, 0, 0, 0, 0, 0]
-    assert buffers.positions[:8].tolist() == [3, 4, 5, 0, 0, 0, 0, 0]
-    assert buffers.slots[:8].tolist() == [2, 0, 5] + [PAD_SLOT] * 5
-    assert buffers.row_index[:8].tolist() == list(range(8))
-    before = buffers.values.clone()
-    pad_decode_inputs(buffers, PaddedBatch(8, 8), rows)  # a full bucket: nothing to pad
-    assert torch.equal(buffers.values, before)
-    with pytest.raises(ValueError, match="rows"):
-        PaddedBatch(9, 8)
 
 
 class KeptCallables:
@@ -192,3 +142,37 @@ def test_served_decode_replays_the_captured_reduce_and_answers_as_eager(model_di
     counters = step.cuda_graphs.counters
     assert counters.replays[REDUCE] > 10 and counters.eager > 0
     assert backend.guard.guarded["replay"] == counters.replays[REDUCE]
+
+
+def close(a: list[list[GeneratedToken]], b: list[list[GeneratedToken]]) -> None:
+    """The same tokens and alternatives, logprobs within 1e-5."""
+    assert [[t.token_id for t in r] for r in a] == [[t.token_id for t in r] for r in b]
+    for x, y in zip((t for r in a for t in r), (t for r in b for t in r), strict=True):
+        assert (x.logprob is None) == (y.logprob is None)
+        if x.logprob is not None:
+            assert x.logprob == pytest.approx(y.logprob, abs=1e-5)
+        assert [p.token_id for p in x.alternatives] == [p.token_id for p in y.alternatives]
+        for p, q in zip(x.alternatives, y.alternatives, strict=True):
+            assert p.logprob == pytest.approx(q.logprob, abs=1e-5)
+
+
+def test_served_decode_replays_the_compiled_forward_buckets(model_dir):
+    """The compiled forward's decode buckets (uncompiled here: the callables are what a CUDA
+    graph captures) beside the reduce phase; prefill runs uncaptured."""
+    config = RuntimeConfig(model_dir=model_dir, capacity=3, max_model_len=64)
+    eager = generated(build_engine(config, load_rank(config, None)).run_offline(jobs()))
+    step = load_rank(config, None)
+    cfg = step.config
+    step.model.allocate_cache(cfg.capacity, cfg.max_seq_len, spare_slots=1)
+    step.forward_graph = ForwardGraph(step.model, cfg.capacity, cfg.max_seq_len, cfg.max_rows,
+                                      cfg.token_budget, step.device, compile=False)
+    backend = KeptCallables()
+    step.cuda_graphs = DecodeGraphs(step, backend)
+    assert step.cuda_graphs.forward_capture.sizes == (2, 4)  # (the ladder up to 3 rows)
+    assert list(step.cuda_graphs.graphs.graphs) == [
+        GraphKey(DECODE, 4), GraphKey(REDUCE, 3, 0), GraphKey(REDUCE, 3, 1), GraphKey(DECODE, 2)]
+    served = generated(build_engine(config, step).run_offline(jobs()))
+    close(served, eager)
+    counters = step.cuda_graphs.counters
+    assert counters.replays[DECODE] == counters.replays[REDUCE] > 10
+    assert backend.guard.guarded["replay"] == counters.replays[DECODE] + counters.replays[REDUCE]
