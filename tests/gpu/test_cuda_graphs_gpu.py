@@ -1,6 +1,8 @@
 """The captured decode step on a CUDA GPU (ranks/step/cuda_graphs.py, issue 36): a served run
 whose decode submissions replay the captured reduce phase answers exactly what the eager
-engine answers; every variant is in one graph pool, whose bytes the memory report shows;
+engine answers, and with --compile (the compiled forward's decode buckets and the compiled
+reduce region captured) the same tokens with logprobs within 1e-5 and no recompilation;
+every variant is in one graph pool, whose bytes the memory report shows;
 memory_allocated is flat across 1,000 replays; serving with graphs compiles no Triton kernel
 after start-up (counted at Triton's compile hook); the frame copy of a served frame holds only
 the requesting slots' chosen pair and first W pairs, and a frame without a requesting lane
@@ -10,6 +12,8 @@ Skipped without CUDA (scripts/device-check.sh runs it on a GPU machine).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -25,6 +29,7 @@ pytestmark = [
 
 from helios_logprobs.kernels.layout import FIRST_PAIR  # noqa: E402
 from helios_logprobs.ranks.step.cuda_graphs import (  # noqa: E402
+    DECODE,
     REDUCE,
     GraphKey,
     enable_decode_graphs,
@@ -36,6 +41,7 @@ from helios_logprobs.runtime.engine.config import RuntimeConfig  # noqa: E402
 from helios_logprobs.runtime.outputs import GeneratedToken  # noqa: E402
 from tests.checkpoints import write_qwen2  # noqa: E402
 from tests.gpu.test_captured_step_gpu import TritonCompiles  # noqa: E402
+from tests.unit.ranks.test_cuda_graphs import close  # noqa: E402
 
 SENTINEL = -7
 
@@ -78,6 +84,23 @@ def test_replay_answers_as_eager_and_compiles_nothing_while_serving(config, grap
     assert compiles.count == 0
     assert served == eager
     assert graphs.counters.replays[REDUCE] > replays + 10
+
+
+def test_compiled_forward_and_reduce_replay_as_eager(config):
+    eager_config = replace(config, reduction_backend="torch")
+    eager = generated(build_engine(eager_config, load_rank(eager_config, None))
+                      .run_offline(jobs()))
+    compiled = replace(eager_config, compile=True)
+    step = load_rank(compiled, None)
+    graphs = enable_decode_graphs(step)
+    assert graphs.forward_capture is not None and graphs.reduce_frames == (0,)
+    served = generated(build_engine(compiled, step).run_offline(jobs()))
+    close(served, eager)
+    assert graphs.counters.replays[DECODE] > 10 and graphs.counters.replays[REDUCE] > 10
+    stats = step.serve_stats()
+    assert stats["compile_recompilations"] == 0 and stats["compile_graph_breaks"] == 0
+    pools = {graph.pool() for graph in graphs.graphs.graphs.values()}
+    assert pools == {graphs.graphs.pool}
 
 
 def test_every_variant_is_in_one_pool_and_the_report_counts_it(graphed):
