@@ -31,8 +31,9 @@ class StepConfig:
     0: the scheduler's default, twice the larger of chunk_limit and max_rows."""
 
     compile: bool = False
-    """--compile: the reduce phase runs as one ``torch.compile(fullgraph=True)`` graph
-    (ranks/step/reduce_graph.py), compiled at start-up; the torch backend only."""
+    """--compile: the forward (ranks/step/forward_graph.py; eager under batch_invariant)
+    and the reduce phase (ranks/step/reduce_graph.py) each run as one
+    ``torch.compile(fullgraph=True)`` graph, compiled at start-up; the torch backend only."""
 
     cuda_graphs: bool = False
     """On CUDA: capture the decode step's variants after warm-up and replay them for decode

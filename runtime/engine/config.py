@@ -86,9 +86,10 @@ class RuntimeConfig:
     checkpoint on CUDA and is float32 on CPU (ranks/model/dtype.py). Logprobs stay FP32."""
 
     compile: bool = False
-    """--compile / --enforce-eager (vLLM's names): the reduce phase runs as one graph of
+    """--compile / --enforce-eager (vLLM's names): the forward (padded token buckets,
+    ranks/step/forward_graph.py) and the reduce phase each run as one graph of
     torch.compile(fullgraph=True), compiled before the server reports ready. Off by default
-    on CPU: bench/compile_decode.py measures it."""
+    on CPU: bench/compile_decode.py measures it (docs/performance.md)."""
 
     seed: int | None = None
     """--seed (vLLM's): requests without a seed draw theirs from it (scheduler.unset_seed), so
