@@ -1,5 +1,7 @@
 """The driver of sharded prompt scoring: one row block of at most 64 rows per call,
-stats -> gather -> candidates -> gather -> merge (layouts in kernels/scoring.py)."""
+stats -> gather -> candidates -> gather -> merge (layouts in kernels/scoring/steps.py; the
+three launches are custom ops, kernels/scoring/ops.py, so a compiled block has no graph
+break)."""
 
 from __future__ import annotations
 
@@ -7,13 +9,8 @@ import torch
 
 from helios_logprobs.collectives.exchange import WordExchange
 from helios_logprobs.kernels.layout import PROMPT_BLOCK_ROWS, PROMPT_EXCHANGE_WORDS
-from helios_logprobs.kernels.scoring.steps import (
-    check_block,
-    score_candidates,
-    score_merge,
-    score_stats,
-    target_values,
-)
+from helios_logprobs.kernels.scoring import ops
+from helios_logprobs.kernels.scoring.steps import check_block
 from helios_logprobs.kernels.sharded import agreed_shard_starts
 
 
@@ -44,6 +41,9 @@ class PreparedPromptScoring:
                                                 rows)
         self.exchange1 = WordExchange(group, rows, PROMPT_EXCHANGE_WORDS, device)
         self.exchange2 = WordExchange(group, rows, PROMPT_EXCHANGE_WORDS, device)
+        self.lse = torch.zeros(rows, dtype=torch.float32, device=device)
+        self.value = torch.zeros(rows, dtype=torch.float32, device=device)
+        """The block's lse and the targets' reported values (written by the candidates op)."""
 
     @property
     def bytes_sent(self) -> int:
@@ -56,9 +56,11 @@ class PreparedPromptScoring:
         if logits.shape[1] != self.width:
             raise ValueError(f"logits: expected width {self.width}, got {logits.shape[1]}")
         send1, send2 = self.exchange1.send[:n], self.exchange2.send[:n]
-        stats = score_stats(logits, targets, self.vocab_start, self.local_valid, send1)
+        lse, value = self.lse[:n], self.value[:n]
+        ops.score_stats(logits, targets, self.vocab_start, self.local_valid, send1)
         e1_all = self.exchange1.gather(rows=n)
-        lse, value = target_values(e1_all, targets, self.shard_starts, self.normalize)
-        score_candidates(logits, stats, lse, value, self.vocab_start, self.local_valid, send2)
+        ops.score_candidates(logits, targets, e1_all, self.shard_starts, self.vocab_start,
+                             self.local_valid, self.normalize, lse, value, send2)
         e2_all = self.exchange2.gather(rows=n)
-        return score_merge(e2_all, targets, value, out)
+        ops.score_merge(e2_all, targets, value, out)
+        return out

@@ -124,6 +124,16 @@ def plan_filters(rows: Sequence[RowSampling], vocab_size: int, local_valid: int,
 
 
 @dataclass(frozen=True)
+class DenseRows:
+    """Every scratch row's flags in fixed shapes [rows] (ranks/sampler/ops.py sample_best):
+    greedy (bool), seed and position (int64; 0 for greedy rows, whose noise is unused)."""
+
+    greedy: torch.Tensor
+    seeds: torch.Tensor
+    positions: torch.Tensor
+
+
+@dataclass(frozen=True)
 class ScratchPlan:
     """The rows that go through the scratch (rows ``which`` of the logits; None: all)."""
 
@@ -142,6 +152,8 @@ class ScratchPlan:
     seeds: torch.Tensor | None
     positions: torch.Tensor | None
     """int64 [seeded rows]: their seeds (as the signed words Philox reads) and positions."""
+    dense: DenseRows | None = None
+    """The capture-safe path's per-row tensors over every row (None on the CPU's path)."""
 
     @property
     def n(self) -> int:
@@ -170,6 +182,10 @@ def plan_scratch(shape: PlanShape, rows: Sequence[RowSampling],
         seeds=index_tensor([signed_seed(rows[i].seed) for i in seeded], buffers)
         if seeded else None,
         positions=index_tensor([rows[i].position for i in seeded], buffers) if seeded else None,
+        dense=None if shape.native else DenseRows(
+            buffers.bool.take([r.greedy for r in rows]),
+            index_tensor([0 if r.greedy else signed_seed(r.seed) for r in rows], buffers),
+            index_tensor([0 if r.greedy else r.position for r in rows], buffers)),
     )
 
 

@@ -36,6 +36,7 @@ from helios_logprobs.kernels.greedy import native as greedy_native
 from helios_logprobs.kernels.greedy.native import native_argmax
 from helios_logprobs.kernels.noise import philox_native
 from helios_logprobs.kernels.noise.philox_native import native_scaled_rows
+from helios_logprobs.ranks.sampler import ops as sample_ops
 from helios_logprobs.ranks.sampler.buffers import PlanBuffers
 from helios_logprobs.ranks.sampler.filters import (
     FILTER_WORDS,
@@ -103,6 +104,8 @@ class ShardedSampler:
         """The plan's static storage (ranks/sampler/buffers.py): prepare allocates nothing."""
         self.tokens = torch.zeros(max_rows, dtype=torch.int64, device=self.device)
         """The capture-safe path's output: run returns a view of it (valid until the next)."""
+        self.best = torch.zeros(2, max_rows, dtype=torch.int64, device=self.device)
+        """The capture-safe path's per-row best (score key, global id) on this shard."""
         self.filter_exchange = WordExchange(group, max_rows, FILTER_WORDS, self.device)
         self.pick_exchange = WordExchange(group, max_rows, PICK_WORDS, self.device)
         if self.device.type == "cpu":  # compiled (or found in their cache) now, not mid-serving
@@ -137,7 +140,7 @@ class ShardedSampler:
         if not self.capture_safe:
             return tokens
         out = self.tokens[: plan.n]
-        out.copy_(tokens)
+        sample_ops.sample_pick(tokens, out)
         return out
 
     def _run(self, logits: torch.Tensor, plan: SamplePlan) -> torch.Tensor:
@@ -174,6 +177,13 @@ class ShardedSampler:
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """This shard's best (score key, global id) of each scratch row: the argmax of greedy
         rows, the Gumbel-max of the others."""
+        if not native and plan.dense is not None:  # (the capture-safe path: one launch)
+            keys, ids = self.best[0, : plan.n], self.best[1, : plan.n]
+            dense = plan.dense
+            sample_ops.sample_best(x, dense.greedy, dense.seeds, dense.positions,
+                                   self.lane_ids[: self.local_valid], self.vocab_start, keys,
+                                   ids)
+            return keys, ids
         if plan.seeded is None:
             return greedy_best(x, self.vocab_start)
         if plan.greedy is None:  # (every row: no copy of x)
@@ -255,7 +265,14 @@ class ShardedSampler:
         if plan.which is not None:
             source = source.index_select(0, plan.which)
         # No processor in the batch: the copy, the NaN rule and the division in one pass.
-        if not (native and plan.unprocessed and native_scaled_rows(source, plan.scale, x)):
+        if not native:  # (capture-safe: the copy as one launch, processors, the division)
+            processed = bool(plan.processors.masks or plan.processors.penalties)
+            sample_ops.sample_scale(source, plan.scale, not processed, x)
+            if processed:
+                plan.processors.apply(x)
+                if plan.scaled:
+                    x.div_(plan.scale.unsqueeze(1))
+        elif not (native and plan.unprocessed and native_scaled_rows(source, plan.scale, x)):
             if source.dtype == x.dtype:  # (the copy and the NaN rule in one pass)
                 torch.nan_to_num(source, nan=NEG_INF, posinf=float("inf"), neginf=NEG_INF,
                                  out=x)

@@ -1,0 +1,86 @@
+"""The capture-safe sample phase and a prompt scoring block, each compiled with
+``torch.compile(fullgraph=True)`` on CPU (issue 36): their launches are custom ops
+(ranks/sampler/ops.py, kernels/scoring/ops.py), so dynamo traces each whole (fullgraph raises
+on a graph break). Several steps of different row counts within one bucket (rows padded to
+the bucket: greedy filler rows for the sampler, target -1 rows for scoring) compile one graph
+and nothing more (dynamo's counters), and equal eager: the sampler's tokens equal the eager
+capture-safe sampler's and the CPU's default sampler's on the unpadded rows, the scored rows'
+words are bit-equal to an eager block of the real rows."""
+
+from __future__ import annotations
+
+import torch
+from torch._dynamo.utils import counters
+
+from helios_logprobs.kernels.layout import PROMPT_BLOCK_ROWS, PROMPT_ROW_WORDS
+from helios_logprobs.kernels.scoring.driver import PreparedPromptScoring
+from helios_logprobs.ranks.sampler.params import RowSampling
+from helios_logprobs.ranks.sampler.sampler import ShardedSampler
+
+VOCAB, PAD, BUCKET = 300, 4, 4
+FILLER = RowSampling(seed=0, position=0, temperature=0.0)
+"""A bucket's padding row: greedy, no processor (its token is ignored)."""
+
+
+def compiled_graphs() -> int:
+    return int(counters["stats"]["unique_graphs"])
+
+
+def graph_breaks() -> int:
+    return int(sum(counters["graph_break"].values()))
+
+
+def test_the_compiled_sample_phase_equals_eager_and_compiles_once_per_bucket():
+    torch._dynamo.reset()
+    counters.clear()
+    safe = ShardedSampler(None, 0, VOCAB, VOCAB + PAD, VOCAB, BUCKET, capture_safe=True)
+    compiled = torch.compile(safe.run, fullgraph=True)
+    eager = ShardedSampler(None, 0, VOCAB, VOCAB + PAD, VOCAB, BUCKET, capture_safe=True)
+    default = ShardedSampler(None, 0, VOCAB, VOCAB + PAD, VOCAB, BUCKET)  # (the CPU's)
+    gen = torch.Generator().manual_seed(5)
+    steps = [(0.8, 0.0), (0.0, 1.3, 0.5), (0.7,), (0.0, 0.0, 0.9, 1.0), (2.0, 0.0, 0.3)]
+    graphs = []
+    for step, temperatures in enumerate(steps):
+        n = len(temperatures)
+        rows = [RowSampling(seed=977 * step + 31 * i + (2**63 if i == 1 else 0), position=step,
+                            temperature=t) for i, t in enumerate(temperatures)]
+        logits = torch.randn(BUCKET, VOCAB + PAD, generator=gen) * 2.0
+        logits[0, 7] = float("nan")
+        history = [[4, 9, step]] * BUCKET
+        plan = safe.plan(rows + [FILLER] * (BUCKET - n), history, history)
+        tokens = compiled(logits, plan)[:n].clone()
+        graphs.append(compiled_graphs())
+        real = logits[:n]
+        assert torch.equal(tokens, eager.sample(real, rows, history[:n], history[:n]))
+        assert torch.equal(tokens, default.sample(real, rows, history[:n], history[:n]))
+    assert graphs == [1] * len(steps)
+    assert graph_breaks() == 0
+
+
+def test_a_compiled_scoring_block_equals_eager_and_compiles_once():
+    torch._dynamo.reset()
+    counters.clear()
+    width, valid = 423, 419
+    scoring = PreparedPromptScoring(None, width=width, vocab_start=0, local_valid=valid,
+                                    vocab_size=valid)
+    compiled = torch.compile(scoring.__call__, fullgraph=True)
+    eager = PreparedPromptScoring(None, width=width, vocab_start=0, local_valid=valid,
+                                  vocab_size=valid)
+    gen = torch.Generator().manual_seed(9)
+    block = torch.empty(PROMPT_BLOCK_ROWS, width, dtype=torch.bfloat16)
+    out = torch.empty(PROMPT_BLOCK_ROWS, PROMPT_ROW_WORDS, dtype=torch.int32)
+    graphs = []
+    for n in (5, 64, 17, 40):
+        block.copy_(torch.randn(PROMPT_BLOCK_ROWS, width, generator=gen) * 3.0)
+        block[:, valid:] = 0.0
+        targets = torch.full((PROMPT_BLOCK_ROWS,), -1, dtype=torch.int32)
+        targets[:n] = torch.randint(valid, (n,), generator=gen, dtype=torch.int32)
+        targets[n // 2] = -1  # (a prompt end inside the real rows)
+        compiled(block, targets, out)
+        graphs.append(compiled_graphs())
+        want = torch.empty(n, PROMPT_ROW_WORDS, dtype=torch.int32)
+        eager(block[:n].clone(), targets[:n].clone(), want)
+        assert torch.equal(out[:n], want)
+        assert (want[:, 0] == targets[:n]).all()  # (the rows were scored, not left as -1)
+    assert graphs == [1] * 4
+    assert graph_breaks() == 0
