@@ -22,8 +22,9 @@
 #   4. cuda-graphs: tests/gpu/test_cuda_graphs_gpu.py (the captured decode step: served run
 #      equal to eager with no Triton compile after start-up, one graph pool in the memory
 #      report, 1,000 replays flat, served frame copies only of the requesting prefixes);
-#   5. decode: tokens/s at batch 1 and 16, K=20 against none, eager against graphs, on the
-#      step-2 checkpoint;
+#   5. decode: tokens/s at batch 1 and 16, K=20 against none, on the step-2 checkpoint:
+#      eager, the captured reduce phase, and --compile with the forward's decode buckets and
+#      the compiled reduce region captured (its start-up compile included in the step);
 #   6. bench: python bench/reduction.py --backend triton (times, achieved bandwidth against a
 #      device copy of the same bytes);
 #   7. gpu-tests: the rest of tests/gpu (serving shapes against the reference, capture of the
@@ -178,8 +179,11 @@ run frame-transfer 90 "${PYTEST[@]}" tests/gpu/test_captured_step_gpu.py -k "$FR
 step "4. the captured decode step"
 run cuda-graphs 120 "${PYTEST[@]}" tests/gpu/test_cuda_graphs_gpu.py --durations=5
 
-step "5. decode tokens/s, K=20 against none, eager against graphs"
-run decode 120 "${CHECK[@]}" --figures "$OUT/figures/decode" decode --model "$CKPT" "${DRY[@]}"
+step "5. decode tokens/s, K=20 against none: eager, graphs, compiled + graphs"
+MODES=eager,graphs,compiled-graphs
+[ "$DRY_RUN" = 1 ] && MODES=eager,graphs  # (a CPU compile of the forward takes minutes)
+run decode 180 "${CHECK[@]}" --figures "$OUT/figures/decode" decode --model "$CKPT" \
+    --modes "$MODES" "${DRY[@]}"
 
 step "6. bench/reduction.py"
 if [ "$DRY_RUN" = 1 ]; then

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from helios_logprobs.ranks.model import ShardedCausalLM
-from tests.checkpoints import write_qwen2
+from tests.gpu.checkpoint import write_qwen2
 
 pytestmark = [
     pytest.mark.gpu,

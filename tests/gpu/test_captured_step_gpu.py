@@ -30,7 +30,7 @@ from helios_logprobs.runtime.engine.bootstrap import build_engine, load_rank  # 
 from helios_logprobs.runtime.engine.client import SamplingParams  # noqa: E402
 from helios_logprobs.runtime.engine.config import RuntimeConfig  # noqa: E402
 from helios_logprobs.runtime.engine.executor import FrameExecutor  # noqa: E402
-from tests.checkpoints import write_qwen2  # noqa: E402
+from tests.gpu.checkpoint import write_qwen2  # noqa: E402
 
 SENTINEL = -7
 JOBS = [([5, 6, 7, 8], SamplingParams(max_tokens=6, temperature=0.0, logprobs=20,

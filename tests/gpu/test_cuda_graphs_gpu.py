@@ -39,7 +39,7 @@ from helios_logprobs.runtime.engine.bootstrap import build_engine, load_rank  # 
 from helios_logprobs.runtime.engine.client import SamplingParams  # noqa: E402
 from helios_logprobs.runtime.engine.config import RuntimeConfig  # noqa: E402
 from helios_logprobs.runtime.outputs import GeneratedToken  # noqa: E402
-from tests.checkpoints import write_qwen2  # noqa: E402
+from tests.gpu.checkpoint import write_qwen2  # noqa: E402
 from tests.gpu.test_captured_step_gpu import TritonCompiles  # noqa: E402
 from tests.unit.ranks.test_cuda_graphs import close  # noqa: E402
 
