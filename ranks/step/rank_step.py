@@ -87,8 +87,9 @@ class RankStep:
             vocab_size=model.vocab_size,
             max_rows=config.max_rows,
             device=self.device,
-            # processed modes: every row through the scratch, which the reduction then reads
-            capture_safe=True if config.processed else None,
+            # processed modes: every row through the scratch, which the reduction then reads;
+            # --compile: the capture-safe sampler (fixed shapes, no host read; docs/performance)
+            capture_safe=True if config.processed or config.compile else None,
         )
         self.uploader: LogprobUploader | None = None
         self.reduction: StepReduction | None = None
