@@ -6,7 +6,9 @@ compiled code takes unprocessed greedy and temperature-only rows from the raw lo
 other row goes through the scratch), and builds every index, parameter and processor tensor
 those paths read: row indices, temperatures, seeds and positions, top-k counts and how many
 values the top-k exchange sends, min-p floors, top-k and top-p targets, processor lanes and
-penalty cells. ``ShardedSampler.run`` then applies tensors only. On the capture-safe path
+penalty cells, each a view of the sampler's static pools (ranks/sampler/buffers.py: the plan
+allocates no tensor storage; its tensors are valid until the sampler's next plan).
+``ShardedSampler.run`` then applies tensors only. On the capture-safe path
 (CUDA, or ``capture_safe=True``) the plan is final: no tensor value is read on the host and
 no tensor is built from host data while sampling (tests/unit/ranks/test_capture_sample.py).
 On the CPU's compiled path a temperature row the candidate search leaves (more than 512

@@ -93,8 +93,10 @@ class ShardedSampler:
         self.device = torch.device(device)
         self.capture_safe = self.device.type == "cuda" if capture_safe is None else capture_safe
         """Sample with fixed shapes and no host read (every lane's noise drawn, dense radix
-        rounds, no compiled CPU search): what a captured graph runs. The CUDA default; on the
-        CPU the compiled pruning searches are faster and pick the same tokens."""
+        rounds, no compiled CPU search, launches as custom ops: ranks/sampler/ops.py): what a
+        captured or compiled step runs. The CUDA default; on the CPU the compiled pruning
+        searches are 2-220x faster and pick the same tokens (docs/performance.md), so the CPU
+        takes it only where the step asks (processed modes, --compile)."""
         self.lanes = ShardLanes(vocab_start, local_valid, vocab_size, self.device)
         self.lane_ids = torch.arange(vocab_start, vocab_start + local_width,
                                      dtype=torch.int64, device=self.device)
