@@ -56,7 +56,7 @@ class Pool:
     def reserve(self, n: int) -> tuple[np.ndarray, torch.Tensor]:
         """(host array, device view) of n fresh elements for the caller to fill."""
         start = self.used
-        self._want = max(self._want, start + n)
+        self._want += n  # (every element this plan asked for, overflow included)
         if start + n > self.size:  # (a one-off block; the pool grows at the next reset)
             cuda = self.device.type == "cuda"
             host = torch.zeros(n, dtype=self.dtype, pin_memory=cuda)

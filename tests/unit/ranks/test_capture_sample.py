@@ -131,3 +131,30 @@ def test_wide_rows_pick_the_exhaustive_gumbel_max():
     safe = ShardedSampler(None, start, width, width, v, 5, capture_safe=True)
     compiled = ShardedSampler(None, start, width, width, v, 5)
     assert torch.equal(safe.sample(logits, rows, ids, ids), compiled.sample(logits, rows, ids, ids))
+
+
+def test_a_plan_past_the_start_up_cells_overflows_once_then_fits():
+    """Penalty cells past the pools' start-up size: the plan still samples what the CPU's
+    sampler and the oracle sample (the overflow in one-off tensors); the pools grow once, at
+    the next plan, and plans of the same size after that allocate no tensor storage."""
+    from tests.capture_guard import allocated_bytes
+
+    v = 3000
+    gen = torch.Generator().manual_seed(8)
+    rows = [RowSampling(seed=4, position=1, temperature=0.9, repetition_penalty=1.3,
+                        frequency_penalty=0.2),
+            RowSampling(seed=5, position=2, temperature=0.0, presence_penalty=0.5)]
+    history = [list(range(0, 2 * v // 3)), list(range(v // 3, v))]  # (2,000 cells a row)
+    safe = capture_safe(v, 2)
+    pools = [pool.size for pool in safe.buffers.pools]
+    for step in range(4):
+        logits = torch.randn(2, v, generator=gen) * 2.0
+        plan, allocated = allocated_bytes(lambda: safe.plan(rows, history, history))
+        assert (allocated > 0) == (step < 2)  # (the overflow, then the growth)
+        tokens = safe.run(logits, plan).tolist()
+        assert tokens == ShardedSampler(None, 0, v, v, v, 2).sample(
+            logits, rows, history, history).tolist()
+        assert tokens == [oracle.sample(logits[i], r, history[i], history[i])
+                          for i, r in enumerate(rows)]
+    assert safe.buffers.grown == 2  # (int64 and float32)
+    assert [pool.size for pool in safe.buffers.pools] != pools
