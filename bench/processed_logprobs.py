@@ -1,20 +1,22 @@
 """--logprobs-mode processed_logprobs and entropy against raw logprobs, at TP1 on CPU.
 
-    python -m bench.processed_logprobs [--model tiny|DIR] [--tokens 32] [--repeat 5]
+    python -m bench.processed_logprobs [--model tiny|default|DIR] [--tokens 32] [--repeat 5]
 
 Part 1, decode tokens/s: two engines in this process on the same checkpoint, one built with
 raw_logprobs (the default) and one with processed_logprobs, serve the same batches (batch 1
-and 16, 4-token prompts, temperature 0.8, top-k 50, top-p 0.9, a seed, logprobs=5), the two
-back to back within every repeat (their order alternating). Prefill is excluded (a batch of
-one-token requests is timed and subtracted). Prints each mode's median tokens/s and the median
-over repeats of processed / raw in the same repeat. A processed engine samples every row
+and 16, 4-token prompts, temperature 0.8, top-k 50, top-p 0.9, a seed, logprobs=5), and the
+processed engine once more with ``return_entropy`` on every request, the three back to back
+within every repeat (their order rotating). Prefill is excluded (a batch of one-token
+requests is timed and subtracted). Prints each one's median tokens/s and the medians over
+repeats of processed / raw and processed + entropy / raw in the same repeat. ``default`` is
+launch.serve's default model, SmolLM2-135M (its Q4_1 GGUF). A processed engine samples every row
 through the scratch (the capture-safe path, which the reduction then reads) where a raw one
 lets compiled code pick temperature rows from the raw logits on the CPU.
 
 Part 2, the reduction with entropy: the six-launch driver's TP1 call over [16, vocab] FP32
 rows (SmolLM2's 49,152 and Qwen2's 151,936 lanes), with and without ``entropy_out`` (one
 more word of exchange 1 at TP > 1; at TP1 its statistics pass over the row), medians and
-their ratio. Entropy is not yet requested through the HTTP API (docs/api.md).
+their ratio.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ import torch
 
 BATCHES = (1, 16)
 MODES = ("raw_logprobs", "processed_logprobs")
+RUNS = (("raw", MODES[0], False), ("processed", MODES[1], False),
+        ("+entropy", MODES[1], True))
+"""(column, engine's --logprobs-mode, return_entropy) timed in every repeat."""
 
 
 def build(model_dir, mode: str, capacity: int):
@@ -37,14 +42,14 @@ def build(model_dir, mode: str, capacity: int):
     return build_engine(config, load_rank(config, None))
 
 
-def time_batch(engine, batch: int, tokens: int, repeat: int) -> float:
+def time_batch(engine, batch: int, tokens: int, repeat: int, entropy: bool = False) -> float:
     """Decode tokens/s of one batch (prefill and the first token subtracted)."""
     from helios_logprobs.runtime.engine.client import SamplingParams
 
     def jobs(max_tokens: int):
         return [([5 + i, 6, 7, 8], SamplingParams(
             max_tokens=max_tokens, temperature=0.8, top_k=50, top_p=0.9, seed=100 * repeat + i,
-            ignore_eos=True, logprobs=5)) for i in range(batch)]
+            ignore_eos=True, logprobs=5, return_entropy=entropy)) for i in range(batch)]
 
     start = time.perf_counter()
     engine.run_offline(jobs(1))
@@ -60,17 +65,20 @@ def decode_part(model_dir, tokens: int, repeats: int) -> None:
     for engine in engines.values():
         time_batch(engine, 2, 4, 0)  # warm-up
     print(f"decode tokens/s, TP1, median of {repeats}, {tokens} tokens per request")
-    print(f"{'batch':>5} {'raw tok/s':>10} {'processed':>10} {'ratio':>7}")
+    print(f"{'batch':>5} " + " ".join(f"{label:>10}" for label, _, _ in RUNS)
+          + f" {'proc/raw':>9} {'+ent/raw':>9}")
     for batch in BATCHES:
-        runs = {mode: [] for mode in MODES}
+        runs: dict[str, list[float]] = {label: [] for label, _, _ in RUNS}
         for repeat in range(repeats):
-            order = MODES if repeat % 2 == 0 else MODES[::-1]
-            for mode in order:
-                runs[mode].append(time_batch(engines[mode], batch, tokens, repeat))
-        ratio = statistics.median(p / r for p, r in zip(runs[MODES[1]], runs[MODES[0]],
-                                                        strict=True))
-        print(f"{batch:>5} {statistics.median(runs[MODES[0]]):>10.1f} "
-              f"{statistics.median(runs[MODES[1]]):>10.1f} {ratio:>7.3f}")
+            shift = repeat % len(RUNS)
+            for label, mode, entropy in RUNS[shift:] + RUNS[:shift]:
+                runs[label].append(time_batch(engines[mode], batch, tokens, repeat, entropy))
+        ratios = [statistics.median(p / r for p, r in zip(runs[label], runs["raw"],
+                                                          strict=True))
+                  for label in ("processed", "+entropy")]
+        print(f"{batch:>5} " + " ".join(f"{statistics.median(runs[label]):>10.1f}"
+                                        for label, _, _ in RUNS)
+              + "".join(f" {ratio:>9.3f}" for ratio in ratios))
 
 
 def entropy_part(repeats: int) -> None:
@@ -114,7 +122,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from helios_logprobs.launch.model_source import resolve_model
 
-    decode_part(resolve_model(args.model).path, args.tokens, args.repeat)
+    model = None if args.model == "default" else args.model
+    decode_part(resolve_model(model).path, args.tokens, args.repeat)
     entropy_part(args.repeat)
 
 

@@ -1,15 +1,18 @@
-"""The time of a weight update from a checkpoint folder (POST /update_weights) at TP1 on the
-CPU, against the start-up load of the same checkpoint in the same process.
+"""The time of a weight update from a checkpoint (POST /update_weights) at TP1 on the CPU,
+against the start-up load of the same checkpoint in the same process.
 
     python bench/weight_update.py [--model tiny default ...] [--repeat 3]
 
 For each model (``default`` is launch.serve's default, SmolLM2-135M, served as a Q4_1 GGUF:
-here transformers dequantizes it to an FP32 safetensors folder first, since updates read
-safetensors) it writes B, a copy whose every tensor is redrawn, builds an engine on A and
-times, median of ``--repeat``: the start-up weight load of A (ShardedCausalLM.load, the
-baseline, on the engine's step thread as the update is), the header check alone, and a whole
-update (pause, check, load, commit, resume through runtime.engine.weight_update, alternately
-to B and back to A). Prints seconds and the update's ratio to the start-up load.
+transformers dequantizes it to an FP32 safetensors folder A) it writes B, a copy of A whose
+every tensor is redrawn, builds an engine on A and times, median of ``--repeat``: the
+start-up weight load of A (ShardedCausalLM.load, the baseline, on the engine's step thread
+as the update is), the header check alone, and a whole update (pause, check, load, commit,
+resume through runtime.engine.weight_update, alternately to B and back to A). A GGUF model
+gets a second row, ``<name>-gguf``: the engine serves the GGUF file itself (as launch.serve
+does) and is updated alternately from the safetensors folder B and back from its GGUF file
+(the load and check columns are the GGUF's). Prints seconds and the update's ratio to the
+start-up load.
 """
 
 from __future__ import annotations
@@ -51,6 +54,15 @@ def safetensors_folder(name: str, work: Path) -> Path:
         if (source / extra).is_file():
             shutil.copy(source / extra, target / extra)
     return target
+
+
+def gguf_served(name: str) -> Path | None:
+    """The folder launch.serve serves for a GGUF model (None for a safetensors one)."""
+    from helios_logprobs.launch.model_source import resolve_model
+    from helios_logprobs.ranks.model.weight_update import gguf_file
+
+    source = resolve_model(None if name == "default" else name, None).path
+    return source if gguf_file(source) is not None else None
 
 
 def redrawn(source: Path, target: Path) -> Path:
@@ -110,20 +122,25 @@ def main() -> int:
     from helios_logprobs.ranks.model.weight_update import tensor_shapes
 
     print(f"TP1 CPU, median of {args.repeat}")
-    print(f"{'model':>8} {'params':>8} {'load s':>8} {'check s':>8} {'update s':>9} "
+    print(f"{'model':>12} {'params':>8} {'load s':>8} {'check s':>8} {'update s':>9} "
           f"{'update/load':>11}")
     with tempfile.TemporaryDirectory(prefix="weight-update-") as work:
         for name in args.model:
             try:
                 a = safetensors_folder(name, Path(work))
             except (SystemExit, Exception) as exc:  # noqa: BLE001 (reported, not hidden)
-                print(f"{name:>8} not available here: {exc}")
+                print(f"{name:>12} not available here: {exc}")
                 continue
             b = redrawn(a, Path(work) / f"{name}-b")
-            load, check, whole = measure(a, b, args.repeat)
-            params = sum(math.prod(shape) for shape in tensor_shapes(a).values())
-            print(f"{name:>8} {params / 1e6:>7.1f}M {load:>8.3f} {check:>8.4f} {whole:>9.3f} "
-                  f"{whole / load:>11.2f}")
+            rows = [(name, a)]
+            gguf = gguf_served(name)
+            if gguf is not None:
+                rows.append((f"{name}-gguf", gguf))
+            for label, served in rows:
+                load, check, whole = measure(served, b, args.repeat)
+                params = sum(math.prod(shape) for shape in tensor_shapes(served).values())
+                print(f"{label:>12} {params / 1e6:>7.1f}M {load:>8.3f} {check:>8.4f} "
+                      f"{whole:>9.3f} {whole / load:>11.2f}")
     return 0
 
 

@@ -21,6 +21,7 @@ A failure at 1 or 2 on any rank leaves every rank's serving weights untouched.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -76,17 +77,31 @@ def gguf_file(path: str | Path) -> Path | None:
     return None
 
 
+def _gguf_reader(path: Path):
+    """The file's ``gguf.GGUFReader`` (memory-mapped), kept per file version: opening one
+    parses every metadata field, the vocabulary included (seconds for a real model), and an
+    update compares the served file (and may read it back) every time."""
+    stat = path.stat()
+    return _gguf_reader_of(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _gguf_reader_of(path: str, size: int, mtime_ns: int):
+    from helios_logprobs.ranks.model.gguf import open_gguf
+
+    try:
+        return open_gguf(path)
+    except ModelConfigError as exc:
+        raise WeightUpdateError(f"unreadable GGUF file {path}: {exc}") from exc
+
+
 def _gguf_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     """Hugging Face names and shapes of a GGUF file's tensors (the reader's renaming; tensors
     it does not read are left out)."""
-    from helios_logprobs.ranks.model.gguf import hf_name, open_gguf
+    from helios_logprobs.ranks.model.gguf import hf_name
 
-    try:
-        tensors = open_gguf(path).tensors
-    except ModelConfigError as exc:
-        raise WeightUpdateError(f"unreadable GGUF file {path}: {exc}") from exc
     shapes = {}
-    for tensor in tensors:
+    for tensor in _gguf_reader(path).tensors:
         name = hf_name(tensor.name)
         if name is not None:
             shapes[name] = tuple(int(n) for n in reversed(tensor.shape.tolist()))
@@ -156,7 +171,8 @@ def stage(model, model_path: str | Path | None, reader=None) -> ShardWeights:
     if reader is None and model_path is not None and gguf_file(model_path) is not None:
         from helios_logprobs.ranks.model.gguf import GGUFCheckpointReader
 
-        reader = GGUFCheckpointReader(gguf_file(model_path))
+        path = gguf_file(model_path)
+        reader = GGUFCheckpointReader(path, reader=_gguf_reader(path))
     staged = load_shard_weights(model_path, model.config, model.layout, torch.device("cpu"),
                                 model.dtype, reader=reader)
     for old, new in _pairs(model.weights, staged):
