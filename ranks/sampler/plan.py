@@ -264,6 +264,23 @@ class SamplePlan:
         return found
 
 
+FILLER = RowSampling(seed=0, position=0, temperature=0.0)
+"""A bucket's padding row: greedy, no processor or filter (its token is not read)."""
+
+
+def pad_rows(rows: Sequence[RowSampling], prompt_ids: Sequence[Sequence[int]],
+             output_ids: Sequence[Sequence[int]], bucket: int
+             ) -> tuple[list[RowSampling], list[Sequence[int]], list[Sequence[int]]]:
+    """The plan's arguments padded with FILLER rows to ``bucket`` rows, so that a compiled
+    sample phase sees one shape per bucket (the logits' padded rows are any finite values;
+    tokens past len(rows) are ignored)."""
+    if bucket < len(rows):
+        raise ValueError(f"bucket {bucket} is smaller than the {len(rows)} rows")
+    extra = bucket - len(rows)
+    return ([*rows, *[FILLER] * extra], [*prompt_ids, *[()] * extra],
+            [*output_ids, *[()] * extra])
+
+
 def float32_tensor(values: Sequence[float], buffers: PlanBuffers) -> torch.Tensor:
     """float32 values (rounded as torch.tensor rounds them), clamped to float32's max."""
     with np.errstate(over="ignore"):

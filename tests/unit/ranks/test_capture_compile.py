@@ -15,11 +15,10 @@ from torch._dynamo.utils import counters
 from helios_logprobs.kernels.layout import PROMPT_BLOCK_ROWS, PROMPT_ROW_WORDS
 from helios_logprobs.kernels.scoring.driver import PreparedPromptScoring
 from helios_logprobs.ranks.sampler.params import RowSampling
+from helios_logprobs.ranks.sampler.plan import pad_rows
 from helios_logprobs.ranks.sampler.sampler import ShardedSampler
 
 VOCAB, PAD, BUCKET = 300, 4, 4
-FILLER = RowSampling(seed=0, position=0, temperature=0.0)
-"""A bucket's padding row: greedy, no processor (its token is ignored)."""
 
 
 def compiled_graphs() -> int:
@@ -46,13 +45,13 @@ def test_the_compiled_sample_phase_equals_eager_and_compiles_once_per_bucket():
                             temperature=t) for i, t in enumerate(temperatures)]
         logits = torch.randn(BUCKET, VOCAB + PAD, generator=gen) * 2.0
         logits[0, 7] = float("nan")
-        history = [[4, 9, step]] * BUCKET
-        plan = safe.plan(rows + [FILLER] * (BUCKET - n), history, history)
+        history = [[4, 9, step]] * n
+        plan = safe.plan(*pad_rows(rows, history, history, BUCKET))
         tokens = compiled(logits, plan)[:n].clone()
         graphs.append(compiled_graphs())
         real = logits[:n]
-        assert torch.equal(tokens, eager.sample(real, rows, history[:n], history[:n]))
-        assert torch.equal(tokens, default.sample(real, rows, history[:n], history[:n]))
+        assert torch.equal(tokens, eager.sample(real, rows, history, history))
+        assert torch.equal(tokens, default.sample(real, rows, history, history))
     assert graphs == [1] * len(steps)
     assert graph_breaks() == 0
 
