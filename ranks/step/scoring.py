@@ -86,6 +86,11 @@ class PromptScorer:
             group, model.local_width, model.vocab_start, model.local_valid, model.vocab_size,
             device, normalize,
         )
+        cuda = torch.device(device).type == "cuda"
+        self.targets_host = torch.full((self.ladder[-1].capacity,), -1, dtype=torch.int32,
+                                       pin_memory=True) if cuda else None
+        """CUDA: the pinned twin the targets are written to (numpy) and uploaded from."""
+        self.uploaded = torch.cuda.Event() if cuda else None
         self.last: tuple[int, int] | None = None
         """(capacity, rows) of the last scored chunk, for the coordinator's copy."""
 
@@ -101,10 +106,13 @@ class PromptScorer:
         n = hidden.shape[0]
         frames = self.frames_for(n)
         target_tokens = frames.prompt_target_tokens
-        if target_tokens.device.type == "cpu":
+        if self.targets_host is None:
             target_tokens.numpy()[:n] = targets  # (numpy: no tensor storage per step)
-        else:
-            target_tokens[:n].copy_(torch.tensor(targets, dtype=torch.int32))
+        else:  # (the last upload has left the pinned twin; one non-blocking copy)
+            self.uploaded.synchronize()
+            self.targets_host.numpy()[:n] = targets
+            target_tokens[:n].copy_(self.targets_host[:n], non_blocking=True)
+            self.uploaded.record()
         rows = frames.prompt_logprobs[frame]
         for start in range(0, n, PROMPT_BLOCK_ROWS):
             stop = min(n, start + PROMPT_BLOCK_ROWS)
