@@ -35,11 +35,13 @@ from helios_logprobs.ranks.contract.declarations import (
 )
 from helios_logprobs.ranks.model.config import ModelConfig
 from helios_logprobs.ranks.model.sharding import ShardLayout
+from helios_logprobs.ranks.sampler.buffers import CELLS_PER_ROW as PLAN_CELLS_PER_ROW
 from helios_logprobs.ranks.sampler.filters import FILTER_WORDS, PICK_WORDS
 from helios_logprobs.ranks.step.config import StepConfig
 from helios_logprobs.ranks.step.scoring import scored_capacities
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int32": 4, "int64": 8}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int32": 4, "int64": 8,
+               "float64": 8, "bool": 1}
 DTYPE_ALIASES = {
     "fp32": "float32", "float32": "float32", "float": "float32",
     "bf16": "bfloat16", "bfloat16": "bfloat16",
@@ -242,15 +244,31 @@ def input_buffers(step: StepConfig, cuda: bool = False) -> tuple[Buffer, ...]:
     return tuple(out)
 
 
-def sampler_buffers(step: StepConfig, layout: ShardLayout) -> tuple[Buffer, ...]:
+def sampler_buffers(step: StepConfig, layout: ShardLayout,
+                    cuda: bool = False) -> tuple[Buffer, ...]:
     """ranks/sampler/sampler.py ShardedSampler: the FP32 scratch [rows, local_width], the lanes'
-    global ids [local_width] (the capture-safe Gumbel-max's), and the filter (256 words) and
-    pick (3 words) exchanges, for the submission's most sampling rows (StepConfig.max_rows:
-    capacity x (1 + N) with N speculative proposals)."""
+    global ids [local_width] (the capture-safe Gumbel-max's), the plan's four typed pools at
+    their start-up sizes (ranks/sampler/buffers.py PlanBuffers; on CUDA each with a pinned
+    host twin), the tokens [rows] and best [2, rows] of the capture-safe path, and the filter
+    (256 words) and pick (3 words) exchanges, for the submission's most sampling rows
+    (StepConfig.max_rows: capacity x (1 + N) with N speculative proposals)."""
     cap, world = step.max_rows, layout.tp_size
+    cells = cap * PLAN_CELLS_PER_ROW
+    pools = {"int64": 24 * cap + 3 * cells, "float32": 4 * cap + 2 * cells,
+             "float64": 4 * cap, "bool": cap * (layout.local_valid + 2)}
+    plan = []
+    for dtype, size in pools.items():
+        path = f"sampler.buffers.{dtype}."
+        plan.append(Buffer("sampler", f"plan pool {dtype}", path + "values", (size,), dtype))
+        if cuda:
+            plan.append(Buffer("sampler", f"plan pool {dtype} (pinned upload twin)",
+                               path + "host", (size,), dtype, memory="pinned"))
     return (
         Buffer("sampler", "scratch", "sampler.scratch", (cap, layout.local_width), "float32"),
         Buffer("sampler", "lane ids", "sampler.lane_ids", (layout.local_width,), "int64"),
+        *plan,
+        Buffer("sampler", "tokens", "sampler.tokens", (cap,), "int64"),
+        Buffer("sampler", "best", "sampler.best", (2, cap), "int64"),
         *exchange_buffers("sampler", "filter exchange", "sampler.filter_exchange", cap,
                           FILTER_WORDS, world),
         *exchange_buffers("sampler", "pick exchange", "sampler.pick_exchange", cap,
@@ -354,7 +372,7 @@ def scored_frame_buffers(step: StepConfig) -> tuple[Buffer, ...]:
 def scoring_buffers(step: StepConfig, layout: ShardLayout, dtype: str) -> tuple[Buffer, ...]:
     """ranks/step/scoring.py PromptScorer (only with --prompt-logprobs): the ladder's frames,
     the [64, local_vocabulary] logit block and the two 64-word scoring exchanges
-    (kernels/scoring/driver.py) for 64 rows."""
+    (kernels/scoring/driver.py) with its lse and reported values, for 64 rows."""
     if not step.prompt_logprobs:
         return ()
     world = layout.tp_size
@@ -366,6 +384,9 @@ def scoring_buffers(step: StepConfig, layout: ShardLayout, dtype: str) -> tuple[
                           PROMPT_BLOCK_ROWS, PROMPT_EXCHANGE_WORDS, world),
         *exchange_buffers("scoring", "scoring exchange 2", "scorer.scoring.exchange2",
                           PROMPT_BLOCK_ROWS, PROMPT_EXCHANGE_WORDS, world),
+        Buffer("scoring", "scoring lse", "scorer.scoring.lse", (PROMPT_BLOCK_ROWS,), "float32"),
+        Buffer("scoring", "scoring values", "scorer.scoring.value", (PROMPT_BLOCK_ROWS,),
+               "float32"),
     )
 
 

@@ -125,7 +125,7 @@ def rank_sizing(
         *weight_buffers(config, layout, dt),
         *input_buffers(step, cuda),
         *completion_buffers(step),
-        *sampler_buffers(step, layout),
+        *sampler_buffers(step, layout, cuda),
         *reduction_buffers(step, config, layout, dt, interpreted),
         *scoring_buffers(step, layout, dt),
     )

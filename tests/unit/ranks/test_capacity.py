@@ -136,23 +136,28 @@ def test_cuda_rank_bf16_triton_and_pinned_host_frames(qwen2, monkeypatch):
 
 
 def test_a_cuda_plan_lists_the_pinned_twin_and_the_staging_frame(llama):
-    """CUDA's buffers from the configuration alone: the pinned upload twin beside the step
-    inputs (host memory: not in the device bytes), the copy staging frame on rank 0 (device
-    memory: in the device bytes, not in the host bytes); the CPU plan has neither."""
+    """CUDA's buffers from the configuration alone: the pinned upload twins of the step
+    inputs and the sampler's plan pools (host memory: not in the device bytes), the copy
+    staging frame on rank 0 (device memory: in the device bytes, not in the host bytes); the
+    CPU plan has neither."""
     _, step = build(llama)
     config = step.model.config
     cpu = rank_sizing(config, step.config, 2, 0, "fp32")
     cuda = rank_sizing(config, step.config, 2, 0, "fp32", cuda=True)
     other = rank_sizing(config, step.config, 2, 1, "fp32", cuda=True)
-    values = step.buffers.values
+    uploaded = [step.buffers.values, *(p.values for p in step.sampler.buffers.pools)]
     assert cpu.pinned_bytes == cpu.staging_bytes == 0
-    assert cuda.pinned_bytes == other.pinned_bytes == values.numel() * 8
+    tp1 = rank_sizing(config, step.config, 1, 0, "fp32", cuda=True)  # (the built step's TP)
+    assert tp1.pinned_bytes == sum(t.nbytes for t in uploaded)
+    assert cuda.pinned_bytes > 0 and other.pinned_bytes > 0
     payload = step.outputs.completion_logprobs
     assert cuda.staging_bytes == payload[0].numel() * 4 and other.staging_bytes == 0
     assert cuda.fixed_bytes == cpu.fixed_bytes and cuda.host_bytes == cpu.host_bytes
     assert cuda.device_bytes == cpu.device_bytes + cuda.staging_bytes
-    paths = {b.path: b.memory for b in (*cuda.buffers, *cuda.host)}
-    assert paths["buffers.host"] == "pinned" and paths["executor.staging"] == "device"
+    memory = {b.path: b.memory for b in (*cuda.buffers, *cuda.host) if b.memory}
+    pools = {f"sampler.buffers.{dtype}.host" for dtype in ("int64", "float32", "float64", "bool")}
+    assert memory == {"buffers.host": "pinned", **dict.fromkeys(pools, "pinned"),
+                      "executor.staging": "device"}
 
 
 def test_budget_kv_capacity_and_largest_capacity(llama):

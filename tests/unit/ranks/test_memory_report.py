@@ -64,7 +64,8 @@ def test_a_cuda_plan_reports_the_device_totals_and_a_graph_pool_of_zero(llama, c
                                       + r.get("host", {}).get("device_staging_bytes", 0)
                                       for r in ranks)
     pinned = [b for b in ranks[1]["buffers"] if b.get("memory") == "pinned"]
-    assert [b["path"] for b in pinned] == ["buffers.host"]
+    assert {b["path"] for b in pinned} == {"buffers.host", *(
+        f"sampler.buffers.{dtype}.host" for dtype in ("int64", "float32", "float64", "bool"))}
     assert device["reserved_limit"] == report["budget"]["usable"] == int(2**30 * 0.9)
     assert device["graph_pool"] == 0 and "0 until CUDA graphs are captured" in \
         device["graph_pool_note"]
