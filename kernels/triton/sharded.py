@@ -22,7 +22,8 @@ lane < local_valid; later lanes are padding and never read. The backend-agnostic
 A zero ``requested`` flag makes every launch return before reading the vocabulary, sorting
 or writing: that row of e1_out, e2_out, lse_out and out stays untouched. Kernels 2, 3, 5 and 6
 live in kernels/triton/sharded_kernels.py; the shared geometry, workspaces and argument
-checks in kernels/triton/prepared.py.
+checks in kernels/triton/prepared.py; the three launch groups are triton_ops
+(kernels/triton/ops.py), which the prepared object calls.
 """
 
 from __future__ import annotations
@@ -31,15 +32,21 @@ from collections.abc import Sequence
 
 import torch
 
-import triton
 from helios_logprobs.kernels.layout import (
     EXCHANGE1_WORDS,
     EXCHANGE2_WORDS,
-    MAX_TOKEN_IDS,
     PAYLOAD_WORDS,
     TILE_CANDIDATES,
 )
 from helios_logprobs.kernels.rows import RowRequest
+from helios_logprobs.kernels.triton.ops import (
+    FINAL_MERGE_BLOCK as FINAL_MERGE_BLOCK,
+)
+from helios_logprobs.kernels.triton.ops import (
+    triton_final_merge,
+    triton_shard_candidates,
+    triton_shard_stats,
+)
 from helios_logprobs.kernels.triton.prepared import (
     FLAG_DTYPES,
     PreparedWorkspaces,
@@ -48,16 +55,18 @@ from helios_logprobs.kernels.triton.prepared import (
     check_request,
     check_vector,
 )
-from helios_logprobs.kernels.triton.sharded_kernels import (
-    _global_lse_kernel,
-    _shard_merge_kernel,
-    _shard_stats_kernel,
-    _sharded_final_kernel,
+from helios_logprobs.kernels.triton.sharded_kernels import (  # (launched by the ops)
+    _global_lse_kernel as _global_lse_kernel,
 )
-
-FINAL_MERGE_BLOCK = 256
-"""Gathered candidate keys (world * 32) the final launch loads per step: TP <= 8 in one."""
-
+from helios_logprobs.kernels.triton.sharded_kernels import (
+    _shard_merge_kernel as _shard_merge_kernel,
+)
+from helios_logprobs.kernels.triton.sharded_kernels import (
+    _shard_stats_kernel as _shard_stats_kernel,
+)
+from helios_logprobs.kernels.triton.sharded_kernels import (
+    _sharded_final_kernel as _sharded_final_kernel,
+)
 
 # --------------------------------------------------------------------------------------------
 # Prepared launches
@@ -135,13 +144,9 @@ class PreparedShardedReduction(PreparedWorkspaces):
         return e1_out
 
     def _stats(self, logits, requested, local_valid, e1_out) -> None:
-        n_tiles = triton.cdiv(local_valid, self.block_size)
-        self._tile_stats(logits, requested, local_valid, n_tiles)
-        _shard_stats_kernel[(logits.shape[0],)](
-            requested, self.tile_max, self.tile_mass, self.tile_max.stride(0),
-            e1_out, e1_out.stride(0), n_tiles,
-            BLOCK_TILES=self.block_tiles, num_warps=4,
-        )
+        # (helios::triton_shard_stats: kernels/triton/ops.py)
+        triton_shard_stats(logits, requested, local_valid, self.block_size, self.block_tiles,
+                           self.tile_max, self.tile_mass, e1_out)
 
     # ---------------------------------------------------------------- launches 3-5
     def candidates(
@@ -174,25 +179,12 @@ class PreparedShardedReduction(PreparedWorkspaces):
 
     def _candidates(self, logits, chosen, ids, counts, requested, e1_all, vocab_start,
                     local_valid, lse_out, e2_out) -> None:
-        rows = logits.shape[0]
-        n_tiles = triton.cdiv(local_valid, self.block_size)
-        # Launch 3: global lse from every rank's exchange-1 words, in rank order.
-        _global_lse_kernel[(rows,)](
-            e1_all, e1_all.stride(0), e1_all.stride(1), requested, lse_out, e1_all.shape[0],
-            num_warps=1,
-        )
-        # Launch 4: per-tile best 32 keys with global ids vocab_start + lane. The shard
-        # always keeps 32 (k is only known to the final merge), hence k=32 here.
-        self._tile_keys(logits, requested, counts, lse_out, local_valid, vocab_start,
-                        TILE_CANDIDATES, n_tiles)
-        # Launch 5: the shard's exchange-2 row (layout in _shard_merge_kernel).
-        _shard_merge_kernel[(rows,)](
-            logits, logits.stride(0), chosen, ids, ids.stride(0), counts, requested,
-            self.cand, self.cand.stride(0), n_tiles * TILE_CANDIDATES,
-            e2_out, e2_out.stride(0), vocab_start, local_valid,
-            MAX_IDS=MAX_TOKEN_IDS, MERGE_BLOCK=self.merge_block, SELECT=self.select,
-            num_warps=4,
-        )
+        # Launch 3: global lse from every rank's exchange-1 words, in rank order; launch 4:
+        # per-tile best 32 keys with global ids vocab_start + lane; launch 5: the shard's
+        # exchange-2 row (layout in _shard_merge_kernel). helios::triton_shard_candidates.
+        triton_shard_candidates(logits, chosen, ids, counts, requested, e1_all, vocab_start,
+                                local_valid, self.block_size, self.merge_block, self.select,
+                                self.cand, lse_out, e2_out)
 
     # ---------------------------------------------------------------- launch 6
     def final(
@@ -226,13 +218,8 @@ class PreparedShardedReduction(PreparedWorkspaces):
         return out
 
     def _final(self, e2_all, lse, chosen, ids, counts, requested, k, starts, out) -> None:
-        _sharded_final_kernel[(lse.shape[0],)](
-            e2_all, e2_all.stride(0), e2_all.stride(1), e2_all.shape[0],
-            lse, chosen, ids, ids.stride(0), counts, requested, starts,
-            out, out.stride(0), k,
-            MAX_IDS=MAX_TOKEN_IDS, MERGE_BLOCK=FINAL_MERGE_BLOCK,
-            SELECT=self.select, num_warps=4,
-        )
+        triton_final_merge(e2_all, lse, chosen, ids, counts, requested, starts, k, self.select,
+                           out)  # (helios::triton_final_merge)
 
 
 # --------------------------------------------------------------------------------------------
