@@ -3,20 +3,32 @@ permutation): from a safetensors folder with Hugging Face's names, and from a GG
 server then answers bit for bit as a fresh server started on the new weights (a GGUF file of
 them in F32, so both servers read the same config from GGUF metadata); going back to the
 served file restores its answers; a folder whose tensor shape differs is refused naming the
-tensor and the old weights keep serving. TP1 (the shard slicing at TP2 is the folder
+tensor and the old weights keep serving; a trainer's broadcast is checked against the GGUF's
+tensors and lands the same bits. TP1 (the shard slicing at TP2 is the folder
 update's, tests/server/rl/test_weight_updates.py, and the GGUF reader's,
 tests/distributed/test_gguf_tp.py)."""
 
 from __future__ import annotations
 
-import pytest
+import threading
 
+import pytest
+from safetensors.torch import load_file
+
+from helios_logprobs.collectives import weight_transfer
 from tests.checkpoints import write_llama
 from tests.gguf_files import VOCAB, write_gguf
-from tests.server.helpers import launch, strict_json
+from tests.server.helpers import free_port, launch, post, strict_json
 from tests.server.rl.checkpoints import narrow_down_proj, reweighted
 from tests.server.rl.conftest import COMMON
-from tests.server.rl.test_weight_updates import counter, outputs, pause, resume, update
+from tests.server.rl.test_weight_updates import (
+    _trainer_group,
+    counter,
+    outputs,
+    pause,
+    resume,
+    update,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -62,3 +74,32 @@ def test_a_gguf_server_updates_from_safetensors_and_gguf(gguf_servers):
         resume(served)
     assert outputs(served) == on_b  # the refused folder changed nothing
     assert counter(served, "rl_weight_update") == updates + 3
+
+
+def test_a_gguf_server_takes_a_trainers_broadcast(gguf_servers):
+    """The served GGUF's names and shapes (Hugging Face's) check a trainer's update_info."""
+    served, fresh, paths = gguf_servers
+    on_b, group = outputs(fresh), None
+    assert pause(served).status_code == 200
+    try:
+        assert update(served, paths["a"]).status_code == 200
+        resume(served)
+        before = outputs(served)
+        assert before != on_b
+        group = _trainer_group(served, free_port(), 2)
+        tensors = load_file(str(paths["hf_b"] / "model.safetensors"))
+        names = sorted(tensors)
+        info = {"names": names, "dtype_names": ["float32"] * len(names),
+                "shapes": [list(tensors[name].shape) for name in names]}
+        assert pause(served).status_code == 200
+        answers: list = []
+        updating = threading.Thread(target=lambda: answers.append(
+            post(served, "/update_weights", {"update_info": info})))
+        updating.start()
+        weight_transfer.trainer_send_weights(group, ((n, tensors[n]) for n in names))
+        updating.join(120)
+        assert answers and answers[0].status_code == 200, answers
+    finally:
+        resume(served)
+        weight_transfer.leave(group)
+    assert outputs(served) == on_b  # bit for bit
