@@ -44,8 +44,13 @@ def rank_main(model_dirs: dict[str, str]) -> list[tuple]:
                 assert not sizing.host
             check_kv_allocator(step.model, sizing, 2, 5)
             layout = sizing.layout
+            # (the sampler's bool plan pool holds a row of the shard's valid lanes, the one
+            # buffer sized by local_valid rather than the padded width)
+            lanes = sum(b.nbytes for b in sizing.buffers
+                        if b.path == "sampler.buffers.bool.values")
+            assert lanes == step.config.max_rows * (layout.local_valid + 2)
             seen.append((name, case, layout.vocab_start, layout.local_valid,
-                         layout.local_kv_heads, sizing.device_bytes))
+                         layout.local_kv_heads, sizing.device_bytes - lanes))
     return seen
 
 
@@ -64,6 +69,6 @@ def test_report_equals_every_rank(world, checkpoints):
     qwen_k20 = next(r for r in last if r[:2] == ("qwen2", "k20"))
     width = -(-301 // world)
     assert qwen_k20[2:5] == ((world - 1) * width, 301 - (world - 1) * width, 1)
-    # Every rank holds the same bytes: shapes use the padded shard width.
+    # Every rank holds the same bytes besides the bool plan pool: shapes use the padded width.
     for case in zip(*results, strict=True):
         assert len({r[5] for r in case}) == 1, case
