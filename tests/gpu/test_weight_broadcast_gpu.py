@@ -8,12 +8,14 @@ same path on the CPU with gloo: tests/server/rl/test_weight_updates.py (TP1, TP2
 
 from __future__ import annotations
 
+import shutil
 import socket
 import threading
+from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from helios_logprobs.collectives import weight_transfer
 from helios_logprobs.ranks.model import ShardedCausalLM
@@ -23,8 +25,7 @@ from helios_logprobs.ranks.model.weight_transfer import (
     join_transfer,
     receive_update,
 )
-from tests.checkpoints import write_qwen2
-from tests.server.rl.checkpoints import reweighted
+from tests.gpu.checkpoint import write_qwen2
 
 pytestmark = [
     pytest.mark.gpu,
@@ -77,11 +78,24 @@ def broadcast_update(model, tensors: dict, backend: str, trainer_device: str) ->
         weight_transfer.leave(getattr(model, "weight_transfer", None))
 
 
+def reweighted(source: Path, target: Path) -> Path:
+    """A copy of ``source`` whose every tensor is redrawn around its own scale (safetensors
+    alone: tests/server/rl/checkpoints.py's, without the server package)."""
+    shutil.copytree(source, target)
+    tensors = load_file(str(target / "model.safetensors"))
+    generator = torch.Generator().manual_seed(5)
+    for name, tensor in sorted(tensors.items()):
+        noise = torch.randn(tensor.shape, generator=generator)
+        tensors[name] = (tensor.float() + 0.5 * tensor.float().std() * noise).to(tensor.dtype)
+    save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
+    return target
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("broadcast")
     a = write_qwen2(root / "a")
-    return a, reweighted(a, root / "b", seed=5)
+    return a, reweighted(a, root / "b")
 
 
 def check_update(checkpoints, device: str, backend: str, trainer_device: str) -> None:
