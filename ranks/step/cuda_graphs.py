@@ -45,6 +45,7 @@ import torch
 
 from helios_logprobs.ranks.contract.abi6 import HEADER
 from helios_logprobs.ranks.plan import StepPlan
+from helios_logprobs.ranks.step.reduce_graph import compile_counters
 
 WARMUP_CALLS = 2
 """Eager calls of each variant on the capture stream before its capture."""
@@ -288,6 +289,7 @@ def enable_decode_graphs(step) -> DecodeGraphs | None:
     for benchmarks and tests that build the step through the runtime's config."""
     step.config = replace(step.config, cuda_graphs=True)
     step.cuda_graphs = decode_graphs(step)
+    step.compiled_at_start = compile_counters()  # (a capture is start-up work, as in __init__)
     return step.cuda_graphs
 
 
