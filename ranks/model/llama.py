@@ -363,7 +363,7 @@ class ShardedCausalLM:
         groups = self.layout.local_heads // self.layout.local_kv_heads
         cos, sin = self._rotary(positions)
         h = self._embed(input_ids, self._reduce_traced)
-        mask = (key_positions.unsqueeze(0) <= positions.unsqueeze(1))[:, None, None, :]
+        mask = (positions.unsqueeze(1) >= key_positions.unsqueeze(0))[:, None, None, :]
         key_index = (slots.unsqueeze(1), key_positions.unsqueeze(0))
         for index, layer in enumerate(self.weights.layers):
             x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)

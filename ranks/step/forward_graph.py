@@ -1,11 +1,11 @@
 """The forward phase compiled (--compile): the model's ``forward_tokens`` as one
 ``torch.compile(fullgraph=True)`` graph over a padded token batch, and its variants.
 
-One graph, two dynamic sizes, no recompilation. The token count N is marked dynamic in
-[2, top] and every submission is padded to a bucket of a fixed ladder (2, 4, 8, ... up to
+One graph, two dynamic sizes, no recompilation. The token count N is marked dynamic (>= 2)
+and every submission is padded to a bucket of a fixed ladder (2, 4, 8, ... up to
 the step's token budget): the padding is what a CUDA graph captures per bucket, and sizes 0
 and 1, which dynamo specialises, never reach the graph. The key length L (the batch's
-longest context, at least 2) is dynamic in [2, max_seq_len]: each token gathers its own
+longest context, at least 2, at most max_seq_len) is dynamic too: each token gathers its own
 slot's keys at positions 0..L-1 by index (``cache[slots[:, None], key_positions[None]]``: a
 slice would guard on L == max_seq_len) and masks those past its position. Padding tokens
 write their keys to a spare cache slot (index ``capacity``) at position 0 and read only it,
@@ -28,6 +28,8 @@ import torch
 
 MIN_TOKENS = 2
 """The smallest bucket: dynamo specialises sizes 0 and 1, so a single token is padded."""
+MAX_SIZE = 1 << 24
+"""The dynamic sizes' declared upper bound, the same for every step (see ``_call``)."""
 
 
 def token_buckets(decode_rows: int, token_budget: int) -> tuple[int, ...]:
@@ -97,10 +99,11 @@ class ForwardGraph:
 
     def _call(self, token_ids, positions, slots, key_positions) -> torch.Tensor:
         if not self._marked:  # the first call compiles: sizes marked dynamic, not 0/1
-            top = self.buckets[-1]
-            for tensor in (token_ids, positions, slots):
-                torch._dynamo.mark_dynamic(tensor, 0, min=MIN_TOKENS, max=top)
-            torch._dynamo.mark_dynamic(key_positions, 0, min=MIN_TOKENS, max=self.max_seq_len)
+            # (One bound for every configuration: a bound becomes a guard of the cached
+            # graph, and Inductor's cache, keyed without it, hands that guard to the next
+            # process that traces the same graph, whatever its own bound.)
+            for tensor in (token_ids, positions, slots, key_positions):
+                torch._dynamo.mark_dynamic(tensor, 0, min=MIN_TOKENS, max=MAX_SIZE)
             self._marked = True
         return self.fn(token_ids, positions, slots, key_positions)
 

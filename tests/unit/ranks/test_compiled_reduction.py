@@ -49,6 +49,9 @@ def test_compiled_serving_compiles_nothing_more_and_equals_eager(qwen2):
     engine = engine_for(qwen2, compile=True)
     graph = engine.step.graph
     assert graph is not None and graph_counts() == {"graphs": 2, "breaks": 0}
+    cache = engine.step.model.cache  # the start-up runs wrote the spare slot only
+    assert not any(t[: cache.capacity].any() for t in (*cache.keys, *cache.values))
+    assert all(t[cache.capacity].any() for t in cache.keys)
     forward = engine.step.forward_graph
     select, buckets = forward.select, []
 
