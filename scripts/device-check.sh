@@ -19,18 +19,22 @@
 #      pinned frames, memory_allocated flat over 1,000 copies, payload prefixes bit-equal to
 #      the device frame, the copy stream after the producing event, the first read after the
 #      transfer event, graph-pool bytes);
-#   4. cuda-graphs: tests/gpu/test_cuda_graphs_gpu.py (the captured decode step: served run
-#      equal to eager with no Triton compile after start-up, one graph pool in the memory
-#      report, 1,000 replays flat, served frame copies only of the requesting prefixes);
-#   5. decode: tokens/s at batch 1 and 16, K=20 against none, on the step-2 checkpoint:
-#      eager, the captured reduce phase, and --compile with the forward's decode buckets and
-#      the compiled reduce region captured (its start-up compile included in the step);
+#   4. cuda-graphs: tests/gpu/test_cuda_graphs_gpu.py without --compile (the captured reduce
+#      phase: served run equal to eager with no Triton compile after start-up, one graph
+#      pool in the memory report, 1,000 replays flat, served frame copies only of the
+#      requesting prefixes);
+#   5. decode: tokens/s at batch 1 and 16, K=20 against none, eager and graphs, on the
+#      step-2 checkpoint;
 #   6. bench: python bench/reduction.py --backend triton (times, achieved bandwidth against a
 #      device copy of the same bytes);
 #   7. gpu-tests: the rest of tests/gpu (serving shapes against the reference, capture of the
-#      prepared launches, the served reduce phase replayed 1,000 times, batch invariance);
-#   8. select: the two GPU selection networks at 256 x 151,936 bf16 against log_softmax+topk;
-#   9. unit-triton-gpu: tests/unit/kernels/test_triton_reduction.py compiled for the GPU, in
+#      prepared launches, the served reduce phase replayed 1,000 times, batch invariance,
+#      weight broadcast);
+#   8. --compile with graphs (the compiled forward's decode buckets and the compiled reduce
+#      region captured; Inductor compiles first): its GPU test, then decode tokens/s;
+#   9. select: the two GPU selection networks at 256 x 151,936 bf16 against
+#      log_softmax+topk;
+#  10. unit-triton-gpu: tests/unit/kernels/test_triton_reduction.py compiled for the GPU, in
 #      whatever time is left (many small shapes, each its own compile).
 # It ends with one table: each step, its status, its seconds and its figure. Everything
 # printed also goes to $OUT/device-check.log ($OUT defaults to ./device-check-out). The exit
@@ -39,7 +43,8 @@
 # --dry-run (no GPU): the image's interpreter need not see a GPU and nothing is installed;
 # the checkpoint has vocabulary 1,000, the GPU tests are collected (and skip), the bench runs
 # the torch backend at one small shape, select runs under the Triton interpreter, decode
-# replays the captured callables on the CPU, and the interpreter unit suite is skipped.
+# replays the captured callables on the CPU; the --compile steps and the interpreter unit
+# suite are skipped.
 
 set -uo pipefail
 
@@ -177,13 +182,12 @@ FRAME_TESTS="frame_cop or producing_event or graph_pool"
 run frame-transfer 90 "${PYTEST[@]}" tests/gpu/test_captured_step_gpu.py -k "$FRAME_TESTS"
 
 step "4. the captured decode step"
-run cuda-graphs 120 "${PYTEST[@]}" tests/gpu/test_cuda_graphs_gpu.py --durations=5
+run cuda-graphs 120 "${PYTEST[@]}" tests/gpu/test_cuda_graphs_gpu.py --durations=5 \
+    -k "not compiled"
 
-step "5. decode tokens/s, K=20 against none: eager, graphs, compiled + graphs"
-MODES=eager,graphs,compiled-graphs
-[ "$DRY_RUN" = 1 ] && MODES=eager,graphs  # (a CPU compile of the forward takes minutes)
-run decode 180 "${CHECK[@]}" --figures "$OUT/figures/decode" decode --model "$CKPT" \
-    --modes "$MODES" "${DRY[@]}"
+step "5. decode tokens/s, K=20 against none: eager and graphs"
+run decode 120 "${CHECK[@]}" --figures "$OUT/figures/decode" decode --model "$CKPT" \
+    --modes eager,graphs "${DRY[@]}"
 
 step "6. bench/reduction.py"
 if [ "$DRY_RUN" = 1 ]; then
@@ -197,10 +201,21 @@ step "7. the rest of tests/gpu"
 run gpu-tests 200 "${PYTEST[@]}" tests/gpu --durations=10 \
     --ignore=tests/gpu/test_cuda_graphs_gpu.py -k "not ($FRAME_TESTS)"
 
-step "8. selection networks"
+step "8. --compile with graphs: the GPU test and decode tokens/s"
+if [ "$DRY_RUN" = 1 ]; then
+    echo "--- skipped in a dry run (a CPU compile of the forward takes minutes)"
+    record graphs-compiled "skipped" 0
+    record decode-compiled "skipped" 0
+else
+    run graphs-compiled 150 "${PYTEST[@]}" tests/gpu/test_cuda_graphs_gpu.py -k compiled
+    run decode-compiled 150 "${CHECK[@]}" --figures "$OUT/figures/decode-compiled" decode \
+        --model "$CKPT" --modes compiled-graphs
+fi
+
+step "9. selection networks"
 run select 60 "${CHECK[@]}" --figures "$OUT/figures/select" select "${DRY[@]}"
 
-step "9. unit Triton tests compiled for the GPU (no interpreter)"
+step "10. unit Triton tests compiled for the GPU (no interpreter)"
 if [ "$DRY_RUN" = 1 ]; then
     echo "--- skipped in a dry run (the interpreter suite is the CPU's own)"
     record unit-triton-gpu "skipped" 0
