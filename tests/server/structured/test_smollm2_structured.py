@@ -64,8 +64,9 @@ def test_seeded_json_schema_answers_all_validate(smollm2):
         return ask(smollm2, "Describe a person as JSON with a name, an age and a city.",
                    response_format=fmt, seed=seed, temperature=1.0)
 
+    # (one batch of the server's 8 rows: 30 seeds cost the suite ten minutes under load)
     with ThreadPoolExecutor(8) as pool:
-        outs = list(pool.map(one, range(30)))
+        outs = list(pool.map(one, range(8)))
     for out in outs:
         assert out.choices[0].finish_reason == "stop", out.choices[0]
         jsonschema.validate(json.loads(out.choices[0].message.content), PERSON)
