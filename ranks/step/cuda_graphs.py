@@ -19,9 +19,10 @@ What is captured, and when it replays:
   key length pinned at max_seq_len (the mask alone bounds each row's context).
   ``CapturedForward``.
 
-The sample phase is not captured yet (the readback and the host commit sit between it and
-the reduction; a captured sampler needs its plan tensors written in place, which
-ranks/sampler's static pools now do: the next variant to add).
+The sample phase is not captured yet: the readback and the host commit sit between it and
+the reduction, and a captured sampler needs each bucket's plan tensors at fixed addresses
+(ranks/sampler's static pools give fixed storage, but a plan's views start where its
+reservations fall, which depends on the rows' processors). The next variant to add.
 
 Every variant is captured into one pool (``torch.cuda.graph_pool_handle()``), largest first
 as vLLM does, so a smaller variant reuses the larger one's blocks; each is warmed up on a
