@@ -100,3 +100,24 @@ def test_long_prefill_batches_stay_eager(qwen2):
     assert graph.select(later) is None  # 8 x 49 keys
     _, empty = batch()
     assert graph.select(empty) is None
+
+
+def test_one_compiled_graph_serves_steps_of_any_budget(qwen2):
+    """The compiled graph's sizes carry one bound whatever the step's budget: a second step
+    with a larger ladder runs every bucket on the first one's graph (a per-step bound was a
+    guard that Inductor's cache handed to later processes)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    graphs = []
+    for budget in (24, 256):
+        model = ShardedCausalLM.load(qwen2)
+        model.allocate_cache(CAPACITY, LENGTH, spare_slots=1)
+        with torch._dynamo.config.patch(error_on_recompile=len(graphs) > 0):
+            graph = ForwardGraph(model, CAPACITY, LENGTH, decode_rows=4, token_budget=budget,
+                                 device=torch.device("cpu"))
+            variant = graph.variants[budget]
+            variant.key_length = LENGTH
+            variant.run()
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs == [1, 1]
