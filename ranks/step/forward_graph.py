@@ -1,10 +1,12 @@
 """The forward phase compiled (--compile): the model's ``forward_tokens`` as one
 ``torch.compile(fullgraph=True)`` graph over a padded token batch, and its variants.
 
-One graph, two dynamic sizes, no recompilation. The token count N is marked dynamic (>= 2)
-and every submission is padded to a bucket of a fixed ladder (2, 4, 8, ... up to
-the step's token budget): the padding is what a CUDA graph captures per bucket, and sizes 0
-and 1, which dynamo specialises, never reach the graph. The key length L (the batch's
+Two graphs, dynamic sizes, no recompilation. Every submission is padded to a bucket of a
+fixed ladder (1, 2, 4, 8, ... up to the step's token budget): the padding is what a CUDA
+graph captures per bucket. Buckets >= 2 share one graph whose token count N is marked
+dynamic (>= 2: dynamo specialises 0 and 1); a single token has its own graph (N = 1 static),
+because padding it to 2 rows doubled the CPU's matmul time (MKL's one-row path; SmolLM2's
+batch-1 decode ran at 0.68x eager). The key length L (the batch's
 longest context, at least 2, at most max_seq_len) is dynamic too: each token gathers its own
 slot's keys at positions 0..L-1 by index (``cache[slots[:, None], key_positions[None]]``: a
 slice would guard on L == max_seq_len) and masks those past its position. Padding tokens
@@ -27,16 +29,16 @@ from dataclasses import dataclass, field
 import torch
 
 MIN_TOKENS = 2
-"""The smallest bucket: dynamo specialises sizes 0 and 1, so a single token is padded."""
+"""The smallest dynamic size: dynamo specialises 0 and 1 (bucket 1 is its own graph)."""
 MAX_SIZE = 1 << 24
 """The dynamic sizes' declared upper bound, the same for every step (see ``_call``)."""
 
 
 def token_buckets(decode_rows: int, token_budget: int) -> tuple[int, ...]:
-    """The ladder 2, 4, 8, ... through the first bucket >= decode_rows, then on to the token
-    budget (the last bucket is the budget itself when it is not a power of two)."""
+    """The ladder 1, 2, 4, 8, ... through the first bucket >= decode_rows, then on to the
+    token budget (the last bucket is the budget itself when it is not a power of two)."""
     top = max(token_budget, decode_rows, MIN_TOKENS)
-    buckets, size = [], MIN_TOKENS
+    buckets, size = [1], MIN_TOKENS
     while size < top:
         buckets.append(size)
         size *= 2
@@ -93,18 +95,20 @@ class ForwardGraph:
         self.variants = {b: ForwardVariant(b, self.token_ids[:b], self.positions[:b],
                                            self.slots[:b], self.key_positions, self._call)
                          for b in self.buckets}
-        self._marked = False
+        self._marked: set[bool] = set()
+        """Which graphs were compiled: False for the single token's, True for the batch's."""
         for variant in self.variants.values():  # compile, then every bucket's guards
             variant.run()
 
     def _call(self, token_ids, positions, slots, key_positions) -> torch.Tensor:
-        if not self._marked:  # the first call compiles: sizes marked dynamic, not 0/1
+        batch = token_ids.shape[0] >= MIN_TOKENS
+        if batch not in self._marked:  # each graph's first call compiles it
             # (One bound for every configuration: a bound becomes a guard of the cached
             # graph, and Inductor's cache, keyed without it, hands that guard to the next
             # process that traces the same graph, whatever its own bound.)
-            for tensor in (token_ids, positions, slots, key_positions):
+            for tensor in (token_ids, positions, slots, key_positions)[0 if batch else 3:]:
                 torch._dynamo.mark_dynamic(tensor, 0, min=MIN_TOKENS, max=MAX_SIZE)
-            self._marked = True
+            self._marked.add(batch)
         return self.fn(token_ids, positions, slots, key_positions)
 
     def select(self, host: tuple[list[int], list[int], list[int], list[int]]

@@ -22,11 +22,11 @@ def qwen2(tmp_path_factory):
     return write_qwen2(tmp_path_factory.mktemp("qwen2"))
 
 
-def test_the_bucket_ladder_doubles_from_two_through_decode_to_the_budget():
-    assert token_buckets(12, 24) == (2, 4, 8, 16, 24)
-    assert token_buckets(16, 64) == (2, 4, 8, 16, 32, 64)
-    assert token_buckets(1, 1) == (2,)
-    assert token_buckets(40, 24) == (2, 4, 8, 16, 32, 40)
+def test_the_bucket_ladder_doubles_from_one_through_decode_to_the_budget():
+    assert token_buckets(12, 24) == (1, 2, 4, 8, 16, 24)
+    assert token_buckets(16, 64) == (1, 2, 4, 8, 16, 32, 64)
+    assert token_buckets(1, 1) == (1, 2)
+    assert token_buckets(40, 24) == (1, 2, 4, 8, 16, 32, 40)
 
 
 def pair(model_dir):
@@ -43,7 +43,7 @@ def pair(model_dir):
 def test_start_up_runs_every_bucket_on_the_spare_slot_only(qwen2):
     graph, _ = pair(qwen2)
     cache = graph.model.cache
-    assert graph.buckets == (2, 4, 8, 16, 24)
+    assert graph.buckets == (1, 2, 4, 8, 16, 24)
     for keys, values in zip(cache.keys, cache.values, strict=True):
         assert keys.shape[0] == CAPACITY + 1
         assert not keys[:CAPACITY].any() and not values[:CAPACITY].any()
@@ -66,7 +66,7 @@ def test_padded_buckets_give_the_planned_forward_rows_and_cache(qwen2):
     steps = [
         batch((0, 0, [5, 6, 7, 8, 9, 10]), (1, 0, [3, 4, 5])),  # two prefill chunks
         batch((0, 6, [11]), (1, 3, [12, 13, 14]), (2, 0, [7, 8])),  # decode, round, prefill
-        batch((2, 2, [40])),  # one token: padded to bucket 2
+        batch((2, 2, [40])),  # one token: bucket 1
         batch((0, 7, [1]), (1, 6, [2]), (2, 3, [3]), (3, 0, [4, 5, 6])),
     ]
     chosen = []
@@ -79,7 +79,7 @@ def test_padded_buckets_give_the_planned_forward_rows_and_cache(qwen2):
         hidden = variant.run()[:n]
         expected = eager.forward_hidden(*tensors, torch.tensor(host[3]), host)
         torch.testing.assert_close(hidden, expected, rtol=0, atol=2e-5)
-    assert chosen == [(16, 6), (8, 7), (2, 3), (8, 8)]
+    assert chosen == [(16, 6), (8, 7), (1, 3), (8, 8)]
     for padded, keys in zip(graph.model.cache.keys, eager.cache.keys, strict=True):
         torch.testing.assert_close(padded[:CAPACITY], keys, rtol=0, atol=2e-5)
         assert not padded[CAPACITY, 1:].any()  # padding: the spare slot's position 0 only
@@ -103,9 +103,10 @@ def test_long_prefill_batches_stay_eager(qwen2):
 
 
 def test_one_compiled_graph_serves_steps_of_any_budget(qwen2):
-    """The compiled graph's sizes carry one bound whatever the step's budget: a second step
-    with a larger ladder runs every bucket on the first one's graph (a per-step bound was a
-    guard that Inductor's cache handed to later processes)."""
+    """The compiled graphs' sizes carry one bound whatever the step's budget: a second step
+    with a larger ladder runs every bucket on the first one's two graphs (the single token's
+    and the batch's; a per-step bound was a guard that Inductor's cache handed to later
+    processes)."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -121,4 +122,4 @@ def test_one_compiled_graph_serves_steps_of_any_budget(qwen2):
             variant.key_length = LENGTH
             variant.run()
         graphs.append(counters["stats"]["unique_graphs"] - before)
-    assert graphs == [1, 1]
+    assert graphs == [2, 2]

@@ -168,9 +168,10 @@ def test_served_decode_replays_the_compiled_forward_buckets(model_dir):
                                       cfg.token_budget, step.device, compile=False)
     backend = KeptCallables()
     step.cuda_graphs = DecodeGraphs(step, backend)
-    assert step.cuda_graphs.forward_capture.sizes == (2, 4)  # (the ladder up to 3 rows)
+    assert step.cuda_graphs.forward_capture.sizes == (1, 2, 4)  # (the ladder up to 3 rows)
     assert list(step.cuda_graphs.graphs.graphs) == [
-        GraphKey(DECODE, 4), GraphKey(REDUCE, 3, 0), GraphKey(REDUCE, 3, 1), GraphKey(DECODE, 2)]
+        GraphKey(DECODE, 4), GraphKey(REDUCE, 3, 0), GraphKey(REDUCE, 3, 1), GraphKey(DECODE, 2),
+        GraphKey(DECODE, 1)]
     served = generated(build_engine(config, step).run_offline(jobs()))
     close(served, eager)
     counters = step.cuda_graphs.counters
