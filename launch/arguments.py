@@ -71,7 +71,8 @@ def add_runtime_arguments(p: argparse.ArgumentParser) -> None:
                         "reports ready (torch reduction backend; off by default on CPU: "
                         "bench/compile_decode.py)")
     p.add_argument("--enforce-eager", action="store_true",
-                   help="never compile (vLLM's name); overrides --compile")
+                   help="never compile or capture CUDA graphs (vLLM's name); overrides "
+                        "--compile")
     p.add_argument("--reasoning-parser", choices=sorted(PARSERS),
                    default=d("reasoning_parser"),
                    help="thinking spans <think>...</think>; enables thinking_token_budget")
@@ -154,4 +155,5 @@ def runtime_config(args: argparse.Namespace, device: str) -> RuntimeConfig:
         reasoning_config=args.reasoning_config,
         seed=args.seed,
         compile=args.compile and not args.enforce_eager,
+        cuda_graphs=not args.enforce_eager,
     )

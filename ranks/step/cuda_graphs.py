@@ -38,6 +38,7 @@ graphs.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Protocol
@@ -301,4 +302,10 @@ def decode_graphs(step) -> DecodeGraphs | None:
         return None
     if step.reduction is None and step.forward_graph is None:
         return None  # (nothing to capture)
-    return DecodeGraphs(step, CudaGraphBackend(step.device))
+    try:
+        return DecodeGraphs(step, CudaGraphBackend(step.device))
+    except RuntimeError as error:  # (a capture CUDA refuses: serve eagerly, say so once)
+        logging.getLogger(__name__).warning(
+            "CUDA graph capture failed (%s); every phase runs eagerly (--enforce-eager "
+            "silences this)", error)
+        return None

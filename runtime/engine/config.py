@@ -90,6 +90,9 @@ class RuntimeConfig:
     ranks/step/forward_graph.py) and the reduce phase each run as one graph of
     torch.compile(fullgraph=True), compiled before the server reports ready. Off by default
     on CPU: bench/compile_decode.py measures it (docs/performance.md)."""
+    cuda_graphs: bool = True
+    """On CUDA, capture the decode step's variants at start-up and replay them (vLLM's default;
+    ranks/step/cuda_graphs.py); ``--enforce-eager`` turns it off. Ignored on the CPU."""
 
     seed: int | None = None
     """--seed (vLLM's): requests without a seed draw theirs from it (scheduler.unset_seed), so
@@ -175,6 +178,7 @@ class RuntimeConfig:
             speculative_tokens=self.speculative_tokens,
             max_batched_tokens=self.batched_tokens,
             compile=self.compile,
+            cuda_graphs=self.cuda_graphs,
         )
 
     @property

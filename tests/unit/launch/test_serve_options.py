@@ -115,3 +115,15 @@ def test_the_server_seed_fixes_each_unseeded_draw():
     assert unset_seed(7, 1) != unset_seed(8, 1)
     assert all(0 <= unset_seed(s, n) < 2**63 for s in (0, 7) for n in (1, 2))
     assert unset_seed(None, 1) != unset_seed(None, 1)  # fresh draws (63 bits)
+
+
+@pytest.mark.parametrize(("argv", "compiled", "captured"), [
+    ([], False, True), (["--compile"], True, True),
+    (["--compile", "--enforce-eager"], False, False), (["--enforce-eager"], False, False)])
+def test_enforce_eager_turns_off_compilation_and_cuda_graphs(argv, compiled, captured):
+    from helios_logprobs.launch.arguments import runtime_config
+
+    config = runtime_config(parse_serve_args(argv), "cpu")
+    step = config.step_config(64)
+    assert (config.compile, step.compile) == (compiled, compiled)
+    assert (config.cuda_graphs, step.cuda_graphs) == (captured, captured)
