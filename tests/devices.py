@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 RANK_DEVICE = os.environ.get("HELIOS_TEST_RANK_DEVICE", "cpu")
@@ -73,3 +74,15 @@ def skip_without_gpus(ranks: int) -> None:
     reason = missing_gpus(ranks)
     if reason is not None:
         pytest.skip(reason)
+
+
+def gpu_marks(compiled_triton: bool = True) -> list:
+    """A tests/gpu module's ``pytestmark``: marked ``gpu`` and skipped without CUDA, and with
+    ``compiled_triton`` also skipped while Triton interprets (TRITON_INTERPRET=1)."""
+    marks = [pytest.mark.gpu,
+             pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+    if compiled_triton:
+        marks.append(pytest.mark.skipif(
+            triton_device().type != "cuda",
+            reason="TRITON_INTERPRET=1: kernels are interpreted, not compiled"))
+    return marks

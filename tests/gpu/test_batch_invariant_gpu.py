@@ -4,16 +4,13 @@ round and in a busy batch. Skipped without CUDA (scripts/device-check.sh runs it
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from helios_logprobs.ranks.model import ShardedCausalLM
+from tests.devices import gpu_marks
 from tests.gpu.checkpoint import write_qwen2
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
+pytestmark = gpu_marks(compiled_triton=False)
 
 
 def rows(model, tokens: list[int], slot: int, extra: list[tuple[int, list[int]]]):

@@ -16,14 +16,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.devices import triton_device
+from tests.devices import gpu_marks
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.skipif(triton_device().type != "cuda",
-                       reason="TRITON_INTERPRET=1: kernels are interpreted, not compiled"),
-]
+pytestmark = gpu_marks()
 
 from helios_logprobs.ranks.contract.completion import CompletionOutputs  # noqa: E402
 from helios_logprobs.runtime.engine.bootstrap import build_engine, load_rank  # noqa: E402

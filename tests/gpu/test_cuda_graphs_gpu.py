@@ -18,14 +18,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tests.devices import triton_device
+from tests.devices import gpu_marks
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.skipif(triton_device().type != "cuda",
-                       reason="TRITON_INTERPRET=1: kernels are interpreted, not compiled"),
-]
+pytestmark = gpu_marks()
 
 from helios_logprobs.kernels.layout import FIRST_PAIR  # noqa: E402
 from helios_logprobs.ranks.step.cuda_graphs import (  # noqa: E402

@@ -25,12 +25,10 @@ from helios_logprobs.ranks.model.weight_transfer import (
     join_transfer,
     receive_update,
 )
+from tests.devices import gpu_marks
 from tests.gpu.checkpoint import write_qwen2
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
+pytestmark = gpu_marks(compiled_triton=False)
 PROMPT = [5, 6, 7, 8, 5, 6, 7, 200, 13]
 
 

@@ -10,19 +10,18 @@ tests/distributed/test_gguf_tp.py)."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 from safetensors.torch import load_file
 
 from helios_logprobs.collectives import weight_transfer
 from tests.checkpoints import write_llama
 from tests.gguf_files import VOCAB, write_gguf
-from tests.server.helpers import free_port, launch, post, strict_json
+from tests.server.helpers import free_port, launch, strict_json
 from tests.server.rl.checkpoints import narrow_down_proj, reweighted
 from tests.server.rl.conftest import COMMON
 from tests.server.rl.test_weight_updates import (
     _trainer_group,
+    broadcast_update,
     counter,
     outputs,
     pause,
@@ -92,13 +91,7 @@ def test_a_gguf_server_takes_a_trainers_broadcast(gguf_servers):
         info = {"names": names, "dtype_names": ["float32"] * len(names),
                 "shapes": [list(tensors[name].shape) for name in names]}
         assert pause(served).status_code == 200
-        answers: list = []
-        updating = threading.Thread(target=lambda: answers.append(
-            post(served, "/update_weights", {"update_info": info})))
-        updating.start()
-        weight_transfer.trainer_send_weights(group, ((n, tensors[n]) for n in names))
-        updating.join(120)
-        assert answers and answers[0].status_code == 200, answers
+        broadcast_update(served, group, tensors, info)
     finally:
         resume(served)
         weight_transfer.leave(group)

@@ -130,6 +130,18 @@ def _trainer_group(server, port: int, world: int):
     return joined["group"]
 
 
+def broadcast_update(server, group, tensors: dict, info: dict) -> None:
+    """POST /update_weights with ``info`` while this process, the trainer, broadcasts the
+    tensors in its order; the update answers 200."""
+    answers: list[httpx.Response] = []
+    updating = threading.Thread(target=lambda: answers.append(
+        post(server, "/update_weights", {"update_info": info})))
+    updating.start()
+    weight_transfer.trainer_send_weights(group, ((name, tensors[name]) for name in info["names"]))
+    updating.join(120)
+    assert answers and answers[0].status_code == 200, answers
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_update_broadcast_by_a_trainer_equals_a_fresh_server(request, rl_models, tp):
     served, fresh = (request.getfixturevalue(name) for name in PAIRS[tp])
@@ -154,13 +166,7 @@ def test_update_broadcast_by_a_trainer_equals_a_fresh_server(request, rl_models,
             assert response.status_code == 400, response.text
             error = strict_json(response.content)["error"]
             assert error["param"] == param and named in error["message"], error
-        answers: list[httpx.Response] = []
-        updating = threading.Thread(target=lambda: answers.append(
-            post(served, "/update_weights", {"update_info": info})))
-        updating.start()
-        weight_transfer.trainer_send_weights(group, ((name, tensors[name]) for name in names))
-        updating.join(120)
-        assert answers and answers[0].status_code == 200, answers
+        broadcast_update(served, group, tensors, info)
     finally:
         resume(served)
         weight_transfer.leave(group)
