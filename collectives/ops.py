@@ -47,3 +47,23 @@ def group_name(group: dist.ProcessGroup | None) -> str:
     if group is None or dist.get_world_size(group) == 1:
         return ""
     return group.group_name
+
+
+class TracedExchange:
+    """A fixed-width all-gather with WordExchange's ``gather`` interface whose
+    communication is ``helios::word_exchange`` (one node of a compiled graph; the receive
+    words are a local tensor whose lifetime the compiler plans): the sampler's filters and
+    pick (ranks/sampler/filters.py) run through it inside a compiled sample phase."""
+
+    def __init__(self, name: str, world: int) -> None:
+        self.group_name = name
+        self.world = world
+
+    def gather(self, local: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+        """[world, rows, words] of every rank's ``local`` [rows, words] int32."""
+        if self.world == 1:
+            return local.unsqueeze(0)
+        n, words = local.shape
+        recv = torch.empty(self.world * n, words, dtype=local.dtype, device=local.device)
+        word_exchange(local, recv, self.group_name)
+        return recv.view(self.world, n, words)

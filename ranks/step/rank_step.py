@@ -41,6 +41,7 @@ from helios_logprobs.ranks.step.forward_graph import ForwardGraph, ForwardVarian
 from helios_logprobs.ranks.step.inputs import StepBuffers, StepInputs, prepare_inputs
 from helios_logprobs.ranks.step.reduce import StepReduction
 from helios_logprobs.ranks.step.reduce_graph import ReductionGraph, compile_counters
+from helios_logprobs.ranks.step.sample_graph import SampleGraph
 from helios_logprobs.ranks.step.scoring import PromptScorer
 
 NO_UPLOAD = UploadResult(requesting_slots=(), copy_width=0)
@@ -91,6 +92,9 @@ class RankStep:
             # --compile: the capture-safe sampler (fixed shapes, no host read; docs/performance)
             capture_safe=True if config.processed or config.compile else None,
         )
+        self.sample_graph = SampleGraph(self.sampler, group) if config.compile else None
+        """--compile: the sample phase as one compiled graph per row bucket, every bucket
+        compiled here (ranks/step/sample_graph.py)."""
         self.uploader: LogprobUploader | None = None
         self.reduction: StepReduction | None = None
         if self.capabilities.allow_logprobs:
@@ -150,8 +154,12 @@ class RankStep:
                                 self.buffers)
         if inputs.rows:  # (the sampler's host decisions: ranks/sampler/plan.py)
             masks = {w.slot: w.grammar_masks for w in plan.work if w.grammar_masks}
-            inputs = replace(inputs, sampling=self.sampler.plan(
-                *sampler_rows(inputs.rows, masks)))
+            rows = sampler_rows(inputs.rows, masks)
+            if self.sample_graph is not None:  # (padded to its bucket: a fixed shape)
+                rows = self.sample_graph.pad(*rows)
+            inputs = replace(inputs, sampling=self.sampler.plan(*rows))
+            if self.sample_graph is not None:
+                self.sample_graph.prepare(inputs.sampling)
         if self.forward_graph is not None:
             self.variant = self.forward_graph.select(inputs.host)
         # A submission without sampling rows runs no graph with logprob outputs: no transfers.
@@ -187,6 +195,8 @@ class RankStep:
         """One token per sampling row (int64, on the step's device); None without rows."""
         if not inputs.rows:
             return None
+        if self.sample_graph is not None:
+            return self.sample_graph.run(logits, logits.shape[0])
         return self.sampler.run(logits, inputs.sampling)
 
     @staticmethod

@@ -1,0 +1,175 @@
+"""The sample phase compiled (--compile): the capture-safe sampler as one
+``torch.compile(fullgraph=True)`` graph per row bucket, over one fixed feature set.
+
+A compiled graph cannot branch on the plan's feature mix without recompiling, so the graph
+runs every feature on every row and zero flags make the unused ones no-ops, not host
+branches: the scratch copy and the temperature (``helios::sample_scale``), the global row
+maxima (one exchange), min-p (a floor of 0 keeps every lane), top-k and top-p as radix
+selects (five exchanges each; a row without the filter takes the cut 0, which removes
+nothing), then each shard's best (``helios::sample_best``: argmax of greedy rows, Gumbel-max of
+the others), the pick exchange and the token write (``helios::sample_pick``). Every exchange
+is ``helios::word_exchange`` (collectives/ops.py ``TracedExchange``). Greedy rows get no
+filter, as in the eager sampler. The logits processors (grammar masks, blocked ids, logit
+bias, penalties: variable-size cells) run eagerly before the graph, exactly as the eager
+sampler runs them, into a staging copy that the graph reads with temperature 1 (x / 1 is x).
+
+Rows are padded to a bucket of 1, 2, 4, ... max_rows with greedy filler rows
+(ranks/sampler/plan.py ``pad_rows``); each bucket's graph is compiled at construction, so
+nothing compiles while serving. The filters pick the same thresholds as the eager sampler's
+(k-th largest value with multiplicity, the same fixed-point masses), so tokens equal the eager
+capture-safe sampler's, bit for bit, up to Inductor's own exp in min-p and top-p's masses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from helios_logprobs.collectives.ops import TracedExchange, group_name
+from helios_logprobs.ranks.sampler import ops as sample_ops
+from helios_logprobs.ranks.sampler.filters import (
+    key_values,
+    max_and_topk,
+    pick_global,
+    radix_lanes,
+    radix_thresholds,
+    remove_below_min_p,
+)
+from helios_logprobs.ranks.sampler.params import RowSampling
+from helios_logprobs.ranks.sampler.plan import FILLER, SamplePlan, pad_rows
+
+RECOMPILE_LIMIT = 64
+"""Dynamo's per-function cache limit while the buckets compile (its default of 8 would fall
+back to eager past the eighth bucket)."""
+
+
+def row_buckets(max_rows: int) -> tuple[int, ...]:
+    """1, 2, 4, ... through max_rows (the last bucket is max_rows itself)."""
+    buckets, size = [], 1
+    while size < max_rows:
+        buckets.append(size)
+        size *= 2
+    return (*buckets, max_rows)
+
+
+class SampleGraph:
+    def __init__(self, sampler, group: object, compile: bool = True) -> None:
+        """``sampler``: the step's capture-safe ShardedSampler (its shard, scratch, tokens)."""
+        if not sampler.capture_safe:
+            raise ValueError("the compiled sample phase takes the capture-safe sampler")
+        self.sampler = sampler
+        self.buckets = row_buckets(sampler.max_rows)
+        self.exchange = TracedExchange(group_name(group), sampler.pick_exchange.world)
+        rows, width, device = sampler.max_rows, sampler.local_width, sampler.device
+        self.logits = torch.zeros(rows, width, dtype=torch.float32, device=device)
+        """The padded logit rows the graph reads (rows past the submission's are stale)."""
+        self.staging = torch.zeros(rows, width, dtype=torch.float32, device=device)
+        """Processed plans: the scratch after the eager processors, read at temperature 1."""
+        self.ones = torch.ones(rows, dtype=torch.float32, device=device)
+        self.params = _RowParams(rows, device)
+        self.fn = torch.compile(self.region, fullgraph=True, dynamic=False) if compile \
+            else self.region
+        self.bucket = self.buckets[0]
+        self.processed = False
+        if compile:
+            limit = max(torch._dynamo.config.cache_size_limit, RECOMPILE_LIMIT)
+            torch._dynamo.config.cache_size_limit = limit
+        for bucket in self.buckets:  # (each bucket's graph compiled now, before serving)
+            rows_ = [FILLER] * bucket
+            self.prepare(sampler.plan(rows_, [()] * bucket, [()] * bucket))
+            self.run(self.logits[:bucket], bucket)
+
+    def pad(self, rows: Sequence[RowSampling], prompt_ids: Sequence[Sequence[int]],
+            output_ids: Sequence[Sequence[int]]):
+        """The plan's arguments padded to the smallest bucket that holds the rows."""
+        bucket = next(b for b in self.buckets if b >= len(rows))
+        return pad_rows(rows, prompt_ids, output_ids, bucket)
+
+    def prepare(self, plan: SamplePlan) -> None:
+        """The host half (prepare phase): the bucket's dense row parameters, written into
+        the static buffers the graph reads."""
+        self.bucket = plan.n
+        vocab = self.sampler.vocab_size
+        scratch = plan.scratch(range(plan.n), False)
+        self.params.fill(plan.rows, vocab, scratch)
+        self.processed = bool(scratch.processors.masks or scratch.processors.penalties)
+        self._scratch_plan = scratch
+
+    def run(self, logits: torch.Tensor, rows: int) -> torch.Tensor:
+        """Tokens int64 [rows] (a view of the sampler's token buffer) of the first ``rows``
+        logit rows [rows, local_width]; the rest of the bucket is filler."""
+        bucket, valid = self.bucket, self.sampler.local_valid
+        self.logits[:rows].copy_(logits)
+        p = self.params
+        if self.processed:  # (the processors run eagerly, as the eager sampler runs them)
+            plan = self._scratch_plan
+            stage = self.staging[:bucket, :valid]
+            sample_ops.sample_scale(self.logits[:bucket, :valid], plan.scale, False, stage)
+            plan.processors.apply(stage)
+            if plan.scaled:
+                stage.div_(plan.scale.unsqueeze(1))
+            source, scale = self.staging[:bucket], self.ones[:bucket]
+        else:
+            source, scale = self.logits[:bucket], p.scale[:bucket]
+        s = self.sampler
+        with torch.no_grad():
+            self.fn(source, scale, p.greedy[:bucket], p.seeds[:bucket], p.positions[:bucket],
+                    p.min_p[:bucket], p.top_k[:bucket], p.top_p[:bucket],
+                    s.scratch[:bucket], s.lane_ids, s.best[:, :bucket], s.tokens[:bucket])
+        return s.tokens[:rows]
+
+    def region(self, source, scale, greedy, seeds, positions, min_p, top_k, top_p, scratch,
+               lane_ids, best, tokens) -> None:
+        s, exchange = self.sampler, self.exchange
+        valid = s.local_valid
+        x = scratch[:, :valid]
+        sample_ops.sample_scale(source[:, :valid], scale, True, x)
+        ones = torch.ones_like(seeds)
+        max_key, _ = max_and_topk(x, ones, exchange, take=1 if valid else 0, native=False)
+        maxima = key_values(max_key)
+        remove_below_min_p(x, maxima, min_p, native=False)
+        for targets, relative in ((top_k, False), (top_p, True)):
+            lanes = radix_lanes(x, maxima if relative else None, s.vocab_size, native=False)
+            cut = radix_thresholds(lanes, targets, relative, exchange)
+            lanes.remove_below(x, torch.where(targets > 0, cut, 0))
+        keys, ids = best[0], best[1]
+        sample_ops.sample_best(x, greedy, seeds, positions, lane_ids[:valid], s.vocab_start,
+                               keys, ids)
+        sample_ops.sample_pick(pick_global(keys, ids, exchange), tokens)
+
+
+class _RowParams:
+    """The graph's per-row inputs in fixed buffers [max_rows]: temperature (float32, 1 for
+    greedy rows), greedy, seed and position (0 for greedy rows), min-p floor, top-k target
+    and top-p mass (float64; 0 where the row has no such filter: the cut is then 0)."""
+
+    def __init__(self, rows: int, device: torch.device) -> None:
+        for name, dtype in (("scale", torch.float32), ("greedy", torch.bool),
+                            ("seeds", torch.int64), ("positions", torch.int64)):
+            setattr(self, name, torch.zeros(rows, dtype=dtype, device=device))
+        specs = {"min_p": torch.float64, "top_k": torch.float64, "top_p": torch.float64}
+        cuda = device.type == "cuda"
+        self._host = {name: torch.zeros(rows, dtype=dtype, pin_memory=cuda)
+                      for name, dtype in specs.items()}
+        self._arrays = {name: host.numpy() for name, host in self._host.items()}
+        for name, host in self._host.items():
+            setattr(self, name, host.to(device) if cuda else host)
+
+    def fill(self, rows: Sequence[RowSampling], vocab_size: int, scratch) -> None:
+        """The filters' values from the rows (host); the temperature, greedy flags, seeds and
+        positions copied from the scratch plan's tensors (the eager sampler's own values)."""
+        n, a = len(rows), self._arrays
+        self.scale[:n].copy_(scratch.scale)
+        self.greedy[:n].copy_(scratch.dense.greedy)
+        self.seeds[:n].copy_(scratch.dense.seeds)
+        self.positions[:n].copy_(scratch.dense.positions)
+        for i, r in enumerate(rows):
+            filtered = r.filtered(vocab_size)
+            a["min_p"][i] = r.min_p if filtered else 0.0
+            a["top_k"][i] = r.top_k if filtered and r.top_k_active(vocab_size) else 0.0
+            a["top_p"][i] = r.top_p if filtered and r.top_p < 1 else 0.0
+        for name, host in self._host.items():
+            device = getattr(self, name)
+            if device is not host:
+                device[:n].copy_(host[:n], non_blocking=True)
