@@ -76,7 +76,7 @@ class RankStep:
         self.scorer: PromptScorer | None = None
         if config.prompt_logprobs:
             self.scorer = PromptScorer(model, group, config.chunk_limit, self.device,
-                                       normalize=config.normalized)
+                                       normalize=config.normalized, compile=compiles_forward)
         scored = tuple(f.declarations() for f in self.scorer.ladder) if self.scorer else ()
         self.capabilities = capabilities(self.outputs, config.logprobs, scored)
         """The validated core: K and whether it takes selected IDs (malformed fails here)."""

@@ -1,5 +1,5 @@
-"""The sample phase compiled (--compile): the capture-safe sampler as one
-``torch.compile(fullgraph=True)`` graph per row bucket, over one fixed feature set.
+"""The sample phase compiled (--compile): the capture-safe sampler as
+``torch.compile(fullgraph=True)`` graphs over padded row buckets and one fixed feature set.
 
 A compiled graph cannot branch on the plan's feature mix without recompiling, so the graph
 runs every feature on every row and zero flags make the unused ones no-ops, not host
@@ -14,8 +14,10 @@ bias, penalties: variable-size cells) run eagerly before the graph, exactly as t
 sampler runs them, into a staging copy that the graph reads with temperature 1 (x / 1 is x).
 
 Rows are padded to a bucket of 1, 2, 4, ... max_rows with greedy filler rows
-(ranks/sampler/plan.py ``pad_rows``); each bucket's graph is compiled at construction, so
-nothing compiles while serving. The filters pick the same thresholds as the eager sampler's
+(ranks/sampler/plan.py ``pad_rows``). Two graphs serve every bucket: a single row's (static)
+and the batch's, whose row count is dynamic (>= 2), as in ranks/step/forward_graph.py; every
+bucket runs once at construction (the compiles, then each bucket's guards), so nothing
+compiles while serving. The filters pick the same thresholds as the eager sampler's
 (k-th largest value with multiplicity, the same fixed-point masses), so tokens equal the eager
 capture-safe sampler's, bit for bit, up to Inductor's own exp in min-p and top-p's masses.
 """
@@ -39,6 +41,11 @@ from helios_logprobs.ranks.sampler.filters import (
 from helios_logprobs.ranks.sampler.params import RowSampling
 from helios_logprobs.ranks.sampler.plan import FILLER, SamplePlan, pad_rows
 
+MIN_ROWS, MAX_SIZE = 2, 1 << 24
+"""Buckets >= 2 share one graph whose row count is dynamic (dynamo specialises 0 and 1; one
+bound for every configuration, as in ranks/step/forward_graph.py)."""
+LANE_IDS = 9
+"""The one argument (``arguments``) not sized [rows, ...]: the lanes' global ids."""
 RECOMPILE_LIMIT = 64
 """Dynamo's per-function cache limit while the buckets compile (its default of 8 would fall
 back to eager past the eighth bucket)."""
@@ -71,6 +78,7 @@ class SampleGraph:
         self.fn = torch.compile(self.region, fullgraph=True, dynamic=False) if compile \
             else self.region
         self.bucket = self.buckets[0]
+        self._marked: set[bool] = set()
         self.processed = False
         if compile:
             limit = max(torch._dynamo.config.cache_size_limit, RECOMPILE_LIMIT)
@@ -101,7 +109,6 @@ class SampleGraph:
         logit rows [rows, local_width]; the rest of the bucket is filler."""
         bucket, valid = self.bucket, self.sampler.local_valid
         self.logits[:rows].copy_(logits)
-        p = self.params
         if self.processed:  # (the processors run eagerly, as the eager sampler runs them)
             plan = self._scratch_plan
             stage = self.staging[:bucket, :valid]
@@ -111,16 +118,31 @@ class SampleGraph:
                 stage.div_(plan.scale.unsqueeze(1))
             source, scale = self.staging[:bucket], self.ones[:bucket]
         else:
-            source, scale = self.logits[:bucket], p.scale[:bucket]
-        s = self.sampler
+            source, scale = None, None
+        arguments = self.arguments(bucket, source, scale)
+        batch = bucket >= MIN_ROWS
+        if batch not in self._marked:  # (each graph's first call compiles it)
+            for i, tensor in enumerate(arguments if batch else ()):
+                if i != LANE_IDS:  # (every other argument is sized by the rows)
+                    torch._dynamo.mark_dynamic(tensor, 0, min=MIN_ROWS, max=MAX_SIZE)
+            self._marked.add(batch)
         with torch.no_grad():
-            self.fn(source, scale, p.greedy[:bucket], p.seeds[:bucket], p.positions[:bucket],
-                    p.min_p[:bucket], p.top_k[:bucket], p.top_p[:bucket],
-                    s.scratch[:bucket], s.lane_ids, s.best[:, :bucket], s.tokens[:bucket])
-        return s.tokens[:rows]
+            self.fn(*arguments)
+        return self.sampler.tokens[:rows]
+
+    def arguments(self, bucket: int, source: torch.Tensor | None = None,
+                  scale: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        """The graph's inputs for a bucket: every one a view of a static buffer (default
+        source and scale: the padded logits and the rows' temperatures)."""
+        p, s = self.params, self.sampler
+        source = self.logits[:bucket] if source is None else source
+        scale = p.scale[:bucket] if scale is None else scale
+        return (source, scale, p.greedy[:bucket], p.seeds[:bucket], p.positions[:bucket],
+                p.min_p[:bucket], p.top_k[:bucket], p.top_p[:bucket], s.scratch[:bucket],
+                s.lane_ids, s.best[0, :bucket], s.best[1, :bucket], s.tokens[:bucket])
 
     def region(self, source, scale, greedy, seeds, positions, min_p, top_k, top_p, scratch,
-               lane_ids, best, tokens) -> None:
+               lane_ids, keys, ids, tokens) -> None:
         s, exchange = self.sampler, self.exchange
         valid = s.local_valid
         x = scratch[:, :valid]
@@ -133,7 +155,6 @@ class SampleGraph:
             lanes = radix_lanes(x, maxima if relative else None, s.vocab_size, native=False)
             cut = radix_thresholds(lanes, targets, relative, exchange)
             lanes.remove_below(x, torch.where(targets > 0, cut, 0))
-        keys, ids = best[0], best[1]
         sample_ops.sample_best(x, greedy, seeds, positions, lane_ids[:valid], s.vocab_start,
                                keys, ids)
         sample_ops.sample_pick(pick_global(keys, ids, exchange), tokens)

@@ -83,3 +83,40 @@ def test_a_compiled_scoring_block_equals_eager_and_compiles_once():
         assert (want[:, 0] == targets[:n]).all()  # (the rows were scored, not left as -1)
     assert graphs == [1] * 4
     assert graph_breaks() == 0
+
+
+def test_compiled_prompt_scoring_equals_eager_and_compiles_once(tmp_path):
+    """The scored-prefill chunk under --compile (ranks/step/scoring.py CompiledBlock): the
+    projection and the scoring block compiled at the padded 64-row shape at construction,
+    then chunks of 100, 7 and 64 rows (two blocks, one short, one full) compile nothing more
+    and give the eager scorer's rows: ids and ranks equal, logprobs within 1e-5."""
+    from helios_logprobs.ranks.model.llama import ShardedCausalLM
+    from helios_logprobs.ranks.step.scoring import PromptScorer
+    from tests.checkpoints import write_qwen2
+
+    model = ShardedCausalLM.load(write_qwen2(tmp_path / "qwen2"))
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = PromptScorer(model, None, 128, torch.device("cpu"), compile=True)
+    assert (compiled_graphs(), graph_breaks()) == (1, 0)
+    eager = PromptScorer(model, None, 128, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(4)
+    hidden_size = model.weights.lm_head.shape[1]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for frame, n in enumerate((100, 7, 64)):
+            hidden = torch.randn(n, hidden_size, generator=gen).to(model.dtype)
+            targets = tuple(torch.randint(model.vocab_size, (n,), generator=gen).tolist())
+            targets = (*targets[:-1], -1)  # (the prompt's end)
+            got, want = (s.frames_for(n).prompt_logprobs[frame % 2] for s in (compiled,
+                                                                               eager))
+            compiled(frame % 2, hidden, targets)
+            eager(frame % 2, hidden, targets)
+            got, want = got[:n], want[:n]
+            assert (want[:-1, 0] >= 0).all() and want[-1, 0] == -1
+            ids = [0, 2, *range(3, PROMPT_ROW_WORDS, 2)]
+            values = [1, *range(4, PROMPT_ROW_WORDS, 2)]
+            assert torch.equal(got[:, ids], want[:, ids])
+            torch.testing.assert_close(got[:-1, values].view(torch.float32),
+                                       want[:-1, values].view(torch.float32), rtol=0,
+                                       atol=1e-5)
+    assert (compiled_graphs(), graph_breaks()) == (1, 0)

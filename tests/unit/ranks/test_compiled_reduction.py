@@ -1,7 +1,8 @@
 """--compile at TP1 on CPU (issue 36): the step runs torch.compile(fullgraph=True) graphs
 compiled at start-up, the forward's two (one token; padded token buckets:
-ranks/step/forward_graph.py), the sample phase's, one per row bucket (ranks/step/
-sample_graph.py), and the reduce phase's (gate, launches as custom ops, payload write:
+ranks/step/forward_graph.py), the sample phase's two (one row; the padded row buckets, dynamic:
+ranks/step/sample_graph.py), prompt scoring's padded block (ranks/step/scoring.py), and the
+reduce phase's (gate, launches as custom ops, payload write:
 ranks/step/reduce_graph.py). A serving run that mixes decode at several batch sizes,
 chunked prefill, scored prefill, selected IDs, logprobs on and off and speculative rounds
 runs every submission through them, compiles nothing more (dynamo's counters, and
@@ -50,7 +51,7 @@ def test_compiled_serving_compiles_nothing_more_and_equals_eager(qwen2):
     engine = engine_for(qwen2, compile=True)
     graph, sampled = engine.step.graph, engine.step.sample_graph
     assert sampled.buckets == (1, 2, 4, 8, 12)  # (max_rows: capacity 4 x (1 + 2))
-    assert graph is not None and graph_counts() == {"graphs": 3 + 5, "breaks": 0}
+    assert graph is not None and graph_counts() == {"graphs": 6, "breaks": 0}
     cache = engine.step.model.cache  # the start-up runs wrote the spare slot only
     assert not any(t[: cache.capacity].any() for t in (*cache.keys, *cache.values))
     assert all(t[cache.capacity].any() for t in cache.keys)
@@ -72,6 +73,13 @@ def test_compiled_serving_compiles_nothing_more_and_equals_eager(qwen2):
 
     graph.fn = counting
     sample_calls, sample_fn = [], sampled.fn
+    scored_calls, scored_fn = [], engine.step.scorer.graph.fn
+
+    def scoring(*args):
+        scored_calls.append(1)
+        return scored_fn(*args)
+
+    engine.step.scorer.graph.fn = scoring
 
     def sampling(*args):
         sample_calls.append(args[0].shape[0])
@@ -81,9 +89,10 @@ def test_compiled_serving_compiles_nothing_more_and_equals_eager(qwen2):
     log = PlanLog(engine.step)
     with torch._dynamo.config.patch(error_on_recompile=True):
         served = engine.run_offline(SERVING)
-    assert graph_counts() == {"graphs": 3 + 5, "breaks": 0}
+    assert graph_counts() == {"graphs": 6, "breaks": 0}
     sampling_plans = sum(any(w.samples for w in p.work) for p in log.plans)
     assert len(sample_calls) == sampling_plans and len(set(sample_calls)) >= 3, sample_calls
+    assert scored_calls  # (the scored prefill chunks ran the compiled block)
     assert None not in buckets and len(set(buckets)) >= 3, buckets
     assert log.kinds() == {"decode", "chunked prefill", "mixed", "speculative round",
                            "scored prefill"}
