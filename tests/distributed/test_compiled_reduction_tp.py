@@ -1,8 +1,11 @@
-"""--compile at TP2 over gloo (issue 36): on every rank the step runs three
+"""--compile at TP2 over gloo (issue 36): on every rank the step runs six
 torch.compile(fullgraph=True) graphs, all compiled at start-up. The forward's graphs (one
 token; padded token buckets) sum its
 row-parallel outputs through ``helios::all_reduce_sum`` (the embedding, then attention and
-MLP per layer); the reduce phase's launches and both exchanges are custom ops
+MLP per layer); the sample phase's two (one row; buckets 2, 4, 8, 12 dynamic) run the capture-safe
+sampler's launches and its twelve exchanges (row maxima, two five-round radix selects, the
+pick) as custom ops; prompt scoring's block (projection, launches, two exchanges) one;
+the reduce phase's launches and both exchanges are custom ops
 (helios::shard_stats, word_exchange, shard_candidates, word_exchange, final_merge, in that
 order). A mixed serving run (decode at several batch sizes, chunked and scored prefill,
 selected IDs, logprobs on and off, speculative rounds) compiles nothing more, runs every
@@ -34,6 +37,8 @@ def rank_main(model_dir: str) -> dict:
                                chunk_size=8, speculative_tokens=2, ngram_min=1, ngram_max=3,
                                prompt_logprobs=True, compile=compile)
         engine = build_engine(config, load_rank(config, world_group()))
+        if compile:
+            sampler = engine.step.sampler  # (the capture-safe one, for the sample graph)
         before = counters["stats"]["unique_graphs"]
         buckets = []
         if compile:
@@ -74,6 +79,14 @@ def rank_main(model_dir: str) -> dict:
                           if n.op == "call_function" and "helios" in str(n.target)]
     out["forward explained"] = (explained.graph_count, explained.graph_break_count)
     out["layers"] = len(model.weights.layers)
+    from helios_logprobs.ranks.step.sample_graph import SampleGraph
+
+    sampled = SampleGraph(sampler, world_group(), compile=False)
+    explained = torch._dynamo.explain(sampled.region)(*sampled.arguments(4))
+    (fx,) = explained.graphs
+    out["sample ops"] = [str(n.target) for n in fx.graph.nodes
+                         if n.op == "call_function" and "helios" in str(n.target)]
+    out["sample explained"] = (explained.graph_count, explained.graph_break_count)
     return out
 
 
@@ -83,8 +96,8 @@ def test_tp2_compiled_step_compiles_at_start_up_only_and_serves_the_eager_result
     model_dir = write_qwen2(tmp_path / "qwen2")
     ranks = run_ranks(rank_main, 2, str(model_dir), timeout_s=900)
     for rank in ranks:
-        assert rank["graphs True"] == (3, 3)  # compiled at start-up, nothing while serving
-        assert rank["graphs False"] == (3, 3)
+        assert rank["graphs True"] == (6, 6)  # compiled at start-up, nothing while serving
+        assert rank["graphs False"] == (6, 6)
         assert rank["breaks"] == 0
         assert rank["explained"] == (1, 0)
         assert rank["ops"] == ["helios.shard_stats.default", "helios.word_exchange.default",
@@ -93,6 +106,11 @@ def test_tp2_compiled_step_compiles_at_start_up_only_and_serves_the_eager_result
         assert rank["forward explained"] == (1, 0)
         assert rank["forward ops"] == ["helios.all_reduce_sum.default"] * (
             1 + 2 * rank["layers"])
+        assert rank["sample explained"] == (1, 0)
+        exchange = "helios.word_exchange.default"
+        assert rank["sample ops"] == ["helios.sample_scale.default", *[exchange] * 11,
+                                      "helios.sample_best.default", exchange,
+                                      "helios.sample_pick.default"]
         sizes = rank["buckets True"]
         assert None not in sizes and len(set(sizes)) >= 3, sizes  # several decode buckets
         assert rank["buckets False"] == []
