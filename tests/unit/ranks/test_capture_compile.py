@@ -1,10 +1,10 @@
-"""The capture-safe sample phase and a prompt scoring block, each compiled with
+"""The capture-safe sample phase and prompt scoring, each compiled with
 ``torch.compile(fullgraph=True)`` on CPU (issue 36): their launches are custom ops
 (ranks/sampler/ops.py, kernels/scoring/ops.py), so dynamo traces each whole (fullgraph raises
-on a graph break). Several steps of different row counts within one bucket (rows padded to
-the bucket: greedy filler rows for the sampler, target -1 rows for scoring) compile one graph
-and nothing more (dynamo's counters), and equal eager: the sampler's tokens equal the eager
-capture-safe sampler's and the CPU's default sampler's on the unpadded rows, the scored rows'
+on a graph break). Steps of different row counts (rows padded to a bucket: greedy filler rows
+for the sampler, target -1 rows for scoring) compile nothing after construction (dynamo's
+counters), and equal eager: the sampler's tokens equal the eager capture-safe sampler's and
+the CPU's default sampler's on the unpadded rows over every feature mix, the scored rows'
 words are bit-equal to an eager block of the real rows."""
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from torch._dynamo.utils import counters
 from helios_logprobs.kernels.layout import PROMPT_BLOCK_ROWS, PROMPT_ROW_WORDS
 from helios_logprobs.kernels.scoring.driver import PreparedPromptScoring
 from helios_logprobs.ranks.sampler.params import RowSampling
-from helios_logprobs.ranks.sampler.plan import pad_rows
 from helios_logprobs.ranks.sampler.sampler import ShardedSampler
 
 VOCAB, PAD, BUCKET = 300, 4, 4
@@ -29,31 +28,47 @@ def graph_breaks() -> int:
     return int(sum(counters["graph_break"].values()))
 
 
-def test_the_compiled_sample_phase_equals_eager_and_compiles_once_per_bucket():
+MIXES = [dict(temperature=0.0), dict(temperature=0.8), dict(temperature=0.9, top_k=5),
+         dict(temperature=1.1, top_p=0.7), dict(temperature=0.7, min_p=0.1),
+         dict(temperature=1.3, top_k=280, top_p=0.9), dict(temperature=0.6, presence_penalty=0.5),
+         dict(temperature=0.0, repetition_penalty=1.3),
+         dict(temperature=1.0, logit_bias=((3, 5.0),)),
+         dict(temperature=1.2, top_k=40, top_p=0.95, min_p=0.05, frequency_penalty=0.2)]
+"""Greedy, temperature, top-k (<= 256 and > 256: the two eager paths), top-p, min-p, the
+penalties and logit_bias (the eager processors before the graph), and all of them at once."""
+
+
+def test_the_compiled_sample_phase_equals_eager_and_compiles_at_start_up_only():
+    """ranks/step/sample_graph.py: two graphs (one row; the dynamic bucket of 2 and 4 rows)
+    compiled at construction; then 16 steps of every feature mix compile nothing more
+    (error_on_recompile) and pick the eager capture-safe sampler's and the CPU sampler's
+    tokens (seeded rows, the same seeds)."""
+    import random
+
+    from helios_logprobs.ranks.step.sample_graph import SampleGraph
+
     torch._dynamo.reset()
     counters.clear()
     safe = ShardedSampler(None, 0, VOCAB, VOCAB + PAD, VOCAB, BUCKET, capture_safe=True)
-    compiled = torch.compile(safe.run, fullgraph=True)
+    graph = SampleGraph(safe, None)
+    assert graph.buckets == (1, 2, 4)
+    assert (compiled_graphs(), graph_breaks()) == (2, 0)
     eager = ShardedSampler(None, 0, VOCAB, VOCAB + PAD, VOCAB, BUCKET, capture_safe=True)
     default = ShardedSampler(None, 0, VOCAB, VOCAB + PAD, VOCAB, BUCKET)  # (the CPU's)
-    gen = torch.Generator().manual_seed(5)
-    steps = [(0.8, 0.0), (0.0, 1.3, 0.5), (0.7,), (0.0, 0.0, 0.9, 1.0), (2.0, 0.0, 0.3)]
-    graphs = []
-    for step, temperatures in enumerate(steps):
-        n = len(temperatures)
-        rows = [RowSampling(seed=977 * step + 31 * i + (2**63 if i == 1 else 0), position=step,
-                            temperature=t) for i, t in enumerate(temperatures)]
-        logits = torch.randn(BUCKET, VOCAB + PAD, generator=gen) * 2.0
-        logits[0, 7] = float("nan")
-        history = [[4, 9, step]] * n
-        plan = safe.plan(*pad_rows(rows, history, history, BUCKET))
-        tokens = compiled(logits, plan)[:n].clone()
-        graphs.append(compiled_graphs())
-        real = logits[:n]
-        assert torch.equal(tokens, eager.sample(real, rows, history, history))
-        assert torch.equal(tokens, default.sample(real, rows, history, history))
-    assert graphs == [1] * len(steps)
-    assert graph_breaks() == 0
+    gen, pick = torch.Generator().manual_seed(5), random.Random(2)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for step in range(16):
+            n = (1, 2, 3, 4)[step % 4]
+            rows = [RowSampling(seed=pick.randrange(2**64), position=step,
+                                **pick.choice(MIXES)) for _ in range(n)]
+            history = [[pick.randrange(VOCAB) for _ in range(5)] for _ in range(n)]
+            logits = torch.randn(n, VOCAB + PAD, generator=gen) * 3.0
+            logits[0, 7] = float("nan")
+            graph.prepare(safe.plan(*graph.pad(rows, history, history)))
+            tokens = graph.run(logits, n).clone()
+            assert torch.equal(tokens, eager.sample(logits, rows, history, history)), rows
+            assert torch.equal(tokens, default.sample(logits, rows, history, history)), rows
+    assert (compiled_graphs(), graph_breaks()) == (2, 0)
 
 
 def test_a_compiled_scoring_block_equals_eager_and_compiles_once():
