@@ -15,11 +15,15 @@ sampler runs them, into a staging copy that the graph reads with temperature 1 (
 
 Rows are padded to a bucket of 1, 2, 4, ... max_rows with greedy filler rows
 (ranks/sampler/plan.py ``pad_rows``). Two graphs serve every bucket: a single row's (static)
-and the batch's, whose row count is dynamic (>= 2), as in ranks/step/forward_graph.py; every
-bucket runs once at construction (the compiles, then each bucket's guards), so nothing
-compiles while serving. The filters pick the same thresholds as the eager sampler's
-(k-th largest value with multiplicity, the same fixed-point masses), so tokens equal the eager
-capture-safe sampler's, bit for bit, up to Inductor's own exp in min-p and top-p's masses.
+and the batch's, whose row count is dynamic (>= 2), as in ranks/step/forward_graph.py; each
+in two variants, with the filters and without them (a submission where no row has min-p,
+top-k or top-p: prepare's choice, one flag per submission, not per row), four graphs in all.
+Every bucket and variant runs once at construction (the compiles, then each bucket's
+guards), so nothing compiles while serving.
+
+The filters pick the same thresholds as the eager sampler's (k-th largest value with
+multiplicity, the same fixed-point masses), so tokens equal the eager capture-safe sampler's,
+bit for bit, up to Inductor's own exp in min-p and top-p's masses.
 """
 
 from __future__ import annotations
@@ -78,15 +82,20 @@ class SampleGraph:
         self.fn = torch.compile(self.region, fullgraph=True, dynamic=False) if compile \
             else self.region
         self.bucket = self.buckets[0]
-        self._marked: set[bool] = set()
+        self._marked: set[tuple[bool, bool]] = set()
+        self.filtered = True
+        """Whether a row of the submission has min-p, top-k or top-p (prepare's choice of
+        the graph variant: without, the maxima and radix selects are left out)."""
         self.processed = False
         if compile:
             limit = max(torch._dynamo.config.cache_size_limit, RECOMPILE_LIMIT)
             torch._dynamo.config.cache_size_limit = limit
-        for bucket in self.buckets:  # (each bucket's graph compiled now, before serving)
+        for bucket in self.buckets:  # (each variant compiled now, before serving)
             rows_ = [FILLER] * bucket
             self.prepare(sampler.plan(rows_, [()] * bucket, [()] * bucket))
-            self.run(self.logits[:bucket], bucket)
+            for filtered in (True, False):
+                self.filtered = filtered
+                self.run(self.logits[:bucket], bucket)
 
     def pad(self, rows: Sequence[RowSampling], prompt_ids: Sequence[Sequence[int]],
             output_ids: Sequence[Sequence[int]]):
@@ -100,7 +109,7 @@ class SampleGraph:
         self.bucket = plan.n
         vocab = self.sampler.vocab_size
         scratch = plan.scratch(range(plan.n), False)
-        self.params.fill(plan.rows, vocab, scratch)
+        self.filtered = self.params.fill(plan.rows, vocab, scratch)
         self.processed = bool(scratch.processors.masks or scratch.processors.penalties)
         self._scratch_plan = scratch
 
@@ -121,13 +130,13 @@ class SampleGraph:
             source, scale = None, None
         arguments = self.arguments(bucket, source, scale)
         batch = bucket >= MIN_ROWS
-        if batch not in self._marked:  # (each graph's first call compiles it)
+        if (batch, self.filtered) not in self._marked:  # (each graph's first call compiles it)
             for i, tensor in enumerate(arguments if batch else ()):
                 if i != LANE_IDS:  # (every other argument is sized by the rows)
                     torch._dynamo.mark_dynamic(tensor, 0, min=MIN_ROWS, max=MAX_SIZE)
-            self._marked.add(batch)
+            self._marked.add((batch, self.filtered))
         with torch.no_grad():
-            self.fn(*arguments)
+            self.fn(*arguments, self.filtered)
         return self.sampler.tokens[:rows]
 
     def arguments(self, bucket: int, source: torch.Tensor | None = None,
@@ -142,22 +151,29 @@ class SampleGraph:
                 s.lane_ids, s.best[0, :bucket], s.best[1, :bucket], s.tokens[:bucket])
 
     def region(self, source, scale, greedy, seeds, positions, min_p, top_k, top_p, scratch,
-               lane_ids, keys, ids, tokens) -> None:
+               lane_ids, keys, ids, tokens, filtered: bool = True) -> None:
         s, exchange = self.sampler, self.exchange
         valid = s.local_valid
         x = scratch[:, :valid]
         sample_ops.sample_scale(source[:, :valid], scale, True, x)
-        ones = torch.ones_like(seeds)
-        max_key, _ = max_and_topk(x, ones, exchange, take=1 if valid else 0, native=False)
+        if filtered:
+            self._filter(x, min_p, top_k, top_p)
+        sample_ops.sample_best(x, greedy, seeds, positions, lane_ids[:valid], s.vocab_start,
+                               keys, ids)
+        sample_ops.sample_pick(pick_global(keys, ids, exchange), tokens)
+
+    def _filter(self, x, min_p, top_k, top_p) -> None:
+        """min-p, top-k, top-p on every row of x (zero values: no cut)."""
+        s, exchange = self.sampler, self.exchange
+        ones = torch.ones_like(top_k, dtype=torch.int64)
+        take = 1 if s.local_valid else 0
+        max_key, _ = max_and_topk(x, ones, exchange, take=take, native=False)
         maxima = key_values(max_key)
         remove_below_min_p(x, maxima, min_p, native=False)
         for targets, relative in ((top_k, False), (top_p, True)):
             lanes = radix_lanes(x, maxima if relative else None, s.vocab_size, native=False)
             cut = radix_thresholds(lanes, targets, relative, exchange)
             lanes.remove_below(x, torch.where(targets > 0, cut, 0))
-        sample_ops.sample_best(x, greedy, seeds, positions, lane_ids[:valid], s.vocab_start,
-                               keys, ids)
-        sample_ops.sample_pick(pick_global(keys, ids, exchange), tokens)
 
 
 class _RowParams:
@@ -177,9 +193,10 @@ class _RowParams:
         for name, host in self._host.items():
             setattr(self, name, host.to(device) if cuda else host)
 
-    def fill(self, rows: Sequence[RowSampling], vocab_size: int, scratch) -> None:
+    def fill(self, rows: Sequence[RowSampling], vocab_size: int, scratch) -> bool:
         """The filters' values from the rows (host); the temperature, greedy flags, seeds and
-        positions copied from the scratch plan's tensors (the eager sampler's own values)."""
+        positions copied from the scratch plan's tensors (the eager sampler's own values). Returns
+        whether any row filters."""
         n, a = len(rows), self._arrays
         self.scale[:n].copy_(scratch.scale)
         self.greedy[:n].copy_(scratch.dense.greedy)
@@ -190,7 +207,9 @@ class _RowParams:
             a["min_p"][i] = r.min_p if filtered else 0.0
             a["top_k"][i] = r.top_k if filtered and r.top_k_active(vocab_size) else 0.0
             a["top_p"][i] = r.top_p if filtered and r.top_p < 1 else 0.0
+        any_filtered = any(r.filtered(vocab_size) for r in rows)
         for name, host in self._host.items():
             device = getattr(self, name)
             if device is not host:
                 device[:n].copy_(host[:n], non_blocking=True)
+        return any_filtered

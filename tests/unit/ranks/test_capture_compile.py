@@ -39,10 +39,10 @@ penalties and logit_bias (the eager processors before the graph), and all of the
 
 
 def test_the_compiled_sample_phase_equals_eager_and_compiles_at_start_up_only():
-    """ranks/step/sample_graph.py: two graphs (one row; the dynamic bucket of 2 and 4 rows)
-    compiled at construction; then 16 steps of every feature mix compile nothing more
-    (error_on_recompile) and pick the eager capture-safe sampler's and the CPU sampler's
-    tokens (seeded rows, the same seeds)."""
+    """ranks/step/sample_graph.py: four graphs (one row; the dynamic bucket of 2 and 4 rows;
+    each with and without the filters) compiled at construction; then 16 steps of every
+    feature mix compile nothing more (error_on_recompile) and pick the eager capture-safe
+    sampler's and the CPU sampler's tokens (seeded rows, the same seeds)."""
     import random
 
     from helios_logprobs.ranks.step.sample_graph import SampleGraph
@@ -52,7 +52,7 @@ def test_the_compiled_sample_phase_equals_eager_and_compiles_at_start_up_only():
     safe = ShardedSampler(None, 0, VOCAB, VOCAB + PAD, VOCAB, BUCKET, capture_safe=True)
     graph = SampleGraph(safe, None)
     assert graph.buckets == (1, 2, 4)
-    assert (compiled_graphs(), graph_breaks()) == (2, 0)
+    assert (compiled_graphs(), graph_breaks()) == (4, 0)
     eager = ShardedSampler(None, 0, VOCAB, VOCAB + PAD, VOCAB, BUCKET, capture_safe=True)
     default = ShardedSampler(None, 0, VOCAB, VOCAB + PAD, VOCAB, BUCKET)  # (the CPU's)
     gen, pick = torch.Generator().manual_seed(5), random.Random(2)
@@ -68,7 +68,7 @@ def test_the_compiled_sample_phase_equals_eager_and_compiles_at_start_up_only():
             tokens = graph.run(logits, n).clone()
             assert torch.equal(tokens, eager.sample(logits, rows, history, history)), rows
             assert torch.equal(tokens, default.sample(logits, rows, history, history)), rows
-    assert (compiled_graphs(), graph_breaks()) == (2, 0)
+    assert (compiled_graphs(), graph_breaks()) == (4, 0)
 
 
 def test_a_compiled_scoring_block_equals_eager_and_compiles_once():
