@@ -5,13 +5,14 @@
 
 For each model (what launch.serve's --model takes; ``default`` is its default, SmolLM2; one
 that does not resolve here is reported and skipped) it builds the eager rank and the
-compiled one (--compile: the forward over padded token buckets and the reduce phase, two
-torch.compile graphs) in this process, and times batches of greedy requests with logprobs=20
-(batch 1 and 16), eager and compiled back to back within every repeat, the order
-alternating. Prints the seconds that building the compiled rank adds (Inductor's compile,
-cold: its cache is pointed at a fresh directory) and the median tokens/s and their ratio.
-Prefill is subtracted as in bench/decode.py. --max-model-len bounds the KV caches (two
-engines per model in one process; the default 512 keeps SmolLM2's under 1 GB each).
+compiled one (--compile: the forward over padded token buckets, the sample phase over padded
+row buckets and the reduce phase, each as torch.compile graphs) in this process, and times
+batches of greedy requests with logprobs=20 (batch 1 and 16), eager and compiled back to
+back within every repeat, the order alternating. Prints the seconds that building the
+compiled rank adds (Inductor's compile, cold: its cache is pointed at a fresh directory) and
+the median tokens/s and their ratio. Prefill is subtracted as in bench/decode.py.
+--max-model-len bounds the KV caches (two engines per model in one process; the default 512 keeps
+SmolLM2's under 1 GB each).
 --threads sets torch's threads before anything compiles (Inductor bakes the count into its
 kernels' OpenMP regions); 1, as bench/decode.py: on a shared 2-core machine a 2-thread region
 waits for a descheduled worker, and the compiled forward's many small regions paid that
