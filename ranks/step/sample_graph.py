@@ -17,9 +17,12 @@ Rows are padded to a bucket of 1, 2, 4, ... max_rows with greedy filler rows
 (ranks/sampler/plan.py ``pad_rows``). Two graphs serve every bucket: a single row's (static)
 and the batch's, whose row count is dynamic (>= 2), as in ranks/step/forward_graph.py; each
 in two variants, with the filters and without them (a submission where no row has min-p,
-top-k or top-p: prepare's choice, one flag per submission, not per row), four graphs in all.
-Every bucket and variant runs once at construction (the compiles, then each bucket's
-guards), so nothing compiles while serving.
+top-k or top-p: prepare's choice, one flag per submission, not per row). A single filtered
+row is padded to the bucket of 2 (one greedy filler row) and runs the batch's filtered
+graph: the filters' radix selects make that variant most of the phase's compile time, so a
+static copy of it would nearly double start-up for one row's sake. Three graphs in all
+(four when max_rows is 1: no bucket of 2). Every bucket and variant runs once at
+construction (the compiles, then each bucket's guards), so nothing compiles while serving.
 
 The filters pick the same thresholds as the eager sampler's (k-th largest value with
 multiplicity, the same fixed-point masses), so tokens equal the eager capture-safe sampler's,
@@ -94,13 +97,23 @@ class SampleGraph:
             rows_ = [FILLER] * bucket
             self.prepare(sampler.plan(rows_, [()] * bucket, [()] * bucket))
             for filtered in (True, False):
+                if filtered and bucket < self.smallest_filtered:
+                    continue
                 self.filtered = filtered
                 self.run(self.logits[:bucket], bucket)
 
+    @property
+    def smallest_filtered(self) -> int:
+        """The smallest bucket a filtered submission runs at (2 where there is one)."""
+        return min(MIN_ROWS, self.buckets[-1])
+
     def pad(self, rows: Sequence[RowSampling], prompt_ids: Sequence[Sequence[int]],
             output_ids: Sequence[Sequence[int]]):
-        """The plan's arguments padded to the smallest bucket that holds the rows."""
-        bucket = next(b for b in self.buckets if b >= len(rows))
+        """The plan's arguments padded to the smallest bucket that holds the rows (at least
+        ``smallest_filtered`` when a row filters)."""
+        vocab = self.sampler.vocab_size
+        least = self.smallest_filtered if any(r.filtered(vocab) for r in rows) else 1
+        bucket = next(b for b in self.buckets if b >= max(len(rows), least))
         return pad_rows(rows, prompt_ids, output_ids, bucket)
 
     def prepare(self, plan: SamplePlan) -> None:

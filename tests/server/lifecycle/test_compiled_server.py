@@ -1,6 +1,7 @@
 """--compile through the server (issue 36), TP1 and TP2 over gloo: a concurrent run mixing
-decode, chunked prefill, scored prefill (prompt_logprobs), selected ids, logprobs on and off
-and speculative rounds compiles nothing after start-up (helios:compile_recompilations_total
+decode, chunked prefill, scored prefill (prompt_logprobs), selected ids, logprobs on and off,
+entropy (whose submissions take the eager reduction) and speculative rounds compiles nothing
+after start-up (helios:compile_recompilations_total
 on /metrics stays 0, with the start-up graphs counted, the forward's, the sample phase's,
 prompt scoring's and the reduce phase's, and no graph break), and answers what the
 --enforce-eager server answers (the same tokens, logprobs within 1e-5)."""
@@ -45,7 +46,7 @@ def bodies(name: str) -> list[dict]:
         {**common, "prompt": LONG, "max_tokens": 12, "temperature": 0.0, "logprobs": 5},
         {**common, "prompt": "abcabcabcabc", "max_tokens": 16, "temperature": 0.0},
         {**common, "prompt": "0101010101", "max_tokens": 14, "temperature": 0.9, "seed": 7,
-         "top_p": 0.9, "top_k": 20, "logprobs": 0},
+         "top_p": 0.9, "top_k": 20, "logprobs": 0, "return_entropy": True},
         {**common, "prompt": "xyzxyz", "max_tokens": 10, "temperature": 0.0,
          "logprobs": 0, "logprob_token_ids": [1, 2, 3, 40]},
         {**common, "prompt": LONG[:30], "max_tokens": 6, "temperature": 0.0,
@@ -91,6 +92,8 @@ def counters(server) -> dict[str, float]:
 def test_compiled_servers_answer_what_eager_answers_and_compile_nothing_while_serving(servers):
     eager, *compiled = servers
     expected = answers(eager)
+    entropy = expected[2][0]["logprobs"]["entropy"]  # (its submissions reduce eagerly)
+    assert len(entropy) == 14 and all(e > 0 for e in entropy), entropy
     for server in compiled:
         for _ in range(2):
             assert_close(answers(server), expected)
@@ -99,9 +102,9 @@ def test_compiled_servers_answer_what_eager_answers_and_compile_nothing_while_se
     for server in compiled:
         seen = counters(server)
         assert seen["compile_recompilations_total"] == 0, server.name
-        # forward x2, sample x4 (one row; the dynamic batch; with and without the filters),
-        # prompt scoring's block, reduce
-        assert seen["compile_graphs_total"] == 8, server.name
+        # forward x2, sample x3 (one unfiltered row; the dynamic batch with and without the
+        # filters), prompt scoring's block, reduce
+        assert seen["compile_graphs_total"] == 7, server.name
         assert seen["compile_graph_breaks_total"] == 0, server.name
     text = httpx.get(eager.url + "/metrics", timeout=5).text
     assert "helios:device_memory_bytes" not in text  # (the CPU: no device allocator)

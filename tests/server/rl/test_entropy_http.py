@@ -8,9 +8,6 @@ FP32 values); absent when not asked for; a non-boolean value, or one without log
 
 from __future__ import annotations
 
-import time
-
-import httpx
 import openai
 import pytest
 import torch
@@ -35,7 +32,6 @@ MESSAGES = [{"role": "user", "content": "entropy, please"}]
 SAMPLING = {"temperature": 0.9, "top_k": 40, "seed": 3, "ignore_eos": True}
 MAX_TOKENS = 6
 SERVERS = {"t1": 1, "t2": 2}
-COMPILED = ["--compile"]
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +41,6 @@ def servers(tmp_path_factory):
     common = ["--capacity", "4", "--generation-config", "vllm"]
     started = {name: launch(f"entropy_{name}", model, tp, common, root)
                for name, tp in SERVERS.items() if missing_gpus(tp) is None}
-    started["c1"] = launch("entropy_c1", model, 1, [*common, *COMPILED], root)
     try:
         yield started
     finally:
@@ -184,25 +179,6 @@ def test_a_stop_entry_has_its_entropy(server):
     assert choice["finish_reason"] == "stop" and choice["token_ids"] == [stop]
     [entry] = choice["logprobs"]["content"]
     assert entry["entropy"] == first["logprobs"]["content"][0]["entropy"]
-
-
-def test_compiled_server_reduces_entropy_eagerly_and_compiles_nothing(servers):
-    """--compile: a submission with entropy runs the eager reduction (the compiled region
-    has no entropy word), the others the compiled one, and nothing compiles while serving."""
-    server = servers["c1"]
-    server.wait_healthy()
-    for _ in range(2):
-        logprobs = completions(server, return_entropy=True)["choices"][0]["logprobs"]
-        ids = [token_id_of(t) for t in logprobs["tokens"]]
-        check_against_reference(server, PROMPT, ids, logprobs["entropy"])
-        plain = completions(server)["choices"][0]["logprobs"]
-        assert plain["token_logprobs"] == logprobs["token_logprobs"]
-    time.sleep(1.5)  # (the core reports its counters at least every 0.5 s)
-    text = httpx.get(f"http://127.0.0.1:{server.port}/metrics", timeout=30).text
-    seen = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
-            if line.startswith("helios:compile_")}
-    assert seen["helios:compile_recompilations_total"] == 0, seen
-    assert seen["helios:compile_graphs_total"] >= 1, seen
 
 
 def test_responses_entropy_with_the_openai_client(server):

@@ -39,10 +39,11 @@ penalties and logit_bias (the eager processors before the graph), and all of the
 
 
 def test_the_compiled_sample_phase_equals_eager_and_compiles_at_start_up_only():
-    """ranks/step/sample_graph.py: four graphs (one row; the dynamic bucket of 2 and 4 rows;
-    each with and without the filters) compiled at construction; then 16 steps of every
-    feature mix compile nothing more (error_on_recompile) and pick the eager capture-safe
-    sampler's and the CPU sampler's tokens (seeded rows, the same seeds)."""
+    """ranks/step/sample_graph.py: three graphs (one unfiltered row; the dynamic bucket of 2
+    and 4 rows with and without the filters; a single filtered row is padded to 2) compiled
+    at construction; then 16 steps of every feature mix compile nothing more
+    (error_on_recompile) and pick the eager capture-safe sampler's and the CPU sampler's
+    tokens (seeded rows, the same seeds)."""
     import random
 
     from helios_logprobs.ranks.step.sample_graph import SampleGraph
@@ -52,7 +53,7 @@ def test_the_compiled_sample_phase_equals_eager_and_compiles_at_start_up_only():
     safe = ShardedSampler(None, 0, VOCAB, VOCAB + PAD, VOCAB, BUCKET, capture_safe=True)
     graph = SampleGraph(safe, None)
     assert graph.buckets == (1, 2, 4)
-    assert (compiled_graphs(), graph_breaks()) == (4, 0)
+    assert (compiled_graphs(), graph_breaks()) == (3, 0)
     eager = ShardedSampler(None, 0, VOCAB, VOCAB + PAD, VOCAB, BUCKET, capture_safe=True)
     default = ShardedSampler(None, 0, VOCAB, VOCAB + PAD, VOCAB, BUCKET)  # (the CPU's)
     gen, pick = torch.Generator().manual_seed(5), random.Random(2)
@@ -64,11 +65,33 @@ def test_the_compiled_sample_phase_equals_eager_and_compiles_at_start_up_only():
             history = [[pick.randrange(VOCAB) for _ in range(5)] for _ in range(n)]
             logits = torch.randn(n, VOCAB + PAD, generator=gen) * 3.0
             logits[0, 7] = float("nan")
-            graph.prepare(safe.plan(*graph.pad(rows, history, history)))
+            padded = graph.pad(rows, history, history)
+            filtered = any(r.filtered(VOCAB) for r in rows)
+            assert len(padded[0]) == {1: 1, 2: 2, 3: 4, 4: 4}[max(n, 1 + filtered)], rows
+            graph.prepare(safe.plan(*padded))
             tokens = graph.run(logits, n).clone()
             assert torch.equal(tokens, eager.sample(logits, rows, history, history)), rows
             assert torch.equal(tokens, default.sample(logits, rows, history, history)), rows
-    assert (compiled_graphs(), graph_breaks()) == (4, 0)
+    assert (compiled_graphs(), graph_breaks()) == (3, 0)
+
+
+def test_one_row_samplers_keep_the_single_filtered_row_at_one_row():
+    """With max_rows 1 there is no bucket of 2: a filtered row runs at bucket 1 (the
+    region, uncompiled here, equals the eager capture-safe sampler)."""
+    from helios_logprobs.ranks.step.sample_graph import SampleGraph
+
+    safe = ShardedSampler(None, 0, VOCAB, VOCAB + PAD, VOCAB, 1, capture_safe=True)
+    graph = SampleGraph(safe, None, compile=False)
+    eager = ShardedSampler(None, 0, VOCAB, VOCAB + PAD, VOCAB, 1, capture_safe=True)
+    assert graph.buckets == (1,) and graph.smallest_filtered == 1
+    gen = torch.Generator().manual_seed(3)
+    for step, mix in enumerate(MIXES):
+        rows = [RowSampling(seed=11 + step, position=step, **mix)]
+        padded = graph.pad(rows, [[1, 2]], [[3]])
+        assert len(padded[0]) == 1
+        logits = torch.randn(1, VOCAB + PAD, generator=gen) * 3.0
+        graph.prepare(safe.plan(*padded))
+        assert torch.equal(graph.run(logits, 1), eager.sample(logits, rows, [[1, 2]], [[3]]))
 
 
 def test_a_compiled_scoring_block_equals_eager_and_compiles_once():
