@@ -66,10 +66,10 @@ def add_runtime_arguments(p: argparse.ArgumentParser) -> None:
                    help="every row's logprobs independent of its batch (identical with "
                         "speculation on and off); slower")
     p.add_argument("--compile", action="store_true",
-                   help="run the forward (padded token buckets) and the reduce phase as "
-                        "torch.compile(fullgraph=True) graphs, compiled before the server "
-                        "reports ready (torch reduction backend; off by default on CPU: "
-                        "bench/compile_decode.py)")
+                   help="run the forward (padded token buckets), the sample phase, prompt "
+                        "scoring and the reduce phase as torch.compile(fullgraph=True) "
+                        "graphs, compiled before the server reports ready (off by default "
+                        "on CPU: bench/compile_decode.py)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="never compile or capture CUDA graphs (vLLM's name); overrides "
                         "--compile")

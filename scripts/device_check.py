@@ -175,8 +175,9 @@ class ReplayedCallables:
 
 MODES = ("eager", "graphs", "compiled-graphs")
 """decode's modes: the eager step (Triton reduction); the captured reduce phase (Triton);
---compile with graphs (the compiled forward's decode buckets and the compiled reduce region,
-torch reduction: the compiled region's ops)."""
+--compile with graphs (the compiled forward's decode buckets and the compiled reduce region
+over the Triton backend's triton_ops; the dry run on a CPU compiles the torch backend's
+ops)."""
 
 
 def decode_engine(args: argparse.Namespace, mode: str):
@@ -188,7 +189,7 @@ def decode_engine(args: argparse.Namespace, mode: str):
     compiled = mode == "compiled-graphs"
     config = RuntimeConfig(model_dir=Path(args.model), device="cpu" if dry else "cuda",
                            capacity=16, max_model_len=256, compile=compiled,
-                           reduction_backend="torch" if dry or compiled else "triton")
+                           reduction_backend="torch" if dry else "triton")
     started = time.perf_counter()
     step = load_rank(config, None)
     if mode != "eager":

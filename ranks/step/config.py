@@ -33,7 +33,8 @@ class StepConfig:
     compile: bool = False
     """--compile: the forward (ranks/step/forward_graph.py; eager under batch_invariant)
     and the reduce phase (ranks/step/reduce_graph.py) each run as one
-    ``torch.compile(fullgraph=True)`` graph, compiled at start-up; the torch backend only."""
+    ``torch.compile(fullgraph=True)`` graph, compiled at start-up; the torch backend's ops or
+    the Triton backend's triton_ops (CUDA)."""
 
     cuda_graphs: bool = False
     """On CUDA: capture the decode step's variants after warm-up and replay them for decode
@@ -61,8 +62,8 @@ class StepConfig:
         if self.prompt_logprobs and self.max_logprobs != EXPORT_K:
             raise ValueError(f"prompt scoring requires K={EXPORT_K} generation logprob outputs, "
                              f"got max_logprobs={self.max_logprobs}")
-        if self.compile and self.reduction_backend != "torch":
-            raise ValueError(f"compile needs the torch reduction backend, got "
+        if self.compile and self.reduction_backend not in ("torch", "triton"):
+            raise ValueError(f"compile needs the torch or triton reduction backend, got "
                              f"{self.reduction_backend!r}")
         if self.chunk_limit < 1:
             raise ValueError(f"chunk_limit must be >= 1, got {self.chunk_limit}")

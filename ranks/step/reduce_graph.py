@@ -9,10 +9,16 @@ bundle's capacity) is fixed at start-up, so one graph serves every submission: t
 a tensor (no specialisation on 0/1) and all ``max_rows`` rows go through the gate (rows past
 the submission's last are -1 and fail it). The workspaces (request vectors, exchange words,
 lse, packed rows) are local tensors of the function, not attributes: under compilation
-Inductor plans their lifetimes. The payload write rebuilds the active frame's
-[capacity x T] positions from a deterministic row map (scatter_reduce amax of the gated rows'
-indices) and copies that one frame back, so the inactive frame is never touched and rows that
-share no position never race.
+Inductor plans their lifetimes. The launches are the reduction backend's custom ops: the
+torch backend's (kernels/cpu/ops.py; one whole-vocabulary op on one rank), or the Triton
+backend's three ``triton_op`` launch groups (kernels/triton/ops.py; at every world size, one
+rank's exchanges being its own words), whose tile and candidate workspaces are local tensors
+here too; only their geometry comes from the prepared kernels (compiled at start-up). A
+compiled graph of the Triton ops needs CUDA: Inductor cannot run Triton kernels on CPU
+tensors (the interpreter's CPU tests trace them with the eager backend). The payload write
+rebuilds the active frame's [capacity x T] positions from a deterministic row map
+(scatter_reduce amax of the gated rows' indices) and copies that one frame back, so the
+inactive frame is never touched and rows that share no position never race.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from helios_logprobs.kernels.layout import (
     EXCHANGE2_WORDS,
     MAX_TOKEN_IDS,
     PAYLOAD_WORDS,
+    TILE_CANDIDATES,
 )
 from helios_logprobs.ranks.contract.abi6 import (
     EMITTED,
@@ -39,14 +46,23 @@ from helios_logprobs.ranks.contract.abi6 import (
     Kind,
 )
 
+GRAPH_BACKENDS = ("torch", "triton")
+
 
 class ReductionGraph:
     def __init__(self, reduction, group: object, compile: bool) -> None:
         """``reduction``: the step's StepReduction (its logits, bundle and driver's bounds)."""
         driver = reduction.driver
-        if driver.backend != "torch":
-            raise ValueError("the compiled reduction region takes the torch backend's ops")
+        if driver.backend not in GRAPH_BACKENDS:
+            raise ValueError(f"the reduction region takes the {' or '.join(GRAPH_BACKENDS)} "
+                             f"backend's ops, got {driver.backend!r}")
+        if not driver.normalize:
+            raise ValueError("the reduction region reports logprobs (the *_logprobs modes)")
         self.reduction = reduction
+        self.kernels = reduction.kernels
+        """The Triton backend's prepared launches (their geometry and shard starts), or None."""
+        if self.kernels is not None:
+            import helios_logprobs.kernels.triton.ops  # noqa: F401  (registers helios::triton_*)
         outputs = reduction.outputs
         self.k, self.vocab_size = reduction.k, reduction.vocab_size
         self.vocab_start, self.local_valid = driver.vocab_start, driver.local_valid
@@ -56,6 +72,8 @@ class ReductionGraph:
         self.tokens = outputs.completion_logprobs.shape[2]
         self.words = outputs.completion_logprobs.shape[3]
         self.supports_token_ids = outputs.supports_token_ids
+        self.starts = None if self.kernels is None else \
+            self.kernels.starts_tensor(driver.shard_starts)
         self.compiled = compile
         self.fn = torch.compile(self.region, fullgraph=True, dynamic=False) if compile \
             else self.region
@@ -97,6 +115,9 @@ class ReductionGraph:
         self._write(frame_index, payload_all, slots, positions, gate, out)
 
     def _launch(self, logits, chosen, ids, counts, requested, out) -> None:
+        if self.kernels is not None:
+            self._launch_triton(logits, chosen, ids, counts, requested, out)
+            return
         rows, device, k = logits.shape[0], logits.device, self.k
         if self.world == 1:
             whole_reduction_op(logits, chosen, ids, counts, requested, k, self.vocab_size, out)
@@ -116,6 +137,37 @@ class ReductionGraph:
         word_exchange(e2, e2_all, self.group_name)
         final_merge(e2_all.view(self.world, rows, EXCHANGE2_WORDS), lse, chosen, ids, counts,
                     requested, k, self.shard_starts, out)
+
+    def _launch_triton(self, logits, chosen, ids, counts, requested, out) -> None:
+        """The six launches as helios::triton_shard_stats, triton_shard_candidates and
+        triton_final_merge, the workspaces local; one rank skips both exchanges."""
+        p, rows, device = self.kernels, logits.shape[0], logits.device
+        tile_max = torch.empty(rows, p.max_tiles, dtype=torch.float32, device=device)
+        tile_mass = torch.empty(rows, p.max_tiles, dtype=torch.float32, device=device)
+        cand = torch.empty(rows, p.max_tiles * TILE_CANDIDATES, dtype=torch.int64,
+                           device=device)
+        e1 = torch.empty(rows, EXCHANGE1_WORDS, dtype=torch.int32, device=device)
+        ops = torch.ops.helios
+        ops.triton_shard_stats(logits, requested, self.local_valid, p.block_size,
+                               p.block_tiles, tile_max, tile_mass, e1)
+        e1_all = self._gather(e1)
+        lse = torch.empty(rows, dtype=torch.float32, device=device)
+        e2 = torch.empty(rows, EXCHANGE2_WORDS, dtype=torch.int32, device=device)
+        ops.triton_shard_candidates(logits, chosen, ids, counts, requested, e1_all,
+                                    self.vocab_start, self.local_valid, p.block_size,
+                                    p.merge_block, p.select, cand, lse, e2)
+        ops.triton_final_merge(self._gather(e2), lse, chosen, ids, counts, requested,
+                               self.starts, self.k, p.select, out)
+
+    def _gather(self, words: torch.Tensor) -> torch.Tensor:
+        """[world, rows, words]: every rank's send words in rank order."""
+        if self.world == 1:
+            return words.unsqueeze(0)
+        rows, width = words.shape
+        gathered = torch.empty(self.world * rows, width, dtype=words.dtype,
+                               device=words.device)
+        word_exchange(words, gathered, self.group_name)
+        return gathered.view(self.world, rows, width)
 
     def _write(self, frame_index, payload_all, slots, positions, gate, out) -> None:
         rows, positions_per_frame = out.shape[0], self.capacity * self.tokens

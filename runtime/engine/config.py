@@ -136,9 +136,13 @@ class RuntimeConfig:
         reasoning_strings(self.reasoning_parser, self.reasoning_config)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.compile and self.reduction_backend != "torch":
-            raise ValueError(f"compile needs reduction_backend 'torch' (the compiled region's "
-                             f"launches), got {self.reduction_backend!r}")
+        if self.compile and self.reduction_backend not in ("torch", "triton"):
+            raise ValueError(f"compile needs reduction_backend 'torch' or 'triton' (the "
+                             f"compiled region's launches), got {self.reduction_backend!r}")
+        if self.compile and self.reduction_backend == "triton" and self.device != "cuda":
+            raise ValueError("compile with reduction_backend 'triton' needs device 'cuda' "
+                             "(Inductor runs Triton kernels on GPU tensors only); the CPU "
+                             "compiles the torch backend")
         if self.reduction_backend not in BACKENDS:
             raise ValueError(f"reduction_backend must be one of {BACKENDS}, "
                              f"got {self.reduction_backend!r}")

@@ -81,8 +81,11 @@ def test_replay_answers_as_eager_and_compiles_nothing_while_serving(config, grap
     assert graphs.counters.replays[REDUCE] > replays + 10
 
 
-def test_compiled_forward_and_reduce_replay_as_eager(config):
-    eager_config = replace(config, reduction_backend="torch")
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_compiled_forward_and_reduce_replay_as_eager(config, backend):
+    """--compile with each backend's ops in the reduce region (the Triton backend's
+    triton_ops, the CUDA default; the torch backend's custom ops)."""
+    eager_config = replace(config, reduction_backend=backend)
     eager = generated(build_engine(eager_config, load_rank(eager_config, None))
                       .run_offline(jobs()))
     compiled = replace(eager_config, compile=True)

@@ -1,0 +1,61 @@
+"""The reduce phase's region over the Triton backend at TP2 over gloo, under the Triton
+interpreter (ranks/step/reduce_graph.py; TP1: tests/unit/ranks/test_reduce_graph_triton.py):
+dynamo traces it whole with the two exchanges between the three triton_ops (shard stats,
+word_exchange, candidates, word_exchange, final merge), and an engine on the traced region
+(the eager backend: Inductor runs Triton kernels on GPU tensors only) serves exactly the eager
+Triton engine's tokens and logprobs, the same on both ranks."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.checkpoints import write_qwen2
+from tests.distributed.harness import run_ranks
+
+pytestmark = [pytest.mark.slow, pytest.mark.triton_cpu]
+
+
+def rank_main(model_dir: str) -> dict:
+    import torch
+
+    from helios_logprobs.collectives.groups import world_group
+    from helios_logprobs.ranks.step.reduce_graph import ReductionGraph
+    from helios_logprobs.runtime.engine.bootstrap import build_engine, load_rank
+    from helios_logprobs.runtime.engine.config import RuntimeConfig
+    from tests.unit.ranks.test_capture_safe_step import SCORED, SERVING
+    from tests.unit.ranks.test_reduce_graph_triton import served, traced_region
+
+    jobs = [*SERVING[:4], SCORED]
+    config = RuntimeConfig(model_dir=model_dir, capacity=4, max_model_len=96, chunk_size=8,
+                           speculative_tokens=2, ngram_min=1, ngram_max=3,
+                           prompt_logprobs=True, reduction_backend="triton")
+    out = {"eager": served(build_engine(config, load_rank(config, world_group()))
+                           .run_offline(jobs))}
+    engine, calls = build_engine(config, load_rank(config, world_group())), []
+    traced_region(engine.step, calls, world_group())
+    out["traced"], out["calls"] = served(engine.run_offline(jobs)), len(calls)
+    step = engine.step
+    graph = ReductionGraph(step.reduction, world_group(), compile=False)
+    r, o = step.reduction, step.outputs
+    explained = torch._dynamo.explain(graph.region)(
+        step.buffers.row_tensors, step.buffers.frame_index, r.logits, o.completion_records,
+        o.logprob_requested, o.logprob_token_ids, o.logprob_token_id_counts,
+        o.completion_logprobs)
+    (fx,) = explained.graphs
+    out["explained"] = (explained.graph_count, explained.graph_break_count)
+    out["ops"] = [str(n.target) for n in fx.graph.nodes
+                  if n.op == "call_function" and "helios" in str(n.target)]
+    return out
+
+
+def test_tp2_triton_region_traces_whole_and_serves_the_eager_bits(tmp_path):
+    model_dir = write_qwen2(tmp_path / "qwen2")
+    ranks = run_ranks(rank_main, 2, str(model_dir), timeout_s=600)
+    for rank in ranks:
+        assert rank["explained"] == (1, 0)
+        exchange = "helios.word_exchange.default"
+        assert rank["ops"] == ["helios.triton_shard_stats", exchange,
+                               "helios.triton_shard_candidates", exchange,
+                               "helios.triton_final_merge"]
+        assert rank["calls"] > 5
+        assert rank["traced"] == rank["eager"] == ranks[0]["eager"]
