@@ -8,6 +8,8 @@ reduction's launches are (kernels/cpu/ops.py).
 - ``helios::sample_best``: each scratch row's best (score key, global id) on this shard: the
   argmax of greedy rows, the exhaustive Gumbel-max of the others (every lane's noise drawn:
   ranks/sampler/gumbel.py exact_gumbel_best): writes the keys and ids.
+- ``helios::sample_argmax``: ``sample_best`` for a bucket whose rows are all greedy (no
+  noise drawn): writes the keys and ids.
 - ``helios::sample_pick``: the rows' ids as tokens (one rank: its best is the pick; the pick
   exchange of several ranks stays in ShardedSampler): writes the token buffer.
 
@@ -60,6 +62,20 @@ def sample_best(x: torch.Tensor, greedy: torch.Tensor, seeds: torch.Tensor,
 
 @sample_best.register_fake
 def _(x, greedy, seeds, positions, lane_ids, vocab_start, keys_out, ids_out) -> None:
+    return None
+
+
+@torch.library.custom_op("helios::sample_argmax", mutates_args=("keys_out", "ids_out"))
+def sample_argmax(x: torch.Tensor, vocab_start: int, keys_out: torch.Tensor,
+                  ids_out: torch.Tensor) -> None:
+    """sample_best of rows that are all greedy: the argmax alone (no noise drawn)."""
+    keys, ids = greedy_best(x, vocab_start)
+    keys_out.copy_(keys)
+    ids_out.copy_(ids)
+
+
+@sample_argmax.register_fake
+def _(x, vocab_start, keys_out, ids_out) -> None:
     return None
 
 

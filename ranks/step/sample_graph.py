@@ -16,13 +16,15 @@ sampler runs them, into a staging copy that the graph reads with temperature 1 (
 Rows are padded to a bucket of 1, 2, 4, ... max_rows with greedy filler rows
 (ranks/sampler/plan.py ``pad_rows``). Two graphs serve every bucket: a single row's (static)
 and the batch's, whose row count is dynamic (>= 2), as in ranks/step/forward_graph.py; each
-in two variants, with the filters and without them (a submission where no row has min-p,
-top-k or top-p: prepare's choice, one flag per submission, not per row). A single filtered
-row is padded to the bucket of 2 (one greedy filler row) and runs the batch's filtered
-graph: the filters' radix selects make that variant most of the phase's compile time, so a
-static copy of it would nearly double start-up for one row's sake. Three graphs in all
-(four when max_rows is 1: no bucket of 2). Every bucket and variant runs once at
-construction (the compiles, then each bucket's guards), so nothing compiles while serving.
+in three variants, prepare's choice (one per submission, not per row): ``filtered`` (a row
+has min-p, top-k or top-p), ``sampled`` (no filter; the Gumbel-max draws every lane's noise)
+and ``greedy`` (every row greedy, the common case of evaluation: the argmax alone,
+``helios::sample_argmax``). A single filtered row is padded to the bucket of 2 (one greedy
+filler row) and runs the batch's filtered graph: the filters' radix selects make that variant
+most of the phase's compile time, so a static copy of it would nearly double start-up for
+one row's sake. Five graphs in all (six when max_rows is 1: no bucket of 2). Every bucket and
+variant runs once at construction (the compiles, then each bucket's guards), so nothing
+compiles while serving.
 
 The filters pick the same thresholds as the eager sampler's (k-th largest value with
 multiplicity, the same fixed-point masses), so tokens equal the eager capture-safe sampler's,
@@ -51,6 +53,9 @@ from helios_logprobs.ranks.sampler.plan import FILLER, SamplePlan, pad_rows
 MIN_ROWS, MAX_SIZE = 2, 1 << 24
 """Buckets >= 2 share one graph whose row count is dynamic (dynamo specialises 0 and 1; one
 bound for every configuration, as in ranks/step/forward_graph.py)."""
+FILTERED, SAMPLED, GREEDY = "filtered", "sampled", "greedy"
+VARIANTS = (FILTERED, SAMPLED, GREEDY)
+"""The graph variants (region's ``variant``): dynamo specialises on the string."""
 LANE_IDS = 9
 """The one argument (``arguments``) not sized [rows, ...]: the lanes' global ids."""
 RECOMPILE_LIMIT = 64
@@ -86,9 +91,9 @@ class SampleGraph:
             else self.region
         self.bucket = self.buckets[0]
         self._marked: set[tuple[bool, bool]] = set()
-        self.filtered = True
-        """Whether a row of the submission has min-p, top-k or top-p (prepare's choice of
-        the graph variant: without, the maxima and radix selects are left out)."""
+        self.variant = FILTERED
+        """prepare's choice of the graph variant: FILTERED where a row of the submission has
+        min-p, top-k or top-p; else GREEDY where every row is greedy; else SAMPLED."""
         self.processed = False
         if compile:
             limit = max(torch._dynamo.config.cache_size_limit, RECOMPILE_LIMIT)
@@ -96,10 +101,10 @@ class SampleGraph:
         for bucket in self.buckets:  # (each variant compiled now, before serving)
             rows_ = [FILLER] * bucket
             self.prepare(sampler.plan(rows_, [()] * bucket, [()] * bucket))
-            for filtered in (True, False):
-                if filtered and bucket < self.smallest_filtered:
+            for variant in VARIANTS:
+                if variant == FILTERED and bucket < self.smallest_filtered:
                     continue
-                self.filtered = filtered
+                self.variant = variant
                 self.run(self.logits[:bucket], bucket)
 
     @property
@@ -122,7 +127,9 @@ class SampleGraph:
         self.bucket = plan.n
         vocab = self.sampler.vocab_size
         scratch = plan.scratch(range(plan.n), False)
-        self.filtered = self.params.fill(plan.rows, vocab, scratch)
+        filtered = self.params.fill(plan.rows, vocab, scratch)
+        greedy = all(r.greedy for r in plan.rows)
+        self.variant = FILTERED if filtered else GREEDY if greedy else SAMPLED
         self.processed = bool(scratch.processors.masks or scratch.processors.penalties)
         self._scratch_plan = scratch
 
@@ -143,13 +150,13 @@ class SampleGraph:
             source, scale = None, None
         arguments = self.arguments(bucket, source, scale)
         batch = bucket >= MIN_ROWS
-        if (batch, self.filtered) not in self._marked:  # (each graph's first call compiles it)
+        if (batch, self.variant) not in self._marked:  # (each graph's first call compiles it)
             for i, tensor in enumerate(arguments if batch else ()):
                 if i != LANE_IDS:  # (every other argument is sized by the rows)
                     torch._dynamo.mark_dynamic(tensor, 0, min=MIN_ROWS, max=MAX_SIZE)
-            self._marked.add((batch, self.filtered))
+            self._marked.add((batch, self.variant))
         with torch.no_grad():
-            self.fn(*arguments, self.filtered)
+            self.fn(*arguments, self.variant)
         return self.sampler.tokens[:rows]
 
     def arguments(self, bucket: int, source: torch.Tensor | None = None,
@@ -164,15 +171,18 @@ class SampleGraph:
                 s.lane_ids, s.best[0, :bucket], s.best[1, :bucket], s.tokens[:bucket])
 
     def region(self, source, scale, greedy, seeds, positions, min_p, top_k, top_p, scratch,
-               lane_ids, keys, ids, tokens, filtered: bool = True) -> None:
+               lane_ids, keys, ids, tokens, variant: str = FILTERED) -> None:
         s, exchange = self.sampler, self.exchange
         valid = s.local_valid
         x = scratch[:, :valid]
         sample_ops.sample_scale(source[:, :valid], scale, True, x)
-        if filtered:
+        if variant == FILTERED:
             self._filter(x, min_p, top_k, top_p)
-        sample_ops.sample_best(x, greedy, seeds, positions, lane_ids[:valid], s.vocab_start,
-                               keys, ids)
+        if variant == GREEDY:
+            sample_ops.sample_argmax(x, s.vocab_start, keys, ids)
+        else:
+            sample_ops.sample_best(x, greedy, seeds, positions, lane_ids[:valid],
+                                   s.vocab_start, keys, ids)
         sample_ops.sample_pick(pick_global(keys, ids, exchange), tokens)
 
     def _filter(self, x, min_p, top_k, top_p) -> None:

@@ -1,16 +1,15 @@
-"""--compile at TP2 over gloo (issue 36): on every rank the step runs seven
-torch.compile(fullgraph=True) graphs, all compiled at start-up. The forward's graphs (one
-token; padded token buckets) sum its row-parallel outputs through ``helios::all_reduce_sum``
-(the embedding, then attention and MLP per layer); the sample phase's three (one row,
-unfiltered; buckets 2, 4, 8, 12 dynamic, with and without the filters) run the capture-safe
-sampler's launches and its twelve exchanges (row maxima, two five-round radix selects, the
-pick) as custom ops; prompt scoring's block (projection, launches, two exchanges) one;
-the reduce phase's launches and both exchanges are custom ops
-(helios::shard_stats, word_exchange, shard_candidates, word_exchange, final_merge, in that
-order). A mixed serving run (decode at several batch sizes, chunked and scored prefill,
-selected IDs, logprobs on and off, speculative rounds) compiles nothing more, runs every
-submission through the compiled forward, and serves the eager run's tokens with logprobs
-within 2e-5, the same on both ranks."""
+"""--compile at TP2 over gloo (issue 36): on every rank the step runs nine
+torch.compile(fullgraph=True) graphs, all compiled at start-up. The forward's graphs (one token;
+padded token buckets) sum its row-parallel outputs through ``helios::all_reduce_sum`` (the
+embedding, then attention and MLP per layer); the sample phase's five (one row, sampled or
+greedy; buckets 2, 4, 8, 12 dynamic, filtered, sampled or greedy) run the capture-safe sampler's
+launches and its twelve exchanges (row maxima, two five-round radix selects, the pick) as custom
+ops; prompt scoring's block (projection, launches, two exchanges) one; the reduce phase's
+launches and both exchanges are custom ops (helios::shard_stats, word_exchange,
+shard_candidates, word_exchange, final_merge, in that order). A mixed serving run (decode at
+several batch sizes, chunked and scored prefill, selected IDs, logprobs on and off, speculative
+rounds) compiles nothing more, runs every submission through the compiled forward, and serves
+the eager run's tokens with logprobs within 2e-5, the same on both ranks."""
 
 from __future__ import annotations
 
@@ -96,8 +95,8 @@ def test_tp2_compiled_step_compiles_at_start_up_only_and_serves_the_eager_result
     model_dir = write_qwen2(tmp_path / "qwen2")
     ranks = run_ranks(rank_main, 2, str(model_dir), timeout_s=900)
     for rank in ranks:
-        assert rank["graphs True"] == (7, 7)  # compiled at start-up, nothing while serving
-        assert rank["graphs False"] == (7, 7)
+        assert rank["graphs True"] == (9, 9)  # compiled at start-up, nothing while serving
+        assert rank["graphs False"] == (9, 9)
         assert rank["breaks"] == 0
         assert rank["explained"] == (1, 0)
         assert rank["ops"] == ["helios.shard_stats.default", "helios.word_exchange.default",

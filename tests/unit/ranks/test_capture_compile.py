@@ -39,9 +39,9 @@ penalties and logit_bias (the eager processors before the graph), and all of the
 
 
 def test_the_compiled_sample_phase_equals_eager_and_compiles_at_start_up_only():
-    """ranks/step/sample_graph.py: three graphs (one unfiltered row; the dynamic bucket of 2
-    and 4 rows with and without the filters; a single filtered row is padded to 2) compiled
-    at construction; then 16 steps of every feature mix compile nothing more
+    """ranks/step/sample_graph.py: five graphs (one row, sampled or greedy; the dynamic
+    bucket of 2 and 4 rows, filtered, sampled or greedy; a single filtered row is padded to 2)
+    compiled at construction; then 24 steps of every feature mix compile nothing more
     (error_on_recompile) and pick the eager capture-safe sampler's and the CPU sampler's
     tokens (seeded rows, the same seeds)."""
     import random
@@ -53,12 +53,13 @@ def test_the_compiled_sample_phase_equals_eager_and_compiles_at_start_up_only():
     safe = ShardedSampler(None, 0, VOCAB, VOCAB + PAD, VOCAB, BUCKET, capture_safe=True)
     graph = SampleGraph(safe, None)
     assert graph.buckets == (1, 2, 4)
-    assert (compiled_graphs(), graph_breaks()) == (3, 0)
+    assert (compiled_graphs(), graph_breaks()) == (5, 0)
     eager = ShardedSampler(None, 0, VOCAB, VOCAB + PAD, VOCAB, BUCKET, capture_safe=True)
     default = ShardedSampler(None, 0, VOCAB, VOCAB + PAD, VOCAB, BUCKET)  # (the CPU's)
     gen, pick = torch.Generator().manual_seed(5), random.Random(2)
+    variants = set()
     with torch._dynamo.config.patch(error_on_recompile=True):
-        for step in range(16):
+        for step in range(24):
             n = (1, 2, 3, 4)[step % 4]
             rows = [RowSampling(seed=pick.randrange(2**64), position=step,
                                 **pick.choice(MIXES)) for _ in range(n)]
@@ -69,10 +70,15 @@ def test_the_compiled_sample_phase_equals_eager_and_compiles_at_start_up_only():
             filtered = any(r.filtered(VOCAB) for r in rows)
             assert len(padded[0]) == {1: 1, 2: 2, 3: 4, 4: 4}[max(n, 1 + filtered)], rows
             graph.prepare(safe.plan(*padded))
+            greedy = all(r.temperature == 0.0 for r in rows)
+            assert graph.variant == ("filtered" if filtered else "greedy" if greedy
+                                     else "sampled")
+            variants.add((n > 1, graph.variant))
             tokens = graph.run(logits, n).clone()
             assert torch.equal(tokens, eager.sample(logits, rows, history, history)), rows
             assert torch.equal(tokens, default.sample(logits, rows, history, history)), rows
-    assert (compiled_graphs(), graph_breaks()) == (3, 0)
+    assert (compiled_graphs(), graph_breaks()) == (5, 0)
+    assert {(True, v) for v in ("filtered", "sampled", "greedy")} <= variants, variants
 
 
 def test_one_row_samplers_keep_the_single_filtered_row_at_one_row():

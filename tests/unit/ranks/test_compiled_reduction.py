@@ -1,16 +1,15 @@
-"""--compile at TP1 on CPU (issue 36): the step runs torch.compile(fullgraph=True) graphs
-compiled at start-up, the forward's two (one token; padded token buckets:
-ranks/step/forward_graph.py), the sample phase's three (one row, unfiltered; the padded
-row buckets, dynamic, with and without the filters: ranks/step/sample_graph.py), prompt scoring's
-padded block (ranks/step/scoring.py), and the reduce phase's (gate, launches as custom ops,
-payload write:
-ranks/step/reduce_graph.py). A serving run that mixes decode at several batch sizes,
-chunked prefill, scored prefill, selected IDs, logprobs on and off and speculative rounds
-runs every submission through them, compiles nothing more (dynamo's counters, and
-error_on_recompile) and serves the eager engine's tokens with logprobs within 2e-5
-(Inductor's fused norms and padded attention round differently from the eager forward). The
-TP2 run is tests/distributed/test_compiled_reduction_tp.py; the forward's padding and
-buckets are tests/unit/ranks/test_compiled_forward.py."""
+"""--compile at TP1 on CPU (issue 36): the step runs torch.compile(fullgraph=True) graphs compiled
+at start-up, the forward's two (one token; padded token buckets: ranks/step/forward_graph.py),
+the sample phase's five (one row, sampled or greedy; the padded row buckets, dynamic, filtered,
+sampled or greedy: ranks/step/sample_graph.py), prompt scoring's padded block
+(ranks/step/scoring.py), and the reduce phase's (gate, launches as custom ops, payload write:
+ranks/step/reduce_graph.py). A serving run that mixes decode at several batch sizes, chunked
+prefill, scored prefill, selected IDs, logprobs on and off and speculative rounds runs every
+submission through them, compiles nothing more (dynamo's counters, and error_on_recompile) and
+serves the eager engine's tokens with logprobs within 2e-5 (Inductor's fused norms and padded
+attention round differently from the eager forward). The TP2 run is
+tests/distributed/test_compiled_reduction_tp.py; the forward's padding and buckets are
+tests/unit/ranks/test_compiled_forward.py."""
 
 from __future__ import annotations
 
@@ -54,7 +53,7 @@ def test_compiled_serving_compiles_nothing_more_and_equals_eager(qwen2):
     engine = engine_for(qwen2, compile=True)
     graph, sampled = engine.step.graph, engine.step.sample_graph
     assert sampled.buckets == (1, 2, 4, 8, 12)  # (max_rows: capacity 4 x (1 + 2))
-    assert graph is not None and graph_counts() == {"graphs": 7, "breaks": 0}
+    assert graph is not None and graph_counts() == {"graphs": 9, "breaks": 0}
     cache = engine.step.model.cache  # the start-up runs wrote the spare slot only
     assert not any(t[: cache.capacity].any() for t in (*cache.keys, *cache.values))
     assert all(t[cache.capacity].any() for t in cache.keys)
@@ -92,7 +91,7 @@ def test_compiled_serving_compiles_nothing_more_and_equals_eager(qwen2):
     log = PlanLog(engine.step)
     with torch._dynamo.config.patch(error_on_recompile=True):
         served = engine.run_offline(SERVING)
-    assert graph_counts() == {"graphs": 7, "breaks": 0}
+    assert graph_counts() == {"graphs": 9, "breaks": 0}
     sampling_plans = sum(any(w.samples for w in p.work) for p in log.plans)
     assert len(sample_calls) == sampling_plans and len(set(sample_calls)) >= 3, sample_calls
     assert scored_calls  # (the scored prefill chunks ran the compiled block)
