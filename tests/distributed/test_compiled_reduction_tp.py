@@ -89,6 +89,7 @@ def rank_main(model_dir: str) -> dict:
     return out
 
 
+@pytest.mark.timeout(900)  # (two ranks compile nine graphs each on a loaded 2-core machine)
 def test_tp2_compiled_step_compiles_at_start_up_only_and_serves_the_eager_results(tmp_path):
     from tests.spec_helpers import assert_same_results
 
