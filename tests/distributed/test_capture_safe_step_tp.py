@@ -20,9 +20,8 @@ pytestmark = pytest.mark.slow
 
 def rank_main(model_dir: str) -> dict:
     from helios_logprobs.collectives.groups import world_group
-    from helios_logprobs.runtime.engine.bootstrap import build_engine, load_rank
-    from helios_logprobs.runtime.engine.config import RuntimeConfig
     from tests.capture_guard import HostSyncGuard
+    from tests.serving_engines import serving_engine
     from tests.unit.ranks.test_capture_safe_step import (
         GUARDED,
         SERVING,
@@ -32,10 +31,7 @@ def rank_main(model_dir: str) -> dict:
         measure_sample,
     )
 
-    config = RuntimeConfig(model_dir=model_dir, capacity=4, max_model_len=96, chunk_size=8,
-                           speculative_tokens=2, ngram_min=1, ngram_max=3,
-                           prompt_logprobs=True)
-    engine = build_engine(config, load_rank(config, world_group()))
+    engine = serving_engine(model_dir, world_group())
     step = engine.step
     step.sampler.capture_safe = True  # (CUDA's sampler, its exchanges inside the phase)
     guard = HostSyncGuard(strict=("sample",))

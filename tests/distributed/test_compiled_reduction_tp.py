@@ -26,16 +26,12 @@ def rank_main(model_dir: str) -> dict:
     from torch._dynamo.utils import counters
 
     from helios_logprobs.collectives.groups import world_group
-    from helios_logprobs.runtime.engine.bootstrap import build_engine, load_rank
-    from helios_logprobs.runtime.engine.config import RuntimeConfig
+    from tests.serving_engines import explained_reduce_region, serving_engine
     from tests.unit.ranks.test_capture_safe_step import SERVING
 
     out = {}
     for compile in (True, False):
-        config = RuntimeConfig(model_dir=model_dir, capacity=4, max_model_len=96,
-                               chunk_size=8, speculative_tokens=2, ngram_min=1, ngram_max=3,
-                               prompt_logprobs=True, compile=compile)
-        engine = build_engine(config, load_rank(config, world_group()))
+        engine = serving_engine(model_dir, world_group(), compile=compile)
         if compile:
             sampler = engine.step.sampler  # (the capture-safe one, for the sample graph)
         before = counters["stats"]["unique_graphs"]
@@ -56,17 +52,7 @@ def rank_main(model_dir: str) -> dict:
         out[f"buckets {compile}"] = buckets
     out["breaks"] = sum(counters["graph_break"].values())
     step = engine.step
-    from helios_logprobs.ranks.step.reduce_graph import ReductionGraph
-
-    graph = ReductionGraph(step.reduction, world_group(), compile=False)
-    r, o = step.reduction, step.outputs
-    explained = torch._dynamo.explain(graph.region)(
-        step.buffers.row_tensors, step.buffers.frame_index, r.logits, o.completion_records,
-        o.logprob_requested, o.logprob_token_ids, o.logprob_token_id_counts,
-        o.completion_logprobs)
-    (fx,) = explained.graphs
-    out["ops"] = [str(n.target) for n in fx.graph.nodes
-                  if n.op == "call_function" and "helios" in str(n.target)]
+    explained, out["ops"] = explained_reduce_region(step, world_group())
     out["explained"] = (explained.graph_count, explained.graph_break_count)
     model = step.model
     model.allocate_cache(4, 96, spare_slots=1)  # (the eager step's cache has no spare slot)

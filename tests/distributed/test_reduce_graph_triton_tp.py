@@ -16,35 +16,20 @@ pytestmark = [pytest.mark.slow, pytest.mark.triton_cpu]
 
 
 def rank_main(model_dir: str) -> dict:
-    import torch
-
     from helios_logprobs.collectives.groups import world_group
-    from helios_logprobs.ranks.step.reduce_graph import ReductionGraph
-    from helios_logprobs.runtime.engine.bootstrap import build_engine, load_rank
-    from helios_logprobs.runtime.engine.config import RuntimeConfig
+    from tests.serving_engines import explained_reduce_region, serving_engine
     from tests.unit.ranks.test_capture_safe_step import SCORED, SERVING
     from tests.unit.ranks.test_reduce_graph_triton import served, traced_region
 
     jobs = [*SERVING[:4], SCORED]
-    config = RuntimeConfig(model_dir=model_dir, capacity=4, max_model_len=96, chunk_size=8,
-                           speculative_tokens=2, ngram_min=1, ngram_max=3,
-                           prompt_logprobs=True, reduction_backend="triton")
-    out = {"eager": served(build_engine(config, load_rank(config, world_group()))
+    group = world_group()
+    out = {"eager": served(serving_engine(model_dir, group, reduction_backend="triton")
                            .run_offline(jobs))}
-    engine, calls = build_engine(config, load_rank(config, world_group())), []
-    traced_region(engine.step, calls, world_group())
+    engine, calls = serving_engine(model_dir, group, reduction_backend="triton"), []
+    traced_region(engine.step, calls, group)
     out["traced"], out["calls"] = served(engine.run_offline(jobs)), len(calls)
-    step = engine.step
-    graph = ReductionGraph(step.reduction, world_group(), compile=False)
-    r, o = step.reduction, step.outputs
-    explained = torch._dynamo.explain(graph.region)(
-        step.buffers.row_tensors, step.buffers.frame_index, r.logits, o.completion_records,
-        o.logprob_requested, o.logprob_token_ids, o.logprob_token_id_counts,
-        o.completion_logprobs)
-    (fx,) = explained.graphs
+    explained, out["ops"] = explained_reduce_region(engine.step, group)
     out["explained"] = (explained.graph_count, explained.graph_break_count)
-    out["ops"] = [str(n.target) for n in fx.graph.nodes
-                  if n.op == "call_function" and "helios" in str(n.target)]
     return out
 
 

@@ -27,11 +27,10 @@ import pytest
 import torch
 
 from helios_logprobs.ranks.plan import StepPlan
-from helios_logprobs.runtime.engine.bootstrap import build_engine, load_rank
 from helios_logprobs.runtime.engine.client import SamplingParams
-from helios_logprobs.runtime.engine.config import RuntimeConfig
 from tests.capture_guard import HostSync, HostSyncGuard, allocated_bytes, retained_bytes
 from tests.checkpoints import write_qwen2
+from tests.serving_engines import serving_engine
 from tests.spec_helpers import JOBS, assert_same_results
 
 GUARDED = ("forward", "sample", "commit", "reduce", "score")
@@ -51,10 +50,7 @@ def qwen2(tmp_path_factory):
 
 
 def engine_for(model_dir):
-    config = RuntimeConfig(model_dir=model_dir, capacity=4, max_model_len=96, chunk_size=8,
-                           speculative_tokens=2, ngram_min=1, ngram_max=3,
-                           prompt_logprobs=True)
-    return build_engine(config, load_rank(config, None))
+    return serving_engine(model_dir)
 
 
 class PlanLog:

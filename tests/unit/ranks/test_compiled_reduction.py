@@ -19,9 +19,8 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from helios_logprobs.runtime.engine.bootstrap import build_engine, load_rank
-from helios_logprobs.runtime.engine.config import RuntimeConfig
 from tests.checkpoints import write_qwen2
+from tests.serving_engines import explained_reduce_region, serving_engine
 from tests.spec_helpers import assert_same_results
 from tests.unit.ranks.test_capture_safe_step import SERVING, PlanLog
 
@@ -32,10 +31,7 @@ def qwen2(tmp_path_factory):
 
 
 def engine_for(model_dir, compile: bool):
-    config = RuntimeConfig(model_dir=model_dir, capacity=4, max_model_len=96, chunk_size=8,
-                           speculative_tokens=2, ngram_min=1, ngram_max=3,
-                           prompt_logprobs=True, compile=compile)
-    return build_engine(config, load_rank(config, None))
+    return serving_engine(model_dir, compile=compile)
 
 
 def graph_counts() -> dict:
@@ -107,23 +103,16 @@ def test_compiled_serving_compiles_nothing_more_and_equals_eager(qwen2):
 def test_the_graph_takes_only_its_arguments_and_the_workspaces_are_local(qwen2):
     """Dynamo's own account of the region: one graph, no break, and its inputs are exactly
     the eight buffers passed in (a workspace held as an attribute would be a ninth)."""
-    engine = engine_for(qwen2, compile=False)
-    step = engine.step
     from helios_logprobs.ranks.step.reduce_graph import ReductionGraph
 
-    graph = ReductionGraph(step.reduction, None, compile=False)
-    r, o = step.reduction, step.outputs
-    args = (step.buffers.row_tensors, step.buffers.frame_index, r.logits,
-            o.completion_records, o.logprob_requested, o.logprob_token_ids,
-            o.logprob_token_id_counts, o.completion_logprobs)
-    explained = torch._dynamo.explain(graph.region)(*args)
+    step = engine_for(qwen2, compile=False).step
+    explained, ops = explained_reduce_region(step)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0)
     (fx,) = explained.graphs
     inputs = [n for n in fx.graph.nodes if n.op == "placeholder"]
-    assert len(inputs) == len(args)
-    launches = [n for n in fx.graph.nodes if n.op == "call_function"
-                and "helios" in str(n.target)]
-    assert [str(n.target) for n in launches] == ["helios.whole_reduction.default"]
+    assert len(inputs) == 8
+    assert ops == ["helios.whole_reduction.default"]
+    graph = ReductionGraph(step.reduction, None, compile=False)
     assert not [v for v in vars(graph).values() if isinstance(v, torch.Tensor)]
 
 

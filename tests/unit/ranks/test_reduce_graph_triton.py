@@ -12,9 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helios_logprobs.runtime.engine.bootstrap import build_engine, load_rank
-from helios_logprobs.runtime.engine.config import RuntimeConfig
 from tests.checkpoints import write_qwen2
+from tests.serving_engines import explained_reduce_region, serving_engine
 from tests.spec_helpers import assert_same_results, split_events
 from tests.unit.ranks.test_capture_safe_step import SERVING
 
@@ -30,10 +29,7 @@ def qwen2(tmp_path_factory):
 
 
 def engine_for(model_dir, backend: str):
-    config = RuntimeConfig(model_dir=model_dir, capacity=4, max_model_len=96, chunk_size=8,
-                           speculative_tokens=2, ngram_min=1, ngram_max=3,
-                           prompt_logprobs=True, reduction_backend=backend)
-    return build_engine(config, load_rank(config, None))
+    return serving_engine(model_dir, reduction_backend=backend)
 
 
 def traced_region(step, calls: list, group: object = None) -> None:
@@ -66,17 +62,10 @@ def test_the_triton_region_is_one_graph_of_the_three_ops_with_local_workspaces(q
     from helios_logprobs.ranks.step.reduce_graph import ReductionGraph
 
     step = engine_for(qwen2, "triton").step
-    graph = ReductionGraph(step.reduction, None, compile=False)
-    r, o = step.reduction, step.outputs
-    explained = torch._dynamo.explain(graph.region)(
-        step.buffers.row_tensors, step.buffers.frame_index, r.logits, o.completion_records,
-        o.logprob_requested, o.logprob_token_ids, o.logprob_token_id_counts,
-        o.completion_logprobs)
+    explained, ops = explained_reduce_region(step)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0)
-    (fx,) = explained.graphs
-    launches = [str(n.target) for n in fx.graph.nodes
-                if n.op == "call_function" and "helios" in str(n.target)]
-    assert launches == TRITON_OPS
+    assert ops == TRITON_OPS
+    graph = ReductionGraph(step.reduction, None, compile=False)
     assert [v for v in vars(graph).values() if isinstance(v, torch.Tensor)] == [graph.starts]
 
 
