@@ -6,6 +6,13 @@ from __future__ import annotations
 
 import torch
 
+SCALAR_INDUCTOR = {"cpp.simdlen": 0}
+"""The in-process compile tests' Inductor setting (``torch._inductor.config.patch``): scalar
+C++ kernels, a quarter less cold compile on the 2-core CI machine. What they check (graph
+counts, no break or recompilation, tokens and logprobs against eager) does not depend on the
+vector width; the default, vectorized code is what tests/server/lifecycle/test_compiled_server.py
+serves."""
+
 SERVING_CONFIG = dict(capacity=4, max_model_len=96, chunk_size=8, speculative_tokens=2,
                       ngram_min=1, ngram_max=3, prompt_logprobs=True)
 

@@ -26,12 +26,17 @@ def rank_main(model_dir: str) -> dict:
     from torch._dynamo.utils import counters
 
     from helios_logprobs.collectives.groups import world_group
-    from tests.serving_engines import explained_reduce_region, serving_engine
+    from tests.serving_engines import (
+        SCALAR_INDUCTOR,
+        explained_reduce_region,
+        serving_engine,
+    )
     from tests.unit.ranks.test_capture_safe_step import SERVING
 
     out = {}
     for compile in (True, False):
-        engine = serving_engine(model_dir, world_group(), compile=compile)
+        with torch._inductor.config.patch(SCALAR_INDUCTOR):
+            engine = serving_engine(model_dir, world_group(), compile=compile)
         if compile:
             sampler = engine.step.sampler  # (the capture-safe one, for the sample graph)
         before = counters["stats"]["unique_graphs"]

@@ -1,11 +1,11 @@
-"""The capture-safe sample phase and prompt scoring, each compiled with
+"""The capture-safe sample phase and prompt scoring compiled with
 ``torch.compile(fullgraph=True)`` on CPU (issue 36): their launches are custom ops
 (ranks/sampler/ops.py, kernels/scoring/ops.py), so dynamo traces each whole (fullgraph raises
-on a graph break). Steps of different row counts (rows padded to a bucket: greedy filler rows
-for the sampler, target -1 rows for scoring) compile nothing after construction (dynamo's
-counters), and equal eager: the sampler's tokens equal the eager capture-safe sampler's and
-the CPU's default sampler's on the unpadded rows over every feature mix, the scored rows'
-words are bit-equal to an eager block of the real rows."""
+on a graph break). A sampler of one row has no bucket of 2 and keeps a filtered row at one row;
+scoring blocks of different row counts (padded with target -1 rows) compile nothing after
+construction (dynamo's counters) and their words are bit-equal to an eager block of the real
+rows. The compiled sample phase's graphs serving every feature mix are checked on the compiled
+engine's own (tests/unit/ranks/test_compiled_reduction.py)."""
 
 from __future__ import annotations
 
@@ -36,49 +36,6 @@ MIXES = [dict(temperature=0.0), dict(temperature=0.8), dict(temperature=0.9, top
          dict(temperature=1.2, top_k=40, top_p=0.95, min_p=0.05, frequency_penalty=0.2)]
 """Greedy, temperature, top-k (<= 256 and > 256: the two eager paths), top-p, min-p, the
 penalties and logit_bias (the eager processors before the graph), and all of them at once."""
-
-
-def test_the_compiled_sample_phase_equals_eager_and_compiles_at_start_up_only():
-    """ranks/step/sample_graph.py: five graphs (one row, sampled or greedy; the dynamic
-    bucket of 2 and 4 rows, filtered, sampled or greedy; a single filtered row is padded to 2)
-    compiled at construction; then 24 steps of every feature mix compile nothing more
-    (error_on_recompile) and pick the eager capture-safe sampler's and the CPU sampler's
-    tokens (seeded rows, the same seeds)."""
-    import random
-
-    from helios_logprobs.ranks.step.sample_graph import SampleGraph
-
-    torch._dynamo.reset()
-    counters.clear()
-    safe = ShardedSampler(None, 0, VOCAB, VOCAB + PAD, VOCAB, BUCKET, capture_safe=True)
-    graph = SampleGraph(safe, None)
-    assert graph.buckets == (1, 2, 4)
-    assert (compiled_graphs(), graph_breaks()) == (5, 0)
-    eager = ShardedSampler(None, 0, VOCAB, VOCAB + PAD, VOCAB, BUCKET, capture_safe=True)
-    default = ShardedSampler(None, 0, VOCAB, VOCAB + PAD, VOCAB, BUCKET)  # (the CPU's)
-    gen, pick = torch.Generator().manual_seed(5), random.Random(2)
-    variants = set()
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        for step in range(24):
-            n = (1, 2, 3, 4)[step % 4]
-            rows = [RowSampling(seed=pick.randrange(2**64), position=step,
-                                **pick.choice(MIXES)) for _ in range(n)]
-            history = [[pick.randrange(VOCAB) for _ in range(5)] for _ in range(n)]
-            logits = torch.randn(n, VOCAB + PAD, generator=gen) * 3.0
-            logits[0, 7] = float("nan")
-            padded = graph.pad(rows, history, history)
-            filtered = any(r.filtered(VOCAB) for r in rows)
-            assert len(padded[0]) == {1: 1, 2: 2, 3: 4, 4: 4}[max(n, 1 + filtered)], rows
-            graph.prepare(safe.plan(*padded))
-            greedy = all(r.temperature == 0.0 for r in rows)
-            assert graph.variant == ("filtered" if filtered else "greedy" if greedy
-                                     else "sampled")
-            variants.add((n > 1, graph.variant))
-            tokens = graph.run(logits, n).clone()
-            assert torch.equal(tokens, eager.sample(logits, rows, history, history)), rows
-            assert torch.equal(tokens, default.sample(logits, rows, history, history)), rows
-    assert (compiled_graphs(), graph_breaks()) == (5, 0)
-    assert {(True, v) for v in ("filtered", "sampled", "greedy")} <= variants, variants
 
 
 def test_one_row_samplers_keep_the_single_filtered_row_at_one_row():

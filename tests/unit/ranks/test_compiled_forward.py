@@ -13,6 +13,7 @@ import torch
 from helios_logprobs.ranks.model.llama import ShardedCausalLM
 from helios_logprobs.ranks.step.forward_graph import ForwardGraph, token_buckets
 from tests.checkpoints import write_qwen2
+from tests.serving_engines import SCALAR_INDUCTOR
 
 CAPACITY, LENGTH = 4, 96
 
@@ -115,7 +116,8 @@ def test_one_compiled_graph_serves_steps_of_any_budget(qwen2):
     for budget in (24, 256):
         model = ShardedCausalLM.load(qwen2)
         model.allocate_cache(CAPACITY, LENGTH, spare_slots=1)
-        with torch._dynamo.config.patch(error_on_recompile=len(graphs) > 0):
+        with torch._dynamo.config.patch(error_on_recompile=len(graphs) > 0), \
+                torch._inductor.config.patch(SCALAR_INDUCTOR):
             graph = ForwardGraph(model, CAPACITY, LENGTH, decode_rows=4, token_budget=budget,
                                  device=torch.device("cpu"))
             variant = graph.variants[budget]

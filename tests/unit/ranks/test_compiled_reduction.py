@@ -20,7 +20,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from tests.checkpoints import write_qwen2
-from tests.serving_engines import explained_reduce_region, serving_engine
+from tests.serving_engines import SCALAR_INDUCTOR, explained_reduce_region, serving_engine
 from tests.spec_helpers import assert_same_results
 from tests.unit.ranks.test_capture_safe_step import SERVING, PlanLog
 
@@ -43,16 +43,26 @@ def graph_counts() -> dict:
     return {"graphs": counted["graphs"], "breaks": counted["graph_breaks"]}
 
 
-def test_compiled_serving_compiles_nothing_more_and_equals_eager(qwen2):
+@pytest.fixture(scope="module")
+def compiled(qwen2):
+    """The compiled engine (nine graphs at start-up), shared by this module's tests."""
     torch._dynamo.reset()
     counters.clear()
-    engine = engine_for(qwen2, compile=True)
-    graph, sampled = engine.step.graph, engine.step.sample_graph
-    assert sampled.buckets == (1, 2, 4, 8, 12)  # (max_rows: capacity 4 x (1 + 2))
-    assert graph is not None and graph_counts() == {"graphs": 9, "breaks": 0}
+    with torch._inductor.config.patch(SCALAR_INDUCTOR):
+        engine = engine_for(qwen2, compile=True)
+    assert graph_counts() == {"graphs": 9, "breaks": 0}
     cache = engine.step.model.cache  # the start-up runs wrote the spare slot only
     assert not any(t[: cache.capacity].any() for t in (*cache.keys, *cache.values))
     assert all(t[cache.capacity].any() for t in cache.keys)
+    return engine
+
+
+def test_compiled_serving_compiles_nothing_more_and_equals_eager(qwen2, compiled):
+    engine = compiled
+    graph, sampled = engine.step.graph, engine.step.sample_graph
+    assert sampled.buckets == (1, 2, 4, 8, 12)  # (max_rows: capacity 4 x (1 + 2))
+    assert graph is not None
+    counted = graph_counts()
     forward = engine.step.forward_graph
     select, buckets = forward.select, []
 
@@ -87,7 +97,7 @@ def test_compiled_serving_compiles_nothing_more_and_equals_eager(qwen2):
     log = PlanLog(engine.step)
     with torch._dynamo.config.patch(error_on_recompile=True):
         served = engine.run_offline(SERVING)
-    assert graph_counts() == {"graphs": 9, "breaks": 0}
+    assert graph_counts() == counted
     sampling_plans = sum(any(w.samples for w in p.work) for p in log.plans)
     assert len(sample_calls) == sampling_plans and len(set(sample_calls)) >= 3, sample_calls
     assert scored_calls  # (the scored prefill chunks ran the compiled block)
@@ -98,6 +108,48 @@ def test_compiled_serving_compiles_nothing_more_and_equals_eager(qwen2):
     eager = engine_for(qwen2, compile=False)
     assert eager.step.forward_graph is None
     assert_same_results(served, eager.run_offline(SERVING))
+
+
+def test_the_compiled_sample_phase_equals_eager_and_compiles_nothing_more(compiled):
+    """The engine's sample graphs (ranks/step/sample_graph.py: five, one row sampled or
+    greedy, the dynamic bucket filtered, sampled or greedy; a single filtered row is padded to
+    2) driven directly: 24 steps of every feature mix compile nothing more (error_on_recompile)
+    and pick the eager capture-safe sampler's and the CPU sampler's tokens (seeded rows, the
+    same seeds)."""
+    import random
+
+    from helios_logprobs.ranks.sampler.params import RowSampling
+    from helios_logprobs.ranks.sampler.sampler import ShardedSampler
+    from tests.unit.ranks.test_capture_compile import MIXES
+
+    graph, safe = compiled.step.sample_graph, compiled.step.sampler
+    vocab, width = safe.vocab_size, safe.local_width
+    dims = (None, 0, safe.local_valid, width, vocab, safe.max_rows)
+    eager = ShardedSampler(*dims, capture_safe=True)
+    default = ShardedSampler(*dims)  # (the CPU's)
+    gen, pick = torch.Generator().manual_seed(5), random.Random(2)
+    variants, counted = set(), graph_counts()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for step in range(24):
+            n = (1, 2, 3, 4)[step % 4]
+            rows = [RowSampling(seed=pick.randrange(2**64), position=step,
+                                **pick.choice(MIXES)) for _ in range(n)]
+            history = [[pick.randrange(vocab) for _ in range(5)] for _ in range(n)]
+            logits = torch.randn(n, width, generator=gen) * 3.0
+            logits[0, 7] = float("nan")
+            padded = graph.pad(rows, history, history)
+            filtered = any(r.filtered(vocab) for r in rows)
+            assert len(padded[0]) == {1: 1, 2: 2, 3: 4, 4: 4}[max(n, 1 + filtered)], rows
+            graph.prepare(safe.plan(*padded))
+            greedy = all(r.temperature == 0.0 for r in rows)
+            assert graph.variant == ("filtered" if filtered else "greedy" if greedy
+                                     else "sampled")
+            variants.add((n > 1, graph.variant))
+            tokens = graph.run(logits, n).clone()
+            assert torch.equal(tokens, eager.sample(logits, rows, history, history)), rows
+            assert torch.equal(tokens, default.sample(logits, rows, history, history)), rows
+    assert graph_counts() == counted
+    assert {(True, v) for v in ("filtered", "sampled", "greedy")} <= variants, variants
 
 
 def test_the_graph_takes_only_its_arguments_and_the_workspaces_are_local(qwen2):

@@ -15,7 +15,7 @@ import torch
 from tests.checkpoints import write_qwen2
 from tests.serving_engines import explained_reduce_region, serving_engine
 from tests.spec_helpers import assert_same_results, split_events
-from tests.unit.ranks.test_capture_safe_step import SERVING
+from tests.unit.ranks.test_capture_safe_step import LONG, SCORED, SERVING
 
 pytestmark = pytest.mark.triton_cpu
 
@@ -69,11 +69,16 @@ def test_the_triton_region_is_one_graph_of_the_three_ops_with_local_workspaces(q
     assert [v for v in vars(graph).values() if isinstance(v, torch.Tensor)] == [graph.starts]
 
 
+JOBS = [*SERVING[:4], SCORED, LONG]
+"""Decode with and without logprobs, selected IDs, speculative rounds, a scored prompt and
+chunked prefill (the interpreter runs every launch in Python: a shorter list than SERVING)."""
+
+
 def test_an_engine_on_the_traced_triton_region_serves_the_eager_bits(qwen2):
-    eager = served(engine_for(qwen2, "triton").run_offline(SERVING))
+    eager = served(engine_for(qwen2, "triton").run_offline(JOBS))
     engine, calls = engine_for(qwen2, "triton"), []
     traced_region(engine.step, calls)
-    events = engine.run_offline(SERVING)
+    events = engine.run_offline(JOBS)
     assert served(events) == eager
-    assert len(calls) > 20
-    assert_same_results(events, engine_for(qwen2, "torch").run_offline(SERVING))
+    assert len(calls) > 10
+    assert_same_results(events, engine_for(qwen2, "torch").run_offline(JOBS))
