@@ -118,9 +118,17 @@ def test_raw_engine_samples_the_same_tokens_and_reports_raw_entries(runs, qwen2)
 
 def test_compiled_reduce_phase_reads_the_processed_rows(runs, qwen2):
     """--compile: the reduce phase's graph reads the same scratch rows: the same tokens and
-    entries (within 2e-5: the compiled forward's logits round differently from eager's)."""
-    compiled, _ = serve(qwen2, "processed_logprobs", 0, compile=True)
-    eager = runs[("processed_logprobs", 0)][0]
+    entries as the eager engine with the same speculation (within 2e-5: the compiled
+    forward's logits round differently from eager's). The engine is the compiled serving
+    tests' (tests/serving_engines.py: the same graphs, so Inductor's cache may serve them)."""
+    from tests.serving_engines import SCALAR_INDUCTOR, serving_engine
+
+    with torch._inductor.config.patch(SCALAR_INDUCTOR):
+        engine = serving_engine(qwen2, compile=True, logprobs_mode="processed_logprobs")
+    assert engine.step.graph is not None and engine.step.sample_graph is not None
+    compiled = [[e for e in events if isinstance(e, GeneratedToken)]
+                for events in engine.run_offline(JOBS)]
+    eager = runs[("processed_logprobs", 2)][0]
     for a, b in zip(compiled, eager, strict=True):
         assert [t.token_id for t in a] == [t.token_id for t in b]
         for x, y in zip(a, b, strict=True):
