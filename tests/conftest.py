@@ -30,6 +30,13 @@ settings.load_profile(
 )
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Slow tests first (a stable sort, so each module stays in one piece): under pytest-xdist
+    the many quick unit tests then fill the workers' last minutes, instead of a compile or a
+    server test of a minute or more running alone at the end while the other worker idles."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
     if item.get_closest_marker("triton_cpu") is not None and not interpreting_triton():
         pytest.skip("Triton kernels on CPU tensors need TRITON_INTERPRET=1; this process "

@@ -22,6 +22,8 @@ from helios_logprobs.kernels import native
 from helios_logprobs.kernels.cpu import compiled
 from helios_logprobs.kernels.radix import native as radix
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[3]
 UNITS = ("kernels/cpu", "kernels/noise", "kernels/greedy", "kernels/radix", "ranks/step")
 

@@ -9,6 +9,7 @@ engine's own (tests/unit/ranks/test_compiled_reduction.py)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch._dynamo.utils import counters
 
@@ -16,6 +17,8 @@ from helios_logprobs.kernels.layout import PROMPT_BLOCK_ROWS, PROMPT_ROW_WORDS
 from helios_logprobs.kernels.scoring.driver import PreparedPromptScoring
 from helios_logprobs.ranks.sampler.params import RowSampling
 from helios_logprobs.ranks.sampler.sampler import ShardedSampler
+
+pytestmark = pytest.mark.slow
 
 VOCAB, PAD, BUCKET = 300, 4, 4
 

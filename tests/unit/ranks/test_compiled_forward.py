@@ -15,6 +15,8 @@ from helios_logprobs.ranks.step.forward_graph import ForwardGraph, token_buckets
 from tests.checkpoints import write_qwen2
 from tests.serving_engines import SCALAR_INDUCTOR
 
+pytestmark = pytest.mark.slow
+
 CAPACITY, LENGTH = 4, 96
 
 

@@ -24,6 +24,8 @@ from tests.serving_engines import SCALAR_INDUCTOR, explained_reduce_region, serv
 from tests.spec_helpers import assert_same_results
 from tests.unit.ranks.test_capture_safe_step import SERVING, PlanLog
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def qwen2(tmp_path_factory):

@@ -20,6 +20,8 @@ from helios_logprobs.launch.model_source import default_gguf, resolve_model
 from helios_logprobs.ranks.model import ShardedCausalLM
 from helios_logprobs.ranks.model.dtype import resolve_dtype
 
+pytestmark = pytest.mark.slow
+
 TOLERANCE = 1e-2
 PROMPTS = ("The capital of France is Paris, and the capital of Germany is",
            "def fibonacci(n):\n    if n < 2:")

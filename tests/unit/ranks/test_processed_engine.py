@@ -19,6 +19,8 @@ from helios_logprobs.runtime.outputs import GeneratedToken
 from tests import sampler_oracle as oracle
 from tests.checkpoints import _hf_model, write_qwen2
 
+pytestmark = pytest.mark.slow
+
 TOLERANCE = 1e-4
 PROMPT = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]
 JOBS = [

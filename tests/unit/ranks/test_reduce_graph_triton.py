@@ -17,7 +17,7 @@ from tests.serving_engines import explained_reduce_region, serving_engine
 from tests.spec_helpers import assert_same_results, split_events
 from tests.unit.ranks.test_capture_safe_step import LONG, SCORED, SERVING
 
-pytestmark = pytest.mark.triton_cpu
+pytestmark = [pytest.mark.triton_cpu, pytest.mark.slow]
 
 TRITON_OPS = ["helios.triton_shard_stats", "helios.triton_shard_candidates",
               "helios.triton_final_merge"]
