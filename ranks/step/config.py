@@ -31,10 +31,11 @@ class StepConfig:
     0: the scheduler's default, twice the larger of chunk_limit and max_rows."""
 
     compile: bool = False
-    """--compile: the forward (ranks/step/forward_graph.py; eager under batch_invariant)
-    and the reduce phase (ranks/step/reduce_graph.py) each run as one
-    ``torch.compile(fullgraph=True)`` graph, compiled at start-up; the torch backend's ops or
-    the Triton backend's triton_ops (CUDA)."""
+    """--compile: the forward (ranks/step/forward_graph.py; eager under batch_invariant), the
+    sample phase (ranks/step/sample_graph.py), prompt scoring (ranks/step/scoring.py) and the
+    reduce phase (ranks/step/reduce_graph.py) run as ``torch.compile(fullgraph=True)``
+    graphs, compiled at start-up; the reduction's launches are the torch backend's ops or the
+    Triton backend's triton_ops (CUDA)."""
 
     cuda_graphs: bool = False
     """On CUDA: capture the decode step's variants after warm-up and replay them for decode

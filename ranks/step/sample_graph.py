@@ -90,7 +90,7 @@ class SampleGraph:
         self.fn = torch.compile(self.region, fullgraph=True, dynamic=False) if compile \
             else self.region
         self.bucket = self.buckets[0]
-        self._marked: set[tuple[bool, bool]] = set()
+        self._marked: set[tuple[bool, str]] = set()
         self.variant = FILTERED
         """prepare's choice of the graph variant: FILTERED where a row of the submission has
         min-p, top-k or top-p; else GREEDY where every row is greedy; else SAMPLED."""
